@@ -1,0 +1,147 @@
+"""Implementation of mla::attention_with_output.
+
+Tokens [0, num_decode_tokens) are decode rows: absorbed MQA over the latent
+cache, one row per token with its own causal length (so multi-token decode is
+causal within the request). The rest are prefill rows: MHA on up-projected K/V
+with chunked context (mla_ops/prefill.py).
+"""
+from __future__ import annotations
+
+import torch
+
+import lowering
+from lowering.checks import FLOAT_DTYPES, check_kv_cache_dtype_pair, check_tensor, is_capturing
+from .prefill import prefill_attention
+from .quant import FP8, quant_fp8_group, quant_fp8_static, group_scales
+
+
+def check_attention_args(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
+                         query_start_loc, num_decode_tokens, softmax_scale, kv_cache_dtype,
+                         k_scale, kv_cache_dep, output, output_scale, output_block_scale,
+                         workspace_rows, backend):
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    T, N, PR = q.shape
+    check_tensor("kv_c_normed", kv_c_normed, ndim=2, dtypes=(q.dtype,))
+    check_tensor("k_pe", k_pe, dtypes=(q.dtype,))
+    check_tensor("W_UK_T", W_UK_T, ndim=3, dtypes=(q.dtype,))
+    check_tensor("W_UV", W_UV, ndim=3, dtypes=(q.dtype,))
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), contiguous=True)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), contiguous=True)
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), contiguous=True)
+    check_tensor("kv_cache_dep", kv_cache_dep)
+    check_tensor("output", output, ndim=2, contiguous=True)
+    Nw, P, L = W_UK_T.shape
+    R = PR - P
+    V = W_UV.shape[-1]
+    if Nw != N or W_UV.shape[:2] != (N, L):
+        raise ValueError(f"W_UK_T {tuple(W_UK_T.shape)} and W_UV {tuple(W_UV.shape)} must be "
+                         f"[N={N}, P, L] and [N, L, V]")
+    if R <= 0:
+        raise ValueError(f"q head size {PR} must exceed qk_nope_head_dim {P}")
+    if kv_c_normed.shape != (T, L):
+        raise ValueError(f"kv_c_normed must be [T={T}, L={L}], got {tuple(kv_c_normed.shape)}")
+    if k_pe.reshape(k_pe.shape[0], -1).shape != (T, R):
+        raise ValueError(f"k_pe must be [T={T}, R={R}] or [T, 1, R], got {tuple(k_pe.shape)}")
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != L + R:
+        raise ValueError(f"kv_cache must be [num_blocks, block_size, L+R={L + R}], got {tuple(kv_cache.shape)}")
+    if output.shape != (T, N * V):
+        raise ValueError(f"output must be [T={T}, N*V={N * V}], got {tuple(output.shape)}")
+    if output_scale is not None and output_block_scale is not None:
+        raise ValueError("pass output_scale or output_block_scale, not both")
+    if output_scale is not None or output_block_scale is not None:
+        if output.dtype != FP8:
+            raise TypeError(f"output must be float8_e4m3fn when an output scale is given, got {output.dtype}")
+    elif output.dtype != q.dtype:
+        raise TypeError(f"output dtype {output.dtype} must equal q dtype {q.dtype}")
+    if output_scale is not None:
+        check_tensor("output_scale", output_scale, dtypes=(torch.float32,))
+        if output_scale.numel() != 1:
+            raise ValueError("output_scale must hold one value (static per-tensor scale)")
+    if output_block_scale is not None:
+        check_tensor("output_block_scale", output_block_scale, ndim=2, dtypes=(torch.float32,),
+                     contiguous=True)
+        G = output_block_scale.shape[1]
+        if output_block_scale.shape[0] != T or G == 0 or (N * V) % G:
+            raise ValueError(f"output_block_scale must be [T={T}, N*V/group], got "
+                             f"{tuple(output_block_scale.shape)}")
+    B = block_table.shape[0]
+    if seq_lens.shape[0] != B or query_start_loc.shape[0] != B + 1:
+        raise ValueError(f"seq_lens must be [B={B}] and query_start_loc [B+1={B + 1}], got "
+                         f"{tuple(seq_lens.shape)} and {tuple(query_start_loc.shape)}")
+    if not 0 <= num_decode_tokens <= T:
+        raise ValueError(f"num_decode_tokens must be in [0, T={T}], got {num_decode_tokens}")
+    if not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
+    if workspace_rows <= 0:
+        raise ValueError(f"workspace_rows must be positive, got {workspace_rows}")
+    for name, t in (("kv_c_normed", kv_c_normed), ("k_pe", k_pe), ("kv_cache", kv_cache),
+                    ("W_UK_T", W_UK_T), ("W_UV", W_UV), ("block_table", block_table),
+                    ("seq_lens", seq_lens), ("query_start_loc", query_start_loc),
+                    ("output", output)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    check_kv_cache_dtype_pair(kv_cache, kv_cache_dtype, k_scale, q.dtype, "q")
+    if not is_capturing(q):
+        qsl = query_start_loc.tolist()
+        lens = seq_lens.tolist()
+        if qsl[0] != 0 or qsl[-1] != T or any(b < a for a, b in zip(qsl, qsl[1:])):
+            raise ValueError(f"query_start_loc must rise from 0 to T={T}, got {qsl}")
+        if any(s < b - a for s, a, b in zip(lens, qsl, qsl[1:])):
+            raise ValueError(f"seq_lens {lens} must be >= each request's query length")
+        if num_decode_tokens not in qsl:
+            raise ValueError(f"num_decode_tokens={num_decode_tokens} must fall on a request "
+                             f"boundary of query_start_loc {qsl}")
+
+
+def _write_output(out: torch.Tensor, dst: torch.Tensor, output_scale, block_scale) -> None:
+    """Write out [t, N*V] into dst, quantizing to fp8 when a scale is given."""
+    if output_scale is not None:
+        dst.copy_(quant_fp8_static(out, output_scale))
+    elif block_scale is not None:
+        g = out.shape[1] // block_scale.shape[1]
+        s = group_scales(out, g)
+        block_scale.copy_(s)
+        dst.copy_(quant_fp8_group(out, s))
+    else:
+        dst.copy_(out)
+
+
+def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_start_loc,
+                     softmax_scale, kind, k_scale, backend):
+    """Absorbed MQA for decode tokens q [t, N, P+R] -> [t, N*V] (q dtype)."""
+    t, N, _ = q.shape
+    P, L = W_UK_T.shape[1:]
+    q_nope, q_pe = q.split([P, q.shape[-1] - P], dim=-1)
+    ql_nope = torch.bmm(q_nope.transpose(0, 1), W_UK_T)                   # [N, t, L]
+    q_mqa = torch.cat([ql_nope.transpose(0, 1), q_pe], dim=-1)           # [t, N, L + R]
+    tok = torch.arange(t, device=q.device)
+    req = torch.searchsorted(query_start_loc[1:], tok.to(torch.int32), right=True)  # [t]
+    # Position of each token in its sequence; it sees positions [0, pos].
+    pos = seq_lens[req].long() - (query_start_loc[req + 1].long() - tok)
+    out_latent, _ = lowering.mla_decode(
+        q_mqa[:, None], kv_cache, block_table[req].contiguous(), (pos + 1).to(torch.int32),
+        softmax_scale, causal=True, kv_cache_dtype=kind, k_scale=k_scale, backend=backend,
+        head_dim_v=L)                                                    # [t, 1, N, L]
+    out = torch.bmm(out_latent[:, 0].transpose(0, 1), W_UV)              # [N, t, V]
+    return out.transpose(0, 1).reshape(t, -1)                            # [t, N * V]
+
+
+def run_attention(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
+                  query_start_loc, num_decode_tokens, softmax_scale, kv_cache_dtype, k_scale,
+                  output, output_scale, output_block_scale, workspace_rows, backend):
+    kind = "auto" if kv_cache_dtype == "auto" else "fp8"
+    T = q.shape[0]
+    nd = num_decode_tokens
+
+    def scale_rows(a, b):
+        return None if output_block_scale is None else output_block_scale[a:b]
+
+    if nd > 0:
+        out = decode_attention(q[:nd], kv_cache, W_UK_T, W_UV, block_table, seq_lens,
+                               query_start_loc, softmax_scale, kind, k_scale, backend)
+        _write_output(out, output[:nd], output_scale, scale_rows(0, nd))
+    if nd < T:
+        out = prefill_attention(q, kv_c_normed, k_pe.reshape(T, -1), kv_cache, W_UK_T, W_UV,
+                                block_table, seq_lens, query_start_loc, nd, softmax_scale,
+                                kind, k_scale, workspace_rows)           # [T - nd, N * V]
+        _write_output(out, output[nd:], output_scale, scale_rows(nd, T))

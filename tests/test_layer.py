@@ -1,0 +1,99 @@
+"""The MLA layer end to end (both ops, decode + prefill) vs the float64 dense reference."""
+import pytest
+import torch
+
+import mla_ops.prefill as prefill_mod
+from scenario import Dims, Step, make_layer
+
+D = Dims()
+
+
+def rel_err(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def run(step, layer):
+    q, kv_c, k_pe = step.inputs()
+    return layer(q, kv_c, k_pe, step.cache.kv[0], step.cache.k_scale, step.meta)
+
+
+@pytest.mark.parametrize("contexts,query_lens", [
+    ([5], [1]),                    # single decode
+    ([0], [1]),                    # seq_len 1: decode with empty context
+    ([0], [7]),                    # prefill, empty context, length not a multiple of block size
+    ([9], [6]),                    # chunked prefill with cached context
+    ([3, 0, 11, 8], [1, 1, 5, 1]),  # would put decode after prefill: reordered below
+])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_layer_matches_dense_reference(contexts, query_lens, block_size):
+    order = sorted(range(len(contexts)), key=lambda i: query_lens[i] > 1)
+    contexts = [contexts[i] for i in order]
+    query_lens = [query_lens[i] for i in order]
+    layer, kv_b = make_layer(D, torch.float32)
+    step = Step(D, contexts, query_lens, block_size=block_size)
+    out = run(step, layer)
+    assert out.shape == (sum(query_lens), D.N * D.V)
+    assert rel_err(out, step.reference(kv_b, layer.softmax_scale)) < 1e-5
+
+
+def test_mixed_batch_and_multi_token_decode():
+    # two multi-token decode rows (speculative verify, s=3 and s=2), one single, two prefills
+    layer, kv_b = make_layer(D, torch.float32)
+    step = Step(D, [10, 7, 4, 0, 13], [3, 2, 1, 6, 9], block_size=4, decode_threshold=3)
+    assert step.meta.num_decode_tokens == 6
+    out = run(step, layer)
+    assert rel_err(out, step.reference(kv_b, layer.softmax_scale)) < 1e-5
+
+
+def test_chunked_context_tiny_budget_bounds_workspace(monkeypatch):
+    seen = []
+    orig = prefill_mod.up_project
+
+    def spy(kv_c, *a):
+        seen.append(kv_c.shape[0])
+        return orig(kv_c, *a)
+
+    monkeypatch.setattr(prefill_mod, "up_project", spy)
+    layer, kv_b = make_layer(D, torch.float32, workspace_rows=3)
+    step = Step(D, [17, 0, 10], [4, 5, 2], block_size=4, decode_threshold=0)
+    out = run(step, layer)
+    assert rel_err(out, step.reference(kv_b, layer.softmax_scale)) < 1e-5
+    # per request: its new tokens, then the context in chunks of at most 3 rows
+    assert seen == [4, 3, 3, 3, 3, 3, 2, 5, 2, 3, 3, 3, 1]
+
+
+def test_real_dims_bf16():
+    d = Dims(N=2, P=128, R=64, V=128, L=512)
+    layer, kv_b = make_layer(d, torch.bfloat16)
+    step = Step(d, [70, 0], [1, 9], block_size=64, dtype=torch.bfloat16)
+    out = run(step, layer)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, step.reference(kv_b, layer.softmax_scale)) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_dtypes(dtype):
+    layer, kv_b = make_layer(D, dtype)
+    step = Step(D, [6, 5], [1, 3], block_size=4, dtype=dtype)
+    assert rel_err(run(step, layer), step.reference(kv_b, layer.softmax_scale)) < 2e-2
+
+
+def test_fp8_cache_matches_dequantized_reference():
+    layer, kv_b = make_layer(D, torch.float32, kv_cache_dtype="fp8")
+    step = Step(D, [9, 5, 0], [1, 1, 6], block_size=4, kv_cache_dtype="fp8", k_scale=0.02)
+    out = run(step, layer)
+    # decode rows read every key from the fp8 cache; prefill rows use the new latents unrounded
+    ref = step.reference(kv_b, layer.softmax_scale)
+    assert rel_err(out[:2], ref[:2]) < 1e-5
+    assert rel_err(out[2:], ref[2:]) < 5e-2
+    # the rows written this step are fp8(x / k_scale)
+    assert step.cache.kv[0].dtype == torch.float8_e4m3fn
+
+
+def test_softmax_scale_is_models_not_latent_width():
+    from mla_ops import mla_softmax_scale, yarn_mscale
+    assert mla_softmax_scale(192) == pytest.approx(192 ** -0.5)
+    rs = {"rope_type": "yarn", "factor": 40.0, "mscale_all_dim": 1.0}
+    m = 0.1 * torch.log(torch.tensor(40.0)).item() + 1
+    assert yarn_mscale(40.0, 1.0) == pytest.approx(m)
+    assert mla_softmax_scale(192, rs) == pytest.approx(192 ** -0.5 * m * m)
