@@ -1,0 +1,97 @@
+"""lowering.mla_decode (reference backend) vs the float64 dense reference; contract and errors."""
+import pytest
+import torch
+
+import lowering
+from mla_reference import dense_decode_reference
+
+
+def paged_problem(B, s_q, H, L, R, lens, bs, dtype=torch.float32, fp8=False, seed=0):
+    """Random q and a paged cache holding each request's rows in shuffled blocks."""
+    g = torch.Generator().manual_seed(seed)
+    D = L + R
+    need = [-(-n // bs) for n in lens]
+    nb = sum(need) + 2
+    perm = torch.randperm(nb, generator=g)
+    table = torch.full((B, max(need)), -1, dtype=torch.int32)
+    k_scale = torch.tensor([0.03])
+    raw = torch.randn(nb, bs, D, generator=g) * 2
+    cache = ((raw / 0.03).clamp(-448, 448).to(torch.float8_e4m3fn) if fp8 else raw.to(dtype))
+    deq = cache.float() * 0.03 if fp8 else cache.float()
+    rows, used = [], 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[used:used + n].int()
+        used += n
+        rows.append(deq[table[b, :n].long()].reshape(-1, D)[:lens[b]])
+    q = torch.randn(B, s_q, H, D, generator=g).to(dtype)
+    return q, cache, table, torch.tensor(lens, dtype=torch.int32), k_scale, rows
+
+
+@pytest.mark.parametrize("lens,s_q,bs", [
+    ([1], 1, 4),              # seq_len 1
+    ([7, 13, 1], 1, 4),       # not multiples of block size
+    ([5, 9], 3, 4),           # multi-token causal
+    ([64, 65], 1, 64),
+    ([20, 3], 2, 1),          # block size 1
+])
+def test_reference_decode_matches_dense(lens, s_q, bs):
+    q, cache, table, seqlens, _, rows = paged_problem(len(lens), s_q, 3, 32, 16, lens, bs)
+    out, lse = lowering.mla_decode(q, cache, table, seqlens, 0.2, backend="reference", head_dim_v=32)
+    ref_out, ref_lse = dense_decode_reference(q, rows, lens, 0.2, 32)
+    assert out.shape == (len(lens), s_q, 3, 32) and lse.shape == (len(lens), 3, s_q)
+    assert lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_non_causal_and_default_head_dim_v():
+    q, cache, table, seqlens, _, rows = paged_problem(2, 2, 2, 64, 64, [6, 9], 4)
+    out, lse = lowering.mla_decode(q, cache, table, seqlens, 0.1, causal=False)
+    ref_out, ref_lse = dense_decode_reference(q, rows, [6, 9], 0.1, 64, causal=False)
+    assert out.shape[-1] == 64     # default head_dim_v = D - 64
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_cache_vs_dequantized_reference():
+    q, cache, table, seqlens, k_scale, rows = paged_problem(2, 1, 4, 32, 16, [11, 4], 4, fp8=True)
+    out, lse = lowering.mla_decode(q, cache, table, seqlens, 0.2, kv_cache_dtype="fp8",
+                                   k_scale=k_scale, head_dim_v=32)
+    ref_out, ref_lse = dense_decode_reference(q, rows, [11, 4], 0.2, 32)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_on_cpu_is_reference_and_recorded():
+    q, cache, table, seqlens, _, _ = paged_problem(1, 1, 2, 32, 16, [5], 4)
+    before = lowering.backend_choices["reference"]
+    lowering.mla_decode(q, cache, table, seqlens, 0.2, head_dim_v=32)
+    assert lowering.backend_choices["reference"] == before + 1
+    assert lowering.select_backend(q, cache) == "reference"
+
+
+def test_bad_input():
+    q, cache, table, seqlens, k_scale, _ = paged_problem(2, 1, 2, 32, 16, [5, 3], 4)
+    def dec(*a, **k):
+        return lowering.mla_decode(*a, head_dim_v=32, **k)
+
+    cases = [
+        (lambda: dec(q[0], cache, table, seqlens, 0.2), ValueError, "q must have 4 dims"),
+        (lambda: dec(q[..., :-1], cache, table, seqlens, 0.2), ValueError, "head size"),
+        (lambda: dec(q, cache, table.long(), seqlens, 0.2), TypeError, "block_table"),
+        (lambda: dec(q, cache, table, seqlens.long(), 0.2), TypeError, "cache_seqlens"),
+        (lambda: dec(q, cache, table[:1], seqlens, 0.2), ValueError, "block_table"),
+        (lambda: dec(q, cache, table, seqlens + 100, 0.2), ValueError, "exceeds the blocks"),
+        (lambda: dec(q, cache, table + 50, seqlens, 0.2), ValueError, "block ids"),
+        (lambda: dec(q, cache.half(), table, seqlens, 0.2), TypeError, "kv_cache dtype"),
+        (lambda: dec(q, cache, table, seqlens, -1.0), ValueError, "softmax_scale"),
+        (lambda: dec(q, cache, table, seqlens, 0.2, kv_cache_dtype="fp8"), TypeError, "float8"),
+        (lambda: dec(q, cache.transpose(0, 1), table, seqlens, 0.2), ValueError, "contiguous"),
+        (lambda: dec(q, cache, table, seqlens, 0.2, backend="nope"), ValueError, "backend"),
+        (lambda: lowering.mla_decode(q, cache, table, seqlens, 0.2), ValueError, "head_dim_v"),
+        (lambda: dec(q[:, :1].expand(2, 6, 2, 48), cache, table, seqlens, 0.2), ValueError, "s_q"),
+    ]
+    for fn, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            fn()
+    if "flashmla" in lowering.BACKENDS and not torch.cuda.is_available():
+        with pytest.raises(lowering.BackendUnavailable, match="flashmla"):
+            dec(q, cache, table, seqlens, 0.2, backend="flashmla")
