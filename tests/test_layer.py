@@ -97,3 +97,22 @@ def test_softmax_scale_is_models_not_latent_width():
     m = 0.1 * torch.log(torch.tensor(40.0)).item() + 1
     assert yarn_mscale(40.0, 1.0) == pytest.approx(m)
     assert mla_softmax_scale(192, rs) == pytest.approx(192 ** -0.5 * m * m)
+
+
+def test_absorb_dequantizes_block_fp8_kv_b_proj():
+    from mla_ops import split_kv_b_proj
+    from mla_ops.quant import FP8
+    g = torch.Generator().manual_seed(5)
+    N, P, V, L = 2, 128, 128, 192                       # weight [512, 192]: 4 x 2 blocks of 128
+    w = torch.randn(N * (P + V), L, generator=g)
+    scale_inv = torch.rand(4, 2, generator=g) * 0.01 + 0.001
+    w8 = (w / scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)[:, :L]).clamp(-448, 448).to(FP8)
+    W_UK_T, W_UV = split_kv_b_proj(w8, N, P, V, weight_scale_inv=scale_inv, dtype=torch.float32)
+    deq = w8.double() * scale_inv.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:, :L]
+    ref = deq.view(N, P + V, L)                          # rows of head n: [P nope | V value]
+    torch.testing.assert_close(W_UK_T.double(), ref[:, :P, :], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(W_UV.double(), ref[:, P:, :].transpose(1, 2), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="weight_scale_inv"):
+        split_kv_b_proj(w8, N, P, V)
+    with pytest.raises(ValueError, match="kv_b_proj weight"):
+        split_kv_b_proj(w[:-1], N, P, V)
