@@ -10,6 +10,15 @@ import torch
 from lowering.checks import FLOAT_DTYPES, canonical_kv_cache_dtype
 
 
+def mark_static(t: torch.Tensor) -> None:
+    """Tell torch.compile the tensor lives at a fixed address (no guard on identity).
+
+    CUDA graphs then keep reading and writing the cache in place instead of refusing a
+    graph that mutates one of its inputs.
+    """
+    torch._dynamo.mark_static_address(t, guard=False)
+
+
 class CacheFullError(RuntimeError):
     """The block pool has no free block left for a request."""
 
@@ -111,6 +120,8 @@ class PagedLatentCache:
         self.kv = [torch.empty(num_blocks, block_size, width, dtype=store, device=device)
                    for _ in range(num_layers)]
         self.k_scale = torch.tensor([float(k_scale)], dtype=torch.float32, device=device)
+        for t in self.kv + [self.k_scale]:
+            mark_static(t)
 
     @property
     def block_size(self) -> int:
