@@ -1,0 +1,420 @@
+"""HuggingFace DeepSeek V2 / V3 on the MLA ops.
+
+    import mla_ops.hf
+    model = mla_ops.hf.convert(model)                      # in place; returns the model
+    cache = mla_ops.hf.PagedMLACache(model.config, max_batch_size=B, max_cache_len=S)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n)
+
+convert() keeps every HF attention module (and its parameters) and swaps its class
+for a subclass whose forward computes q / kv_c_normed / k_pe exactly as HF does,
+then calls mla::kv_cache_update and mla::attention_with_output with the absorbed
+weights W_UK_T [N, P, L] and W_UV [N, L, V] (the only new tensors; non-persistent
+buffers, so state_dict is unchanged). With any other cache (or none) the layer runs
+HF's own forward.
+
+PagedMLACache keeps all bookkeeping in device tensors updated in place, so a decode
+step traces to one graph with no host syncs: per row, the number of real (non-pad)
+tokens stored; a block table handed out by a bump allocator (blocks are taken only
+when a row crosses a block boundary and are returned all at once by reset()).
+
+Padding: a token is padding when HF's mask hides it from itself. Within a step each
+row is reordered so its real tokens come first and its pads last; a row is then one
+request of S tokens whose trailing pads are never written to the cache and which no
+real token attends to (causality), so their output rows are discarded.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .cache import CacheFullError, PagedLatentCache
+from .layer import MLAAttention
+from .metadata import MLAMetadata
+
+__all__ = ["convert", "PagedMLACache", "is_converted"]
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+class _PagedLayer(CacheLayerMixin):
+    """Per-layer view HF's Cache API asks for; the data lives in PagedMLACache."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, owner: "PagedMLACache"):
+        super().__init__()
+        self._owner = owner
+        self.batch_size = owner.max_batch_size
+        self.max_cache_len = owner.max_cache_len
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise RuntimeError("PagedMLACache holds paged latents that HF's attention cannot read: "
+                           "call mla_ops.hf.convert(model) before using it")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0      # like StaticCache: masks are [B, 1, q, max_cache_len]
+
+    def get_seq_length(self):
+        return self._owner._seen           # 0-dim tensor: no graph break, no recompile
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        pass
+
+
+@dataclass
+class _Step:
+    meta: MLAMetadata
+    perm: torch.Tensor | None      # [T] token order fed to the ops (real tokens of a row first)
+    inv: torch.Tensor | None       # [T] inverse of perm
+
+
+class PagedMLACache(Cache):
+    """A transformers Cache backed by mla_ops.PagedLatentCache (one 576-wide row per token per layer).
+
+    max_batch_size rows of at most max_cache_len tokens each (counted with left padding,
+    as HF's position bookkeeping does). num_blocks defaults to the worst case
+    max_batch_size * ceil(max_cache_len / block_size); blocks are handed to a row only
+    when it needs them, so a smaller pool serves batches of shorter sequences.
+    """
+
+    def __init__(self, config, max_batch_size: int, max_cache_len: int, block_size: int = 64,
+                 kv_cache_dtype: str = "auto", device=None, dtype: torch.dtype | None = None,
+                 k_scale: float = 1.0, num_blocks: int | None = None):
+        config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        missing = [k for k in ("kv_lora_rank", "qk_rope_head_dim", "num_hidden_layers")
+                   if getattr(config, k, None) is None]
+        if missing:
+            raise ValueError(f"PagedMLACache needs an MLA config (DeepSeek V2/V3); "
+                             f"{type(config).__name__} lacks {missing}")
+        for name, v in (("max_batch_size", max_batch_size), ("max_cache_len", max_cache_len),
+                        ("block_size", block_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if dtype is None:
+            dtype = getattr(config, "dtype", None)
+            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+            dtype = dtype if isinstance(dtype, torch.dtype) else torch.get_default_dtype()
+        self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
+        self.max_blocks = -(-max_cache_len // block_size)      # block-table width M
+        if num_blocks is None:
+            num_blocks = max_batch_size * self.max_blocks
+        self.pool = PagedLatentCache(config.num_hidden_layers, num_blocks, block_size,
+                                     kv_lora_rank=config.kv_lora_rank,
+                                     qk_rope_head_dim=config.qk_rope_head_dim, dtype=dtype,
+                                     kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, device=device)
+        self.kv_cache_dtype = self.pool.kind                     # "auto" | "fp8"
+        self.dtype = dtype
+        self.device = self.pool.kv[0].device
+        dev, Bm, M = self.device, max_batch_size, self.max_blocks
+        # Block table [Bm, M] int32 (-1 = none) as a view of a flat buffer whose last
+        # element is a trash slot for masked scatter writes.
+        self._bt_flat = torch.full((Bm * M + 1,), -1, dtype=torch.int32, device=dev)
+        self.block_table = self._bt_flat[:Bm * M].view(Bm, M)
+        self.lens = torch.zeros(Bm, dtype=torch.int32, device=dev)       # real tokens per row
+        self.num_used = torch.zeros((), dtype=torch.int64, device=dev)   # bump-allocator top
+        self._seen = torch.zeros((), dtype=torch.int64, device=dev)      # padded length (HF's view)
+        self._step: _Step | None = None
+        if not torch.compiler.is_compiling():
+            for t in [*self.pool.kv, self.pool.k_scale, self._bt_flat, self.lens, self.num_used,
+                      self._seen]:
+                torch._dynamo.mark_static_address(t)
+        super().__init__(layers=[_PagedLayer(self) for _ in range(config.num_hidden_layers)])
+
+    # -- introspection ---------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def k_scale(self) -> torch.Tensor:
+        return self.pool.k_scale
+
+    def kv(self, layer_idx: int) -> torch.Tensor:
+        """[num_blocks, block_size, L + R] storage of one layer."""
+        return self.pool.kv[layer_idx]
+
+    def bytes_per_token_per_layer(self) -> int:
+        return self.pool.bytes_per_token_per_layer()
+
+    def blocks_in_use(self) -> int:
+        return int(self.num_used)
+
+    def bytes_in_use(self) -> int:
+        """Cache bytes of the blocks handed out so far, all layers."""
+        return (self.blocks_in_use() * self.block_size * self.bytes_per_token_per_layer()
+                * len(self.pool.kv))
+
+    def seq_lens(self) -> list:
+        """Real (non-pad) tokens stored per row."""
+        return self.lens.tolist()
+
+    # -- HF Cache API ------------------------------------------------------------------
+    def reset(self):
+        """Forget every sequence and return all blocks (in place: addresses stay put)."""
+        self._bt_flat.fill_(-1)
+        self.lens.zero_()
+        self.num_used.zero_()
+        self._seen.zero_()
+        self._step = None
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError("PagedMLACache supports greedy/sampled decoding only "
+                                  "(no beam search, cropping or batch reordering)")
+
+    reorder_cache = crop = batch_repeat_interleave = batch_select_indices = _unsupported
+
+    # -- per-step bookkeeping (called by the converted attention) -----------------------
+    def _prepare(self, layer_idx: int, B: int, S: int, attention_mask, dtype) -> _Step:
+        """Layer 0 plans the step (allocates, writes state in place); later layers reuse it."""
+        if layer_idx != 0 and self._step is not None:
+            return self._step
+        if B > self.max_batch_size:
+            raise ValueError(f"batch of {B} sequences exceeds the cache's max_batch_size="
+                             f"{self.max_batch_size}; build PagedMLACache with a larger one")
+        if S > self.max_cache_len:
+            raise ValueError(f"{S} tokens in one step exceed the cache's max_cache_len="
+                             f"{self.max_cache_len}; build PagedMLACache with a larger one")
+        if dtype != self.dtype:
+            raise TypeError(f"model activations are {dtype} but the cache was built for "
+                            f"{self.dtype}; pass dtype= to PagedMLACache")
+        valid = None if S == 1 else _valid_tokens(attention_mask, B, S, self._seen)   # [B, S]
+        step = self._plan(B, S, valid)
+        self._step = step
+        return step
+
+    def _plan(self, B: int, S: int, valid) -> _Step:
+        dev, bs, M = self.device, self.block_size, self.max_blocks
+        lens_old = self.lens[:B].long()                                      # [B]
+        q = (valid.sum(1) if valid is not None
+             else torch.full((B,), S, dtype=torch.int64, device=dev))        # [B] real tokens
+        lens_new = lens_old + q
+        nb_old = (lens_old + bs - 1) // bs
+        nb_new = (torch.clamp(lens_new, max=self.max_cache_len) + bs - 1) // bs
+        need = nb_new - nb_old                                               # [B] new blocks
+        if not torch.compiler.is_compiling():                                # checks need a sync
+            longest, total = int(lens_new.max()), int(need.sum())
+            if longest > self.max_cache_len:
+                row = int(lens_new.argmax())
+                raise ValueError(f"sequence {row} would hold {longest} tokens, more than the "
+                                 f"cache's max_cache_len={self.max_cache_len} (prompt too long "
+                                 f"or too many new tokens); build PagedMLACache with a larger one")
+            free = self.num_blocks - int(self.num_used)
+            if total > free:
+                raise CacheFullError(f"this step needs {total} more blocks of {bs} tokens, "
+                                     f"{free} of {self.num_blocks} free; build PagedMLACache with "
+                                     f"more num_blocks or call reset()")
+        # Allocate: row b takes ids [start_b, start_b + need_b) into columns nb_old_b + c.
+        K = -(-S // bs) + 1                                                  # max new blocks/row
+        c = torch.arange(K, device=dev)                                      # [K]
+        start = self.num_used + torch.cumsum(need, 0) - need                 # [B]
+        ids = (start[:, None] + c).clamp(max=self.num_blocks - 1)            # [B, K]
+        col = nb_old[:, None] + c                                            # [B, K]
+        take = (c[None] < need[:, None]) & (col < M)
+        rows = torch.arange(B, device=dev)[:, None]
+        dst = torch.where(take, rows * M + col, self._bt_flat.shape[0] - 1)  # trash if not taken
+        self._bt_flat.index_put_((dst.reshape(-1),), ids.reshape(-1).to(torch.int32))
+        self.num_used.add_(need.sum())
+        self.lens[:B] = lens_new.to(torch.int32)
+        self._seen.add_(S)
+        # Slots of this step's tokens, in op order (real tokens of a row first).
+        j = torch.arange(S, device=dev)
+        pos = lens_old[:, None] + j                                          # [B, S]
+        table = self.block_table[:B]                                         # [B, M]
+        blk = table.gather(1, (pos // bs).clamp(max=M - 1)).long()
+        real = (j[None] < q[:, None]) & (pos < self.max_cache_len) & (blk >= 0)
+        slots = torch.where(real, blk * bs + pos % bs, -1).reshape(-1)       # [T]
+        meta = MLAMetadata(
+            slot_mapping=slots,
+            block_table=table,
+            seq_lens=(lens_old + S).to(torch.int32),          # trailing pads count, never read
+            query_start_loc=(torch.arange(B + 1, device=dev) * S).to(torch.int32),
+            num_decode_tokens=B if S == 1 else 0)
+        perm = inv = None
+        if valid is not None:
+            order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)   # [B, S]
+            perm = (order + rows * S).reshape(-1)                                 # [T]
+            inv = torch.argsort(perm)
+        return _Step(meta, perm, inv)
+
+
+def _valid_tokens(attention_mask, B: int, S: int, past):
+    """[B, S] bool: which of this step's tokens are real, read from HF's mask (None: all).
+
+    A 4D mask [B, 1, S, K] (bool: True = attend; float: 0 = attend) has key column
+    past + i for new token i; the token is padding iff it cannot attend to itself.
+    A 2D mask [B, K] covers the new tokens in its last S columns.
+    """
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"converted attention supports tensor masks (eager / sdpa), got "
+                        f"{type(attention_mask).__name__}")
+    m = attention_mask
+    if m.dim() == 2:
+        return m[:, -S:].to(torch.bool).expand(B, S)
+    if m.dim() != 4:
+        raise ValueError(f"attention mask must be 2D or 4D, got shape {tuple(m.shape)}")
+    i = torch.arange(S, device=m.device)
+    cols = (past + i).clamp(max=m.shape[-1] - 1) if m.shape[-1] > S else i
+    diag = m[:, 0, i, cols].expand(B, S)                                 # [B, S]
+    return diag if diag.dtype == torch.bool else diag == 0
+
+
+# ------------------------------------------------------------------------- attention
+
+
+def _hf_classes():
+    """(family, class) of the supported HF MLA attention modules."""
+    out = []
+    for fam, mod, cls in (("v3", "deepseek_v3", "DeepseekV3Attention"),
+                          ("v2", "deepseek_v2", "DeepseekV2Attention")):
+        try:
+            m = __import__(f"transformers.models.{mod}.modeling_{mod}", fromlist=[cls])
+            out.append((fam, getattr(m, cls)))
+        except (ImportError, AttributeError):
+            pass
+    return out
+
+
+def _family(module) -> str | None:
+    for fam, cls in _hf_classes():
+        if isinstance(module, cls):
+            return fam
+    return None
+
+
+def is_converted(model) -> bool:
+    return any(getattr(m, "_mla_converted", False) for m in model.modules())
+
+
+def _rope(self, q_rot, k_rot, position_embeddings):
+    """HF's own RoPE for this layer: q_rot [B, N, S, R], k_rot [B, 1, S, R]."""
+    if self._mla_family == "v2":
+        return self._mla_rope(q_rot, k_rot, position_embeddings.to(q_rot.device))
+    cos, sin = position_embeddings
+    if self.config.rope_interleave:
+        return self._mla_rope_interleave(q_rot, k_rot, cos, sin)
+    return self._mla_rope(q_rot, k_rot, cos, sin)
+
+
+def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                   past_key_values=None, **kwargs):
+    """Converted forward: hidden_states [B, S, H] -> ([B, S, H], None)."""
+    cache = past_key_values
+    if not isinstance(cache, PagedMLACache):
+        return self._hf_forward(hidden_states=hidden_states, position_embeddings=position_embeddings,
+                                attention_mask=attention_mask, past_key_values=past_key_values,
+                                **kwargs)
+    mla: MLAAttention = self.mla_attn
+    B, S, _ = hidden_states.shape
+    N, P, R, V, L = (mla.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
+                     mla.kv_lora_rank)
+    T = B * S
+    if self.q_lora_rank is None:
+        q = self.q_proj(hidden_states)
+    else:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+    q = q.view(B, S, N, P + R).transpose(1, 2)                               # [B, N, S, P+R]
+    q_pass, q_rot = torch.split(q, [P, R], dim=-1)
+    kv_c, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [L, R], dim=-1)
+    kv_c = self.kv_a_layernorm(kv_c)                                         # [B, S, L]
+    k_rot = k_rot.reshape(B, 1, S, R)
+    q_rot, k_rot = _rope(self, q_rot, k_rot, position_embeddings)
+    q = torch.cat((q_pass, q_rot), dim=-1).transpose(1, 2).reshape(T, N, P + R)   # [T, N, P+R]
+    kv_c = kv_c.reshape(T, L)                                                # [T, L]
+    k_pe = k_rot.reshape(T, 1, R)                                            # [T, 1, R]
+
+    step = cache._prepare(self.layer_idx, B, S, attention_mask, q.dtype)
+    if step.perm is not None:
+        q, kv_c, k_pe = q[step.perm], kv_c[step.perm], k_pe[step.perm]
+    meta = step.meta
+    kv_cache = cache.pool.kv[self.layer_idx]
+    dep = torch.ops.mla.kv_cache_update(kv_c, k_pe, kv_cache, meta.slot_mapping,
+                                        cache.kv_cache_dtype, cache.k_scale)
+    out = q.new_empty(T, N * V)                                              # [T, N*V]
+    torch.ops.mla.attention_with_output(
+        q, kv_c, k_pe, kv_cache, mla.W_UK_T, mla.W_UV, meta.block_table, meta.seq_lens,
+        meta.query_start_loc, meta.num_decode_tokens, mla.softmax_scale, cache.kv_cache_dtype,
+        cache.k_scale, dep, out, None, None, mla.workspace_rows, mla.backend)
+    if step.inv is not None:
+        out = out[step.inv]
+    return self.o_proj(out.view(B, S, N * V)), None
+
+
+_PAGED_CLASSES: dict = {}
+
+
+def _paged_class(cls, family: str):
+    if cls not in _PAGED_CLASSES:
+        mod = sys.modules[cls.__module__]          # HF's modeling file: its own RoPE functions
+        rope = mod.apply_rotary_emb if family == "v2" else mod.apply_rotary_pos_emb
+        inter = None if family == "v2" else mod.apply_rotary_pos_emb_interleave
+        _PAGED_CLASSES[cls] = type(f"Paged{cls.__name__}", (cls,), {
+            "forward": _paged_forward, "_hf_forward": cls.forward, "_mla_family": family,
+            "_mla_rope": staticmethod(rope), "_mla_rope_interleave": staticmethod(inter),
+            "_mla_converted": True, "__module__": __name__})
+    return _PAGED_CLASSES[cls]
+
+
+def convert(model, *, backend: str = "auto", workspace_rows: int = 8192):
+    """Route every DeepSeek V2/V3 attention layer of `model` through the MLA ops (in place).
+
+    All checks and weight absorption happen before the first module is touched, so a
+    failure leaves the model as it was. Converting twice is a no-op.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"convert() takes a torch.nn.Module, got {type(model).__name__}")
+    attns, others = [], []
+    for name, m in model.named_modules():
+        fam = _family(m)
+        if fam is not None:
+            attns.append((name, m, fam))
+        elif name.endswith("self_attn"):
+            others.append(f"{name} ({type(m).__name__})")
+    if not attns:
+        raise TypeError(f"convert() needs a DeepSeek V2/V3 model with multi-head latent attention; "
+                        f"{type(model).__name__} has none"
+                        + (f" (its attention: {others[0]})" if others else ""))
+    if others:
+        raise TypeError(f"convert() supports models whose attention is all MLA; found {others[:3]}")
+    plans, seen = [], set()
+    for name, m, fam in attns:
+        if getattr(m, "_mla_converted", False):
+            continue
+        if m.layer_idx in seen:
+            raise ValueError(f"two attention modules share layer_idx {m.layer_idx}")
+        seen.add(m.layer_idx)
+        w = m.kv_b_proj.weight
+        N, P, V, R, L = m.num_heads, m.qk_nope_head_dim, m.v_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+        if tuple(w.shape) != (N * (P + V), L):
+            raise ValueError(f"{name}.kv_b_proj.weight is {tuple(w.shape)}, expected "
+                             f"[N*(P+V)={N * (P + V)}, L={L}]")
+        if w.device.type == "meta":
+            raise ValueError(f"{name} has weights on the meta device; load them before convert()")
+        scale_inv = getattr(m.kv_b_proj, "weight_scale_inv", None)
+        dt = m.kv_a_proj_with_mqa.weight.dtype if scale_inv is not None else w.dtype
+        mla = MLAAttention(N, P, R, V, L, float(m.scaling), workspace_rows=workspace_rows,
+                           backend=backend)
+        with torch.no_grad():
+            mla.absorb(w, weight_scale_inv=scale_inv, dtype=dt)
+        plans.append((m, mla, fam))
+    for m, mla, fam in plans:          # nothing below can fail
+        m.add_module("mla_attn", mla)
+        m.__class__ = _paged_class(type(m), fam)
+    return model
