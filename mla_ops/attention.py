@@ -106,29 +106,89 @@ def _write_output(out: torch.Tensor, dst: torch.Tensor, output_scale, block_scal
         dst.copy_(out)
 
 
-def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_start_loc,
-                     softmax_scale, kind, k_scale, backend):
-    """Absorbed MQA for decode tokens q [t, N, P+R] -> [t, N*V] (q dtype)."""
-    t, N, _ = q.shape
-    P, L = W_UK_T.shape[1:]
+def check_decode_query(decode_q, decode_q_scale, q, W_UK_T, num_decode_tokens):
+    """A prebuilt decode query: [num_decode_tokens, N, L + R], q's dtype or fp8 + scale."""
+    if decode_q is None:
+        if decode_q_scale is not None:
+            raise ValueError("decode_q_scale given without decode_q")
+        return
+    check_tensor("decode_q", decode_q, ndim=3, dtypes=(q.dtype, FP8))
+    N, P, L = W_UK_T.shape
+    want = (num_decode_tokens, N, L + q.shape[-1] - P)
+    if tuple(decode_q.shape) != want:
+        raise ValueError(f"decode_q must be [num_decode_tokens, N, L+R]={want}, got {tuple(decode_q.shape)}")
+    if decode_q.stride(-1) != 1:
+        raise ValueError("decode_q must be contiguous in its last dim")
+    if decode_q.device != q.device:
+        raise ValueError(f"decode_q is on {decode_q.device}, q on {q.device}")
+    if decode_q.dtype == FP8:
+        if decode_q_scale is None:
+            raise ValueError("decode_q is float8_e4m3fn: pass decode_q_scale")
+        check_tensor("decode_q_scale", decode_q_scale, dtypes=(torch.float32,))
+        if decode_q_scale.numel() != 1:
+            raise ValueError("decode_q_scale must hold one value (per-tensor scale)")
+    elif decode_q_scale is not None:
+        raise ValueError("decode_q_scale applies to an fp8 decode_q only")
+
+
+def build_decode_query(q, W_UK_T):
+    """q [t, N, P+R] -> the absorbed MQA query [t, N, L + R]: [q_nope @ W_UK_T | q_pe]."""
+    P = W_UK_T.shape[1]
     q_nope, q_pe = q.split([P, q.shape[-1] - P], dim=-1)
     ql_nope = torch.bmm(q_nope.transpose(0, 1), W_UK_T)                   # [N, t, L]
-    q_mqa = torch.cat([ql_nope.transpose(0, 1), q_pe], dim=-1)           # [t, N, L + R]
+    return torch.cat([ql_nope.transpose(0, 1), q_pe], dim=-1)            # [t, N, L + R]
+
+
+def _fp8_query_decode(q8, q_scale, kv_cache, block_table, lens, softmax_scale, kind, k_scale,
+                      backend, L, out_dtype):
+    """Decode with an fp8 query: the fp8 x fp8 Triton kernel where it serves the call,
+    else any backend on the dequantized query (fp32, exact: stored * scale)."""
+    if kind == "fp8" and q8.is_cuda and backend in ("auto", "triton"):
+        try:
+            from lowering.triton_decode import mla_decode_fp8q
+        except ImportError:
+            mla_decode_fp8q = None
+        if mla_decode_fp8q is not None:
+            return mla_decode_fp8q(q8, kv_cache, block_table, lens, softmax_scale,
+                                   q_scale=q_scale, k_scale=k_scale, causal=True,
+                                   head_dim_v=L, out_dtype=out_dtype)
+    q_deq = q8.float() * q_scale.float().reshape(())
+    return lowering.mla_decode(q_deq, kv_cache, block_table, lens, softmax_scale, causal=True,
+                               kv_cache_dtype=kind, k_scale=k_scale, backend=backend,
+                               head_dim_v=L)
+
+
+def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_start_loc,
+                     softmax_scale, kind, k_scale, backend, decode_q=None, decode_q_scale=None):
+    """Absorbed MQA for decode tokens q [t, N, P+R] -> [t, N*V] (q dtype).
+
+    decode_q, when given, is the prebuilt query [t, N, L + R] (q's dtype, or fp8 with
+    decode_q_scale), built outside the op so graph passes can see and fuse it.
+    """
+    t, N, _ = q.shape
+    P, L = W_UK_T.shape[1:]
+    q_mqa = build_decode_query(q, W_UK_T) if decode_q is None else decode_q
     tok = torch.arange(t, device=q.device)
     req = torch.searchsorted(query_start_loc[1:], tok.to(torch.int32), right=True)  # [t]
     # Position of each token in its sequence; it sees positions [0, pos].
     pos = seq_lens[req].long() - (query_start_loc[req + 1].long() - tok)
-    out_latent, _ = lowering.mla_decode(
-        q_mqa[:, None], kv_cache, block_table[req].contiguous(), (pos + 1).to(torch.int32),
-        softmax_scale, causal=True, kv_cache_dtype=kind, k_scale=k_scale, backend=backend,
-        head_dim_v=L)                                                    # [t, 1, N, L]
+    bt, lens = block_table[req].contiguous(), (pos + 1).to(torch.int32)
+    if q_mqa.dtype == FP8:
+        out_latent, _ = _fp8_query_decode(q_mqa[:, None], decode_q_scale, kv_cache, bt, lens,
+                                          softmax_scale, kind, k_scale, backend, L, W_UV.dtype)
+        out_latent = out_latent.to(W_UV.dtype)
+    else:
+        out_latent, _ = lowering.mla_decode(
+            q_mqa[:, None], kv_cache, bt, lens, softmax_scale, causal=True, kv_cache_dtype=kind,
+            k_scale=k_scale, backend=backend, head_dim_v=L)              # [t, 1, N, L]
     out = torch.bmm(out_latent[:, 0].transpose(0, 1), W_UV)              # [N, t, V]
     return out.transpose(0, 1).reshape(t, -1)                            # [t, N * V]
 
 
 def run_attention(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
                   query_start_loc, num_decode_tokens, softmax_scale, kv_cache_dtype, k_scale,
-                  output, output_scale, output_block_scale, workspace_rows, backend):
+                  output, output_scale, output_block_scale, workspace_rows, backend,
+                  decode_q=None, decode_q_scale=None):
     kind = "auto" if kv_cache_dtype == "auto" else "fp8"
     T = q.shape[0]
     nd = num_decode_tokens
@@ -138,7 +198,8 @@ def run_attention(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq
 
     if nd > 0:
         out = decode_attention(q[:nd], kv_cache, W_UK_T, W_UV, block_table, seq_lens,
-                               query_start_loc, softmax_scale, kind, k_scale, backend)
+                               query_start_loc, softmax_scale, kind, k_scale, backend,
+                               decode_q, decode_q_scale)
         _write_output(out, output[:nd], output_scale, scale_rows(0, nd))
     if nd < T:
         out = prefill_attention(q, kv_c_normed, k_pe.reshape(T, -1), kv_cache, W_UK_T, W_UV,

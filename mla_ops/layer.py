@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import ops  # noqa: F401  (registers torch.ops.mla.*)
+from .attention import build_decode_query
 from .metadata import MLAMetadata
 from .quant import FP8, dequantize_block_fp8
 
@@ -73,6 +74,22 @@ class MLAAttention(nn.Module):
         self.backend = backend
         self.register_buffer("W_UK_T", None, persistent=False)
         self.register_buffer("W_UV", None, persistent=False)
+        self.register_buffer("q_scale", None, persistent=False)
+
+    def enable_fp8_decode_query(self, q_scale: float | torch.Tensor = 1.0) -> None:
+        """Build the 576-wide decode query in the layer and quantize it to fp8 (static
+        per-tensor q_scale) for fp8 x fp8 decode; needs kv_cache_dtype fp8.
+
+        The absorption, the cat with q_pe and the quant are then graph ops (Pass A
+        fuses cat + quant); the attention op receives them as decode_q / decode_q_scale.
+        """
+        if self.kv_cache_dtype == "auto":
+            raise ValueError("an fp8 decode query needs kv_cache_dtype='fp8'")
+        import passes.quant  # noqa: F401  (registers mla::quant_fp8_static)
+        s = torch.as_tensor(q_scale, dtype=torch.float32).reshape(1)
+        if not s.item() > 0:
+            raise ValueError(f"q_scale must be positive, got {s.item()}")
+        self.q_scale = s.to(self.W_UK_T.device) if self.W_UK_T is not None else s
 
     def absorb(self, kv_b_weight: torch.Tensor, *, weight_scale_inv=None, dtype=None) -> None:
         """Split kv_b_proj into the absorbed weights (call once after loading)."""
@@ -93,8 +110,15 @@ class MLAAttention(nn.Module):
         dep = torch.ops.mla.kv_cache_update(kv_c_normed, k_pe, kv_cache, meta.slot_mapping,
                                             self.kv_cache_dtype, k_scale)   # [0]
         out = q.new_empty(T, self.num_heads * self.v_head_dim)              # [T, N * V]
+        decode_q = decode_q_scale = None
+        nd = meta.num_decode_tokens
+        if self.q_scale is not None and nd > 0:
+            q_mqa = build_decode_query(q[:nd], self.W_UK_T)                # [nd, N, L + R]
+            decode_q = torch.ops.mla.quant_fp8_static(q_mqa, self.q_scale)
+            decode_q_scale = self.q_scale
         torch.ops.mla.attention_with_output(
             q, kv_c_normed, k_pe, kv_cache, self.W_UK_T, self.W_UV, meta.block_table,
             meta.seq_lens, meta.query_start_loc, meta.num_decode_tokens, self.softmax_scale,
-            self.kv_cache_dtype, k_scale, dep, out, None, None, self.workspace_rows, self.backend)
+            self.kv_cache_dtype, k_scale, dep, out, None, None, self.workspace_rows, self.backend,
+            decode_q, decode_q_scale)
         return out

@@ -94,7 +94,8 @@ torch.library.define(
     "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, SymInt num_decode_tokens, "
     "float softmax_scale, str kv_cache_dtype, Tensor k_scale, Tensor kv_cache_dep, "
     "Tensor(a!) output, Tensor? output_scale=None, Tensor(b!)? output_block_scale=None, "
-    "SymInt workspace_rows=8192, str backend=\"auto\") -> ()")
+    "SymInt workspace_rows=8192, str backend=\"auto\", Tensor? decode_q=None, "
+    "Tensor? decode_q_scale=None) -> ()")
 
 
 @torch.library.impl("mla::attention_with_output", "CompositeExplicitAutograd")
@@ -118,19 +119,24 @@ def attention_with_output(
         output_block_scale: Optional[torch.Tensor] = None,  # [T, N*V // g] fp32, written
         workspace_rows: int = 8192,
         backend: str = "auto",
+        decode_q: Optional[torch.Tensor] = None,        # [nd, N, L + R] prebuilt decode query
+        decode_q_scale: Optional[torch.Tensor] = None,  # [1] fp32 when decode_q is fp8
 ) -> None:
-    from .attention import check_attention_args, run_attention
+    from .attention import check_attention_args, check_decode_query, run_attention
     check_attention_args(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
                          query_start_loc, num_decode_tokens, softmax_scale, kv_cache_dtype,
                          k_scale, kv_cache_dep, output, output_scale, output_block_scale,
                          workspace_rows, backend)
+    check_decode_query(decode_q, decode_q_scale, q, W_UK_T, num_decode_tokens)
     run_attention(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
                   query_start_loc, num_decode_tokens, softmax_scale, kv_cache_dtype, k_scale,
-                  output, output_scale, output_block_scale, workspace_rows, backend)
+                  output, output_scale, output_block_scale, workspace_rows, backend,
+                  decode_q, decode_q_scale)
 
 
 @torch.library.register_fake("mla::attention_with_output")
 def _(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_start_loc,
       num_decode_tokens, softmax_scale, kv_cache_dtype, k_scale, kv_cache_dep, output,
-      output_scale=None, output_block_scale=None, workspace_rows=8192, backend="auto"):
+      output_scale=None, output_block_scale=None, workspace_rows=8192, backend="auto",
+      decode_q=None, decode_q_scale=None):
     return None
