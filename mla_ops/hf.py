@@ -78,6 +78,8 @@ class _Step:
     meta: MLAMetadata
     perm: torch.Tensor | None      # [T] token order fed to the ops (real tokens of a row first)
     inv: torch.Tensor | None       # [T] inverse of perm
+    lens_new: torch.Tensor         # [B] real tokens per row after the step
+    num_new_blocks: torch.Tensor   # [] blocks taken this step
 
 
 class PagedMLACache(Cache):
@@ -118,16 +120,13 @@ class PagedMLACache(Cache):
         self.dtype = dtype
         self.device = self.pool.kv[0].device
         dev, Bm, M = self.device, max_batch_size, self.max_blocks
-        # Block table [Bm, M] int32 (-1 = none) as a view of a flat buffer whose last
-        # element is a trash slot for masked scatter writes.
-        self._bt_flat = torch.full((Bm * M + 1,), -1, dtype=torch.int32, device=dev)
-        self.block_table = self._bt_flat[:Bm * M].view(Bm, M)
+        self.block_table = torch.full((Bm, M), -1, dtype=torch.int32, device=dev)  # -1 = none
         self.lens = torch.zeros(Bm, dtype=torch.int32, device=dev)       # real tokens per row
         self.num_used = torch.zeros((), dtype=torch.int64, device=dev)   # bump-allocator top
         self._seen = torch.zeros((), dtype=torch.int64, device=dev)      # padded length (HF's view)
         self._step: _Step | None = None
         if not torch.compiler.is_compiling():
-            for t in [*self.pool.kv, self.pool.k_scale, self._bt_flat, self.lens, self.num_used,
+            for t in [*self.pool.kv, self.pool.k_scale, self.block_table, self.lens, self.num_used,
                       self._seen]:
                 torch._dynamo.mark_static_address(t)
         super().__init__(layers=[_PagedLayer(self) for _ in range(config.num_hidden_layers)])
@@ -167,7 +166,7 @@ class PagedMLACache(Cache):
     # -- HF Cache API ------------------------------------------------------------------
     def reset(self):
         """Forget every sequence and return all blocks (in place: addresses stay put)."""
-        self._bt_flat.fill_(-1)
+        self.block_table.fill_(-1)
         self.lens.zero_()
         self.num_used.zero_()
         self._seen.zero_()
@@ -181,24 +180,34 @@ class PagedMLACache(Cache):
 
     # -- per-step bookkeeping (called by the converted attention) -----------------------
     def _prepare(self, layer_idx: int, B: int, S: int, attention_mask, dtype) -> _Step:
-        """Layer 0 plans the step (allocates, writes state in place); later layers reuse it."""
-        if layer_idx != 0 and self._step is not None:
-            return self._step
-        if B > self.max_batch_size:
-            raise ValueError(f"batch of {B} sequences exceeds the cache's max_batch_size="
-                             f"{self.max_batch_size}; build PagedMLACache with a larger one")
-        if S > self.max_cache_len:
-            raise ValueError(f"{S} tokens in one step exceed the cache's max_cache_len="
-                             f"{self.max_cache_len}; build PagedMLACache with a larger one")
-        if dtype != self.dtype:
-            raise TypeError(f"model activations are {dtype} but the cache was built for "
-                            f"{self.dtype}; pass dtype= to PagedMLACache")
-        valid = None if S == 1 else _valid_tokens(attention_mask, B, S, self._seen)   # [B, S]
-        step = self._plan(B, S, valid)
-        self._step = step
+        """This step's plan for one layer; the last layer commits it to the cache state.
+
+        The plan is a pure function of the state before the step, so every layer gets
+        the same one: eager mode computes it once (layer 0) and reuses it; a compiled
+        graph recomputes it per layer (a few tiny ops on [B] / [B, M] tensors), which
+        keeps the graph free of side-effect outputs and host syncs.
+        """
+        compiling = torch.compiler.is_compiling()
+        if compiling or layer_idx == 0 or self._step is None:
+            if B > self.max_batch_size:
+                raise ValueError(f"batch of {B} sequences exceeds the cache's max_batch_size="
+                                 f"{self.max_batch_size}; build PagedMLACache with a larger one")
+            if S > self.max_cache_len:
+                raise ValueError(f"{S} tokens in one step exceed the cache's max_cache_len="
+                                 f"{self.max_cache_len}; build PagedMLACache with a larger one")
+            if dtype != self.dtype:
+                raise TypeError(f"model activations are {dtype} but the cache was built for "
+                                f"{self.dtype}; pass dtype= to PagedMLACache")
+            valid = None if S == 1 else _valid_tokens(attention_mask, B, S, self._seen)  # [B, S]
+            step = self._plan(B, S, valid, check=not compiling and layer_idx == 0)
+            self._step = None if compiling else step
+        else:
+            step = self._step
+        if layer_idx == len(self.layers) - 1:
+            self._commit(step, B, S)
         return step
 
-    def _plan(self, B: int, S: int, valid) -> _Step:
+    def _plan(self, B: int, S: int, valid, check: bool) -> _Step:
         dev, bs, M = self.device, self.block_size, self.max_blocks
         lens_old = self.lens[:B].long()                                      # [B]
         q = (valid.sum(1) if valid is not None
@@ -207,7 +216,7 @@ class PagedMLACache(Cache):
         nb_old = (lens_old + bs - 1) // bs
         nb_new = (torch.clamp(lens_new, max=self.max_cache_len) + bs - 1) // bs
         need = nb_new - nb_old                                               # [B] new blocks
-        if not torch.compiler.is_compiling():                                # checks need a sync
+        if check:                                                            # needs a host sync
             longest, total = int(lens_new.max()), int(need.sum())
             if longest > self.max_cache_len:
                 row = int(lens_new.argmax())
@@ -219,23 +228,15 @@ class PagedMLACache(Cache):
                 raise CacheFullError(f"this step needs {total} more blocks of {bs} tokens, "
                                      f"{free} of {self.num_blocks} free; build PagedMLACache with "
                                      f"more num_blocks or call reset()")
-        # Allocate: row b takes ids [start_b, start_b + need_b) into columns nb_old_b + c.
-        K = -(-S // bs) + 1                                                  # max new blocks/row
-        c = torch.arange(K, device=dev)                                      # [K]
+        # Bump allocation: row b takes ids start_b + k for its block columns nb_old_b + k.
         start = self.num_used + torch.cumsum(need, 0) - need                 # [B]
-        ids = (start[:, None] + c).clamp(max=self.num_blocks - 1)            # [B, K]
-        col = nb_old[:, None] + c                                            # [B, K]
-        take = (c[None] < need[:, None]) & (col < M)
-        rows = torch.arange(B, device=dev)[:, None]
-        dst = torch.where(take, rows * M + col, self._bt_flat.shape[0] - 1)  # trash if not taken
-        self._bt_flat.index_put_((dst.reshape(-1),), ids.reshape(-1).to(torch.int32))
-        self.num_used.add_(need.sum())
-        self.lens[:B] = lens_new.to(torch.int32)
-        self._seen.add_(S)
+        col = torch.arange(M, device=dev)[None]                              # [1, M]
+        fresh = (col >= nb_old[:, None]) & (col < nb_new[:, None])           # [B, M]
+        ids = (start[:, None] + col - nb_old[:, None]).clamp(max=self.num_blocks - 1)
+        table = torch.where(fresh, ids.to(torch.int32), self.block_table[:B])   # [B, M] int32
         # Slots of this step's tokens, in op order (real tokens of a row first).
         j = torch.arange(S, device=dev)
         pos = lens_old[:, None] + j                                          # [B, S]
-        table = self.block_table[:B]                                         # [B, M]
         blk = table.gather(1, (pos // bs).clamp(max=M - 1)).long()
         real = (j[None] < q[:, None]) & (pos < self.max_cache_len) & (blk >= 0)
         slots = torch.where(real, blk * bs + pos % bs, -1).reshape(-1)       # [T]
@@ -247,10 +248,19 @@ class PagedMLACache(Cache):
             num_decode_tokens=B if S == 1 else 0)
         perm = inv = None
         if valid is not None:
+            rows = torch.arange(B, device=dev)[:, None]
             order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)   # [B, S]
             perm = (order + rows * S).reshape(-1)                                 # [T]
             inv = torch.argsort(perm)
-        return _Step(meta, perm, inv)
+        return _Step(meta, perm, inv, lens_old + q, need.sum())
+
+    def _commit(self, step: _Step, B: int, S: int) -> None:
+        """Write the step's block table, lengths and counters into the cache state in place."""
+        self.block_table[:B] = step.meta.block_table
+        self.lens[:B] = step.lens_new.to(torch.int32)
+        self.num_used.add_(step.num_new_blocks)
+        self._seen.add_(S)
+        self._step = None
 
 
 def _valid_tokens(attention_mask, B: int, S: int, past):
