@@ -116,6 +116,8 @@ class PagedMLACache(Cache):
                                      kv_lora_rank=config.kv_lora_rank,
                                      qk_rope_head_dim=config.qk_rope_head_dim, dtype=dtype,
                                      kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, device=device)
+        for t in self.pool.kv:   # unwritten rows are read (at weight 0) by decode: keep them finite
+            t.zero_()
         self.kv_cache_dtype = self.pool.kind                     # "auto" | "fp8"
         self.dtype = dtype
         self.device = self.pool.kv[0].device
