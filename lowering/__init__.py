@@ -38,7 +38,7 @@ def select_backend(q, kv_cache, *, kv_cache_dtype="auto", backend="auto") -> str
         return backend
     reasons = []
     for name in BACKEND_ORDER:
-        reason = unmet_condition(name, q, kv_cache, kv_cache_dtype)
+        reason = unmet_condition(name, q, kv_cache, kv_cache_dtype, auto=True)
         if reason is None:
             return name
         reasons.append(f"{name}: {reason}")

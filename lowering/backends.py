@@ -5,6 +5,8 @@ backend can serve a call, or a sentence naming the unmet condition.
 """
 from __future__ import annotations
 
+import torch
+
 from .reference import mla_decode_reference
 
 
@@ -24,13 +26,63 @@ CAPABILITY = {"reference": _reference_unmet}
 BACKEND_ORDER = ["reference"]
 
 
-def register_backend(name, run, unmet, *, priority: int):
+# name -> extra unmet(q, kv_cache, kind) checked only when backend="auto" picks
+AUTO_CAPABILITY = {}
+
+
+def register_backend(name, run, unmet, *, priority: int, auto_unmet=None):
     """Add a backend; lower priority numbers are tried first by backend='auto'."""
     BACKENDS[name] = run
     CAPABILITY[name] = unmet
+    if auto_unmet is not None:
+        AUTO_CAPABILITY[name] = auto_unmet
     if name not in BACKEND_ORDER:
         BACKEND_ORDER.insert(min(priority, len(BACKEND_ORDER)), name)
 
 
-def unmet_condition(name, q, kv_cache, kind):
-    return CAPABILITY[name](q, kv_cache, kind)
+def unmet_condition(name, q, kv_cache, kind, auto=False):
+    reason = CAPABILITY[name](q, kv_cache, kind)
+    if reason is None and auto and name in AUTO_CAPABILITY:
+        reason = AUTO_CAPABILITY[name](q, kv_cache, kind)
+    return reason
+
+
+# ---- GPU backends, imported lazily so `import lowering` needs neither triton nor flash_mla ----
+
+def _triton_unmet(q, kv_cache, kind):
+    import importlib.util
+    import os
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed"
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"q is on {q.device.type}; the triton backend needs CUDA (or TRITON_INTERPRET=1)"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"the triton backend needs q in bfloat16 or float16, got {q.dtype}"
+    return None
+
+
+def _triton_auto_unmet(q, kv_cache, kind):
+    if q.device.type != "cuda":
+        return "backend='auto' uses triton only on CUDA (the CPU interpreter is for tests)"
+    return None
+
+
+def _triton_run(*args, **kwargs):
+    from .triton_decode import triton_mla_decode
+    return triton_mla_decode(*args, **kwargs)
+
+
+def _flashmla_unmet(q, kv_cache, kind):
+    if q.device.type != "cuda":
+        return f"q is on {q.device.type}, FlashMLA needs a CUDA device"
+    from .flashmla import flashmla_unmet
+    return flashmla_unmet(q, kv_cache, kind)
+
+
+def _flashmla_run(*args, **kwargs):
+    from .flashmla import flashmla_decode
+    return flashmla_decode(*args, **kwargs)
+
+
+register_backend("triton", _triton_run, _triton_unmet, priority=0, auto_unmet=_triton_auto_unmet)
+register_backend("flashmla", _flashmla_run, _flashmla_unmet, priority=0)

@@ -1,0 +1,223 @@
+"""Decode attention alone: our Triton kernel (BF16, FP8 cache, FP8 q+cache), FlashMLA, pure torch.
+
+    python benchmarks/bench_decode.py --json results.json [--sweep] [--budget-s 400]
+
+BF16 latent cache [num_blocks, 64, 576], every request at length S, random page order.
+Each implementation is captured in a CUDA graph and timed with triton.testing.do_bench
+(median of the graph's replays), so launch overhead is out of every number alike.
+The ceilings are measured in the same run: device copy bandwidth (bytes read + written)
+and a bf16 8192^3 GEMM; the roofline time of a shape is max(FLOPs / GEMM rate,
+bytes / copy bandwidth) and each result is reported as that time over the measured one.
+With --sweep, several kernel configs are timed per shape and the best is reported
+(all are written to the JSON).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lowering.triton_decode as td  # noqa: E402
+from lowering.reference import mla_decode_reference  # noqa: E402
+
+SHAPES = [(1, 128, 4096), (32, 128, 4096), (64, 128, 8192), (128, 16, 4096),
+          (8, 128, 32768), (256, 16, 1024)]
+FLASHMLA_NOTES = {(1, 128, 4096): 24.6, (32, 128, 4096): 74.9, (64, 128, 8192): 238.0,
+                  (128, 16, 4096): 165.5}
+L, R, PAGE = 512, 64, 64
+# Kernel variants tried with --sweep: (tag, kinds, overrides of the CONFIGS defaults).
+SWEEP = {
+    "wide": [
+        ("lazy", ("bf16", "fp8kv", "fp8q"), dict(lazy_rescale=1)),
+        ("ws", ("bf16",), dict(warp_specialize=True)),
+        ("w16", ("bf16",), dict(num_warps=16)),
+        ("lazy_s3", ("bf16", "fp8kv", "fp8q"), dict(lazy_rescale=1, num_stages=3)),
+        ("n32_lazy", ("fp8kv", "fp8q"), dict(lazy_rescale=1, block_n=32, num_stages=3)),
+    ],
+    "narrow": [
+        ("splits1", ("bf16",), dict(num_splits=1)),
+        ("splits4", ("bf16",), dict(num_splits=4)),
+        ("lazy", ("bf16", "fp8kv", "fp8q"), dict(lazy_rescale=1)),
+        ("n64w4s3", ("bf16", "fp8kv", "fp8q"), dict(block_n=64, num_warps=4, num_stages=3)),
+        ("n128w8s3", ("bf16", "fp8kv", "fp8q"), dict(block_n=128, num_warps=8, num_stages=3)),
+        ("n64w8s3", ("fp8kv", "fp8q"), dict(block_n=64, num_warps=8, num_stages=3)),
+        ("n128w4s3", ("fp8kv", "fp8q"), dict(block_n=128, num_warps=4, num_stages=3)),
+    ],
+}
+
+
+def measure_ceilings():
+    x = torch.empty(1 << 29, dtype=torch.float32, device="cuda").uniform_()  # 2 GiB
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
+    copy_bw = 2 * x.numel() * 4 / (ms * 1e-3)
+    del x, y
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    gemm = 2 * 8192 ** 3 / (ms * 1e-3)
+    return copy_bw, gemm
+
+
+def make_inputs(B, H, S, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    blocks = B * S // PAGE
+    kv = torch.randn(blocks, PAGE, L + R, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(B, 1, H, L + R, device="cuda", dtype=torch.bfloat16, generator=g)
+    bt = torch.randperm(blocks, device="cuda", generator=g).int().reshape(B, S // PAGE)
+    lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    return q, kv, bt, lens
+
+
+def graph_time_us(fn):
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    return ms * 1e3
+
+
+def kernel_stats():
+    """Registers, spills, shared memory and MMA instructions of each compiled stage-1 kernel."""
+    from lowering.triton_decode_kernel import mla_decode_stage1_kernel as k
+    stats = []
+    try:
+        for cache in k.device_caches.values():
+            for key, ck in cache[0].items():
+                ptx = ck.asm.get("ptx", "")
+                stats.append(dict(n_regs=ck.n_regs, n_spills=ck.n_spills,
+                                  shared=getattr(ck.metadata, "shared", None),
+                                  num_warps=getattr(ck.metadata, "num_warps", None),
+                                  num_stages=getattr(ck.metadata, "num_stages", None),
+                                  wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"),
+                                  cp_async=ptx.count("cp.async")))
+    except Exception as exc:  # the cache layout differs between Triton versions
+        stats.append(dict(error=repr(exc)))
+    return stats
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def bench_shape(B, H, S, args, ceilings, log):
+    copy_bw, gemm = ceilings
+    scale = 192 ** -0.5
+    q, kv, bt, lens = make_inputs(B, H, S)
+    flops = 2 * B * H * S * (L + R + L)
+    kv_bytes = {"bf16": B * S * (L + R) * 2, "fp8": B * S * (L + R)}
+    io_bytes = B * H * (L + R) * 2 + B * H * L * 2
+    ref_out, ref_lse = mla_decode_reference(q, kv, bt, lens, scale, causal=True, kind="auto",
+                                            k_scale=None, head_dim_v=L)
+    k_scale = (kv.float().abs().amax() / 448.0).reshape(1)
+    kv8 = (kv.float() / k_scale).to(torch.float8_e4m3fn)
+    q_scale = (q.float().abs().amax() / 448.0).reshape(1)
+    q8 = (q.float() / q_scale).to(torch.float8_e4m3fn)
+    rows = []
+
+    def record(name, fn, kvtype, extra=None):
+        try:
+            out, lse = fn()
+            err = rel_err(out, ref_out)
+            us = graph_time_us(fn)
+        except Exception as exc:  # a config that does not compile (shared memory) is skipped
+            log(f"  {name:28s} FAILED {type(exc).__name__}: {str(exc)[:160]}")
+            return None
+        byts = kv_bytes[kvtype] + io_bytes
+        floor_us = max(flops / gemm, byts / copy_bw) * 1e6
+        row = dict(B=B, H=H, S=S, impl=name, us=us, tflops=flops / us * 1e-6,
+                   gbps=byts / us * 1e-3, roofline_frac=floor_us / us, rel_err=err, **(extra or {}))
+        log(f"  {name:28s} {us:9.1f} us {row['tflops']:7.1f} TFLOP/s {row['gbps']:7.0f} GB/s "
+            f"roof {row['roofline_frac']:.2f} err {err:.1e}")
+        rows.append(row)
+        return row
+
+    try:
+        import lowering.flashmla as fm
+        fm_fn = lambda: fm.flashmla_decode_op(q, kv, bt, lens, scale, True, L)  # noqa: E731
+        record("flashmla", fm_fn, "bf16")
+    except ImportError as exc:
+        log(f"  flashmla unavailable: {exc}")
+    record("reference", lambda: mla_decode_reference(q, kv, bt, lens, scale, causal=True, kind="auto",
+                                                     k_scale=None, head_dim_v=L), "bf16")
+    wide = "wide" if H >= 64 else "narrow"
+    variants = [("default", ("bf16", "fp8kv", "fp8q"), {})]
+    if args.sweep:
+        variants += SWEEP[wide]
+    for tag, kinds, tune in variants:
+        if time.time() > args.deadline:
+            log("  (time budget reached, skipping variants)")
+            break
+        if "bf16" in kinds:
+            record(f"triton_bf16[{tag}]", lambda: td.triton_decode_op(
+                q, kv, bt, lens, None, None, scale, True, L, 0, False, torch.bfloat16, **tune),
+                "bf16", dict(cfg=tag))
+        if "fp8kv" in kinds:
+            record(f"triton_fp8kv[{tag}]", lambda: td.triton_decode_op(
+                q, kv8, bt, lens, None, k_scale, scale, True, L, 1, False, torch.bfloat16, **tune),
+                "fp8", dict(cfg=tag))
+        if "fp8q" in kinds:
+            record(f"triton_fp8q[{tag}]", lambda: td.triton_decode_op(
+                q8, kv8, bt, lens, q_scale, k_scale, scale, True, L, 2, False, torch.bfloat16,
+                **tune), "fp8", dict(cfg=tag))
+    record("triton_bf16[invariant]", lambda: td.triton_decode_op(
+        q, kv, bt, lens, None, None, scale, True, L, 0, True, torch.bfloat16), "bf16")
+    if args.splits and H >= 64:
+        for ns in args.splits:
+            record(f"triton_bf16[splits{ns}]", lambda: td.triton_decode_op(
+                q, kv, bt, lens, None, None, scale, True, L, 0, False, torch.bfloat16, num_splits=ns),
+                "bf16", dict(cfg=f"splits{ns}"))
+    del q, kv, bt, lens, kv8, q8
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default="decode_results.json")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--splits", type=int, nargs="*", default=[])
+    ap.add_argument("--shapes", default="all", help="'all' or indices like 0,1,3")
+    ap.add_argument("--budget-s", type=float, default=480)
+    args = ap.parse_args()
+    args.deadline = time.time() + args.budget_s
+    lines = []
+
+    def log(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    copy_bw, gemm = measure_ceilings()
+    log(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    log(f"ceilings: copy {copy_bw / 1e12:.2f} TB/s, bf16 GEMM {gemm / 1e12:.0f} TFLOP/s")
+    shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    results = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                   triton=triton.__version__, copy_bw=copy_bw, gemm=gemm,
+                   command=" ".join(sys.argv), rows=[])
+    for B, H, S in shapes:
+        log(f"B={B} H={H} S={S}")
+        results["rows"] += bench_shape(B, H, S, args, (copy_bw, gemm), log)
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    results["kernels"] = kernel_stats()
+    for st in results["kernels"]:
+        log(str(st))
+    Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

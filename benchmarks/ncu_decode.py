@@ -1,0 +1,21 @@
+"""One decode call per implementation at one shape, for profiling under ncu.
+
+    ncu --clock-control none -k regex:stage1 python benchmarks/ncu_decode.py 64 128 8192
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import lowering.triton_decode as td  # noqa: E402
+
+B, H, S = (int(x) for x in sys.argv[1:4])
+L, R, PAGE = 512, 64, 64
+q = torch.randn(B, 1, H, L + R, device="cuda", dtype=torch.bfloat16)
+kv = torch.randn(B * S // PAGE, PAGE, L + R, device="cuda", dtype=torch.bfloat16)
+bt = torch.randperm(B * S // PAGE, device="cuda").int().reshape(B, S // PAGE)
+lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+for _ in range(2):
+    td.triton_decode_op(q, kv, bt, lens, None, None, 192 ** -0.5, True, L, 0, False, torch.bfloat16)
+torch.cuda.synchronize()

@@ -1,0 +1,150 @@
+"""The Triton MLA decode kernels vs an independent float64 dense reference.
+
+On a CPU these run under TRITON_INTERPRET=1 (set by conftest.py before triton is
+imported), on small shapes: general widths L + R = 64 + 16, and the real 512 + 64
+once. Inputs are random (never zeros) and every comparison could fail.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import lowering  # noqa: E402
+import lowering.triton_decode as td  # noqa: E402
+from decode_ref import decode_ref64, make_case, rel_err  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SCALE = 0.11
+
+
+def run_triton(q, kv, bt, cl, L, causal=True, **kw):
+    return td.triton_mla_decode(q, kv, bt, cl, SCALE, causal=causal, kind="auto", k_scale=None,
+                                head_dim_v=L, **kw)
+
+
+def check(out, lse, ref, ref_lse, tol=1e-2, lse_tol=2e-3):
+    assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all()
+    assert rel_err(out, ref) < tol
+    assert (lse.double() - ref_lse).abs().max().item() < lse_tol
+
+
+@pytest.mark.parametrize("B,s_q,H,page,lens,splits", [
+    (2, 1, 4, 16, [1, 5], 0),            # seq_len 1
+    (3, 1, 2, 16, [37, 70, 17], 0),      # lengths not multiples of the page
+    (2, 1, 4, 16, [100, 61], 6),         # many splits, some shorter than others
+    (2, 2, 2, 16, [40, 2], 3),           # s_q 2, causal, a length equal to s_q
+    (1, 3, 4, 1, [23], 2),               # page size 1
+    (2, 4, 2, 64, [130, 70], 3),         # s_q 4, page 64
+    (1, 2, 3, 128, [150], 2),            # page 128, odd head count
+])
+def test_triton_matches_fp64(B, s_q, H, page, lens, splits):
+    L, R = 64, 16
+    q, kv, bt, cl = make_case(B, s_q, H, L, R, page, lens, DEV, seed=B * 100 + s_q + page)
+    out, lse = run_triton(q, kv, bt, cl, L, num_splits=splits)
+    ref, ref_lse = decode_ref64(q, kv, bt, cl, SCALE, True, L)
+    assert out.shape == (B, s_q, H, L) and out.dtype == q.dtype
+    assert lse.shape == (B, H, s_q) and lse.dtype == torch.float32
+    check(out, lse, ref, ref_lse)
+
+
+def test_real_width_576_through_mla_decode():
+    L, R = 512, 64
+    q, kv, bt, cl = make_case(1, 2, 2, L, R, 16, [37], DEV, seed=7)
+    out, lse = lowering.mla_decode(q, kv, bt, cl, SCALE, backend="triton")
+    ref, ref_lse = decode_ref64(q, kv, bt, cl, SCALE, True, L)
+    check(out, lse, ref, ref_lse)
+
+
+def test_non_causal_and_fp16():
+    L, R = 64, 16
+    q, kv, bt, cl = make_case(2, 2, 2, L, R, 16, [33, 9], DEV, dtype=torch.float16, seed=3)
+    out, lse = run_triton(q, kv, bt, cl, L, causal=False, num_splits=2)
+    ref, ref_lse = decode_ref64(q, kv, bt, cl, SCALE, False, L)
+    assert out.dtype == torch.float16
+    check(out, lse, ref, ref_lse)
+
+
+def _quantize(x, amax_to=448.0):
+    scale = (x.float().abs().amax() / amax_to).reshape(1)
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def test_fp8_kv_cache_vs_dequantized_reference():
+    L, R = 64, 16
+    q, kv, bt, cl = make_case(2, 2, 4, L, R, 16, [45, 20], DEV, seed=11)
+    kv8, k_scale = _quantize(kv * 3.0)
+    out, lse = lowering.mla_decode(q, kv8, bt, cl, SCALE, kv_cache_dtype="fp8", k_scale=k_scale,
+                                   backend="triton", head_dim_v=L)
+    ref, ref_lse = decode_ref64(q, kv8.double() * k_scale.double(), bt, cl, SCALE, True, L)
+    check(out, lse, ref, ref_lse)
+
+
+def test_fp8_query_and_cache_with_scales():
+    L, R = 64, 16
+    q, kv, bt, cl = make_case(2, 1, 4, L, R, 16, [50, 33], DEV, seed=12)
+    kv8, k_scale = _quantize(kv)
+    q8, q_scale = _quantize(q * 5.0)
+    out, lse = td.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale, k_scale=k_scale,
+                                  head_dim_v=L, num_splits=2)
+    ref, ref_lse = decode_ref64(q8.double() * q_scale.double(), kv8.double() * k_scale.double(),
+                                bt, cl, SCALE, True, L)
+    assert out.dtype == torch.bfloat16
+    check(out, lse, ref, ref_lse)
+
+
+def test_fp8q_rejects_bad_scales():
+    L, R = 64, 16
+    q, kv, bt, cl = make_case(1, 1, 2, L, R, 16, [10], DEV)
+    kv8, k_scale = _quantize(kv)
+    q8, q_scale = _quantize(q)
+    with pytest.raises(ValueError, match="q_scale"):
+        td.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale.repeat(2), k_scale=k_scale,
+                           head_dim_v=L)
+    with pytest.raises(TypeError, match="q"):
+        td.mla_decode_fp8q(q, kv8, bt, cl, SCALE, q_scale=q_scale, k_scale=k_scale, head_dim_v=L)
+
+
+def test_batch_invariant_mode_is_bit_exact(monkeypatch):
+    # A small fixed split so requests span several splits on the interpreter.
+    monkeypatch.setattr(td, "INVARIANT_CHUNK", 32)
+    L, R, H = 64, 16, 2
+    lens = [90, 33, 64, 7]
+    q, kv, bt, cl = make_case(4, 1, H, L, R, 16, lens, DEV, seed=5)
+    full_o, full_l = run_triton(q, kv, bt, cl, L, batch_invariant=True)
+    for idx in ([0], [2, 0], [3, 1, 0, 0]):
+        i = torch.tensor(idx, device=DEV)
+        o, l = run_triton(q[i].contiguous(), kv, bt[i].contiguous(), cl[i].contiguous(), L,
+                          batch_invariant=True)
+        for j, src in enumerate(idx):
+            assert torch.equal(o[j], full_o[src]), (idx, j)
+            assert torch.equal(l[j], full_l[src]), (idx, j)
+    # A wider block table (more, empty, splits) leaves the result unchanged too.
+    wide_bt = torch.cat([bt, torch.full_like(bt, -1)], dim=1)
+    o, l = run_triton(q, kv, wide_bt, cl, L, batch_invariant=True)
+    assert torch.equal(o, full_o) and torch.equal(l, full_l)
+    ref, ref_lse = decode_ref64(q, kv, bt, cl, SCALE, True, L)
+    check(full_o, full_l, ref, ref_lse)
+
+
+def test_split_count_choice():
+    assert td.choose_num_splits(64, 2, 8192, 132) == 1            # grid already full
+    assert td.choose_num_splits(32, 2, 4096, 132) == 2
+    assert td.choose_num_splits(1, 2, 4096, 132) == 32            # capped by MIN_SPLIT_KEYS
+    assert td.choose_num_splits(1, 2, 100, 132) == 1              # short: one split
+    assert 1 <= td.choose_num_splits(1, 1, 1 << 20, 132) <= td.MAX_SPLITS
+
+
+def test_backend_choice_and_errors():
+    L, R = 64, 16
+    q, kv, bt, cl = make_case(1, 1, 2, L, R, 16, [10], DEV)
+    if DEV == "cpu":
+        assert lowering.select_backend(q, kv) == "reference"     # auto never picks the interpreter
+        with pytest.raises(lowering.BackendUnavailable, match="CUDA"):
+            lowering.mla_decode(q, kv, bt, cl, SCALE, backend="flashmla")
+    assert lowering.select_backend(q, kv, backend="triton") == "triton"
+    with pytest.raises(lowering.BackendUnavailable, match="power of two"):
+        lowering.mla_decode(q, kv, bt, cl, SCALE, backend="triton", head_dim_v=48)
+    with pytest.raises(lowering.BackendUnavailable, match="bfloat16 or float16"):
+        lowering.mla_decode(q.float(), kv.float(), bt, cl, SCALE, backend="triton")
