@@ -119,8 +119,9 @@ class MLAFusionPass(CustomGraphPass):
         return _sources_hash(self.params())
 
     # ---- bookkeeping used by the extra checks
-    def _record(self, pass_name, pattern, attn_node, reason):
-        self._pending.append(dict(pass_=pass_name, pattern=pattern, node=attn_node, reason=reason))
+    def _record(self, pass_name, pattern, attn_node, reason, quant=None):
+        self._pending.append(dict(pass_=pass_name, pattern=pattern, node=attn_node, reason=reason,
+                                  quant=quant))
 
     def _variant_pass(self, kind: str, key: tuple) -> PatternMatcherPass:
         if (kind, key) not in self._passes:
@@ -151,11 +152,23 @@ class MLAFusionPass(CustomGraphPass):
             raise RuntimeError("graph uses the other auto_functionalized form than this pass "
                                "was built for; compile through passes.compile_with_passes")
         if self.pass_a_on:
+            quants_before = [n for n in graph.nodes if n.target is pass_a.QSTATIC]
             self._variant_pass("A", ()).apply(graph)
+            touched = {r["quant"] for r in self._pending if r.get("quant") is not None}
+            for qn, reason in pass_a.explain_candidates(graph, touched):
+                if qn in quants_before:
+                    self._record("A", "cat_quant_fp8_static",
+                                 pass_a._consumer_attention(qn) or qn, reason)
         if self.pass_b_on:
             keys = {pass_b.variant_key(n, self.v2) for n in attention_nodes(graph)}
             for key in sorted(keys, key=repr):
                 self._variant_pass("B", key).apply(graph)
+        if self.pass_b_on:
+            seen = {r["node"] for r in self._pending if r["pass_"] == "B"}
+            for n in attention_nodes(graph):
+                if n not in seen and n in layers:
+                    pattern, reason = pass_b.explain(n)
+                    self._record("B", pattern, n, reason)
         graph.eliminate_dead_code()
         verify_kv_cache_dependency(graph)
         self.ops_after = count_ops(graph)
@@ -164,12 +177,10 @@ class MLAFusionPass(CustomGraphPass):
 
     def _finish_records(self, graph, layers):
         """Turn pending candidate records into per-layer results."""
-        after = attention_nodes(graph)
         for r in self._pending:
             node = r.pop("node")
-            layer = layers.get(node)
-            if layer is None:                         # Pass A: layer of the next attention node
-                layer = pass_a.layer_of(node, after)
+            r.pop("quant", None)
+            layer = layers.get(node)              # None: not feeding an attention call
             self.records.append(dict(r, layer=layer, matched=not r["reason"]))
 
     def match_counts(self, pass_name: str) -> Counter:

@@ -42,10 +42,6 @@ def _consumer_attention(node, depth=4):
     return None
 
 
-def layer_of(node, attention_nodes_after):
-    return None
-
-
 def why_not(match: Match, dim: int, recorder) -> bool:
     quant = next(n for n in match.nodes if n.target is QSTATIC)
     cat = quant.args[0]
@@ -62,12 +58,14 @@ def why_not(match: Match, dim: int, recorder) -> bool:
         reason = f"concat inputs must be one float dtype, got {a.dtype} and {b.dtype}"
     elif sc.dtype != torch.float32 or sc.numel() != 1:
         reason = f"static scale must be one fp32 value, got {sc.dtype} {tuple(sc.shape)}"
-    recorder("A", "cat_quant_fp8_static", _consumer_attention(quant) or quant, reason)
+    recorder("A", "cat_quant_fp8_static", _consumer_attention(quant) or quant, reason, quant=quant)
     return not reason
 
 
 def make_pattern(dim: int):
     def search(ql_nope, q_pe, scale):
+        if dim >= ql_nope.dim():           # retrace on a lower-rank candidate: no match
+            raise RuntimeError(f"concat dim {dim} out of range")
         return QSTATIC(torch.ops.aten.cat.default([ql_nope, q_pe], dim), scale)
 
     def replace(ql_nope, q_pe, scale):
@@ -84,3 +82,27 @@ def register(pm_pass, recorder) -> None:
         register_replacement(search, replace, example, fwd_only, pm_pass,
                              extra_check=lambda m, d=dim: why_not(m, d, recorder),
                              skip_duplicates=True)
+
+
+def explain_candidates(graph, seen_quants) -> list:
+    """(quant node, reason) for static quants of a concat that no pattern reached."""
+    out = []
+    for n in graph.nodes:
+        if n.target is not QSTATIC or n in seen_quants:
+            continue
+        c = n.args[0]
+        if getattr(c, "target", None) is not torch.ops.aten.cat.default:
+            continue
+        ins = c.args[0]
+        dim = c.args[1] if len(c.args) > 1 else 0
+        nd = ins[0].meta["val"].dim()
+        if len(ins) != 2:
+            reason = f"concat of {len(ins)} tensors; the fused op takes two"
+        elif dim not in (-1, nd - 1):
+            reason = f"concat along dim {dim}, not the last dim"
+        elif len(c.users) != 1:
+            reason = f"the concat result has {len(c.users)} users; fusing needs the quant alone"
+        else:
+            reason = "the concat + quant did not match the registered pattern"
+        out.append((n, reason))
+    return out

@@ -76,6 +76,12 @@ def _example_inputs():
     return ex
 
 
+def _out_shape(t):
+    """[T, N*V] from q and W_UV (not from the old buffer, which then becomes dead)."""
+    N, _, V = t["W_UV"].shape
+    return (t["q"].shape[0], N * V)
+
+
 def make_pattern(key: QuantKey, v2: bool, strings: dict):
     """(search_fn, replace_fn, example_inputs, scalar_workaround) for one variant."""
     dq = tuple(strings.get("extra", {}))
@@ -93,7 +99,7 @@ def make_pattern(key: QuantKey, v2: bool, strings: dict):
 
         def replace(*args):
             t, s = split(args)
-            out8 = torch.empty(t["output"].shape, dtype=FP8, device=t["output"].device)
+            out8 = torch.empty(_out_shape(t), dtype=FP8, device=t["q"].device)
             r = _attn(v2, t, s, strings, (out8, None), output_scale=t["scale"])
             return r[1]
     else:
@@ -107,9 +113,9 @@ def make_pattern(key: QuantKey, v2: bool, strings: dict):
 
         def replace(*args):
             t, s = split(args)
-            o = t["output"]
-            out8 = torch.empty(o.shape, dtype=FP8, device=o.device)
-            bs = torch.empty((o.shape[0], o.shape[1] // g), dtype=torch.float32, device=o.device)
+            T, C = _out_shape(t)
+            out8 = torch.empty((T, C), dtype=FP8, device=t["q"].device)
+            bs = torch.empty((T, C // g), dtype=torch.float32, device=t["q"].device)
             r = _attn(v2, t, s, strings, (out8, bs))
             return r[1], r[2]
 
@@ -168,3 +174,28 @@ def register(pm_pass, key: QuantKey, v2: bool, strings: dict, recorder, decode_q
     register_replacement(search, replace, example, fwd_only, pm_pass,
                          extra_check=lambda m: why_not(m, key, recorder),
                          scalar_workaround=scalars)
+
+
+QUANT_OPS = (torch.ops.mla.quant_fp8_group.default, torch.ops.mla.quant_fp8_static.default)
+
+
+def explain(attn) -> tuple:
+    """(pattern, reason) for an attention call the patterns did not reach."""
+    kw = attn.kwargs
+    if kw.get("output_scale") is not None or kw.get("_output_block_scale_base_index") is not None \
+            or kw.get("output_block_scale") is not None:
+        return "-", "the op already writes a quantized output"
+    outs = [u for u in attn.users if u.target.__name__ == "getitem" and u.args[1] == 1]
+    users = [w for u in outs for w in u.users]
+    quants = [w for w in users if w.target in QUANT_OPS]
+    if not quants:
+        names = sorted({str(getattr(w.target, "__name__", w.target)) for w in users}) or ["nothing"]
+        return "-", f"the attention output feeds {', '.join(names)}, not an FP8 quant op"
+    q = quants[0]
+    if q.target is QUANT_OPS[1]:
+        pattern = "fp8_static_tensor"
+    else:
+        pattern = f"fp8_dynamic_group{q.args[1]}" + ("_pow2" if q.args[2] else "")
+    if len(users) > 1:
+        return pattern, f"the attention output has {len(users)} users; fusing needs the quant alone"
+    return pattern, f"no registered QuantKey pattern matches {pattern}"

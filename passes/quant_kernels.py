@@ -34,7 +34,7 @@ def _to_e4m3(y, dst):
     normal = bits.to(tl.float32, bitcast=True)
     sub = (a + 16384.0) - 16384.0                              # multiples of 2^-9, RTNE
     r = tl.where(a < 0.015625, sub, normal)
-    r = tl.where(y < 0, -r, r)
+    r = tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r)      # keeps -0.0
     return r.to(dst.dtype.element_ty)
 
 

@@ -1,0 +1,152 @@
+"""QuantKey and the FP8 quant ops: torch reference vs float64, Triton vs torch (bitwise)."""
+import pytest
+import torch
+
+import passes.quant as Q
+from passes import quant_kernels as K
+from passes.quant import QUANT_KEYS, QuantKey
+
+FP8 = torch.float8_e4m3fn
+
+
+def e4m3_grid():
+    """Every finite non-negative e4m3 value, float64 (independent of torch's fp8 cast)."""
+    vals = {0.0}
+    for e in range(-6, 9):
+        for m in range(8):
+            vals.add((1 + m / 8) * 2.0 ** e)
+    vals |= {m / 8 * 2.0 ** -6 for m in range(1, 8)}          # subnormals
+    return torch.tensor(sorted(v for v in vals if v <= 448.0), dtype=torch.float64)
+
+
+def nearest_e4m3(y):
+    """Round float64 y to the nearest e4m3 value (saturating), ties to even mantissa."""
+    grid = e4m3_grid()
+    a = y.abs().clamp(max=448.0)
+    idx = torch.searchsorted(grid, a).clamp(1, len(grid) - 1)
+    lo, hi = grid[idx - 1], grid[idx]
+    pick_hi = (hi - a) < (a - lo)
+    tie = (hi - a) == (a - lo)
+    # even mantissa: the grid index parity alternates with the mantissa's last bit
+    pick_hi |= tie & (idx % 2 == 0)
+    return torch.where(pick_hi, hi, lo) * y.sign()
+
+
+def rand(shape, seed, scale=3.0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * scale
+    x.view(-1)[:6] = torch.tensor([0.0, 1e-6, -3e-4, 2000.0, -2000.0, 0.01171875])
+    return x.to(dtype)
+
+
+def u8(t):
+    return t.view(torch.uint8)
+
+
+def test_quant_keys_are_data():
+    assert [str(k) for k in QUANT_KEYS] == [
+        "fp8_static_tensor", "fp8_dynamic_group128", "fp8_dynamic_group64",
+        "fp8_dynamic_group128_pow2", "fp8_dynamic_group64_pow2"]
+    assert len(set(QUANT_KEYS)) == len(QUANT_KEYS)
+    assert Q.FP8_STATIC_TENSOR.per_tensor and not Q.FP8_GROUP_64.per_tensor
+    assert all(k.scale_dtype == torch.float32 and k.dtype == FP8 for k in QUANT_KEYS)
+    with pytest.raises(ValueError):
+        QuantKey(static=True, group_size=128)
+    with pytest.raises(ValueError):
+        QuantKey(static=False)
+    with pytest.raises(ValueError):
+        QuantKey(pow2=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_static_reference_vs_float64(dtype):
+    x = rand((7, 96), 0, dtype=dtype)
+    s = torch.tensor([0.0123])
+    y = Q.ref_static(x, s)
+    # the spec: an fp32 divide, then one rounding to e4m3
+    want = nearest_e4m3((x.float() / s).double())
+    assert torch.equal(y.double(), want)
+
+
+@pytest.mark.parametrize("g", [64, 128])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_group_reference_vs_float64(g, pow2):
+    x = rand((5, 256), 1)
+    y, s = Q.ref_group(x, g, pow2)
+    amax = x.double().view(5, -1, g).abs().amax(-1)
+    if pow2:
+        assert torch.equal(torch.exp2(torch.log2(s.double()).round()), s.double())
+        assert (s.double() >= amax / 448 * (1 - 1e-7)).all() and (s.double() < amax / 448 * 2).all()
+    else:
+        assert torch.allclose(s.double(), amax / 448, rtol=1e-6)
+    want = nearest_e4m3((x.float().view(5, -1, g) / s[..., None]).double()).view(5, -1)
+    assert torch.equal(y.double(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_static_bitwise(dtype):
+    x = rand((9, 333), 2, dtype=dtype)                    # not a multiple of the block
+    s = torch.tensor([0.02])
+    assert torch.equal(u8(K.static_quant(x, s)), u8(Q.ref_static(x, s)))
+
+
+@pytest.mark.parametrize("g", [64, 128])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_triton_group_bitwise(g, pow2):
+    x = rand((6, 512), 3)[:, :384]                       # strided rows
+    y, s = K.group_quant(x, g, pow2)
+    y2, s2 = Q.ref_group(x, g, pow2)
+    assert torch.equal(s, s2)
+    assert torch.equal(u8(y), u8(y2))
+
+
+def test_triton_concat_bitwise_non_contiguous():
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(3, 5, 32, generator=g).bfloat16().transpose(0, 1)     # [5, 3, 32] strided
+    b = torch.randn(5, 3, 40, generator=g).bfloat16()[..., 8:24]          # [5, 3, 16] sliced
+    s = torch.tensor([0.01])
+    assert torch.equal(u8(K.concat_quant(a, b, s)), u8(Q.ref_concat_static(a, b, s)))
+
+
+def test_every_e4m3_rounding_boundary():
+    # midpoints between neighbouring e4m3 values: ties must go to the even mantissa
+    grid = e4m3_grid()
+    mids = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, grid * 1.0001, grid * 0.9999])
+    x = torch.cat([mids, -mids]).float()[None]
+    one = torch.tensor([1.0])
+    assert torch.equal(Q.ref_static(x, one).double(), nearest_e4m3(x.double()))
+    assert torch.equal(u8(K.static_quant(x, one)), u8(Q.ref_static(x, one)))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_custom_ops_dispatch(monkeypatch, impl):
+    monkeypatch.setattr(Q, "IMPL", impl)
+    x = rand((4, 256), 5)
+    s = torch.tensor([0.03])
+    assert torch.equal(u8(torch.ops.mla.quant_fp8_static(x, s)), u8(Q.ref_static(x, s)))
+    y, sc = torch.ops.mla.quant_fp8_group(x, 128, False)
+    y2, sc2 = Q.ref_group(x, 128, False)
+    assert torch.equal(u8(y), u8(y2)) and torch.equal(sc, sc2)
+    a, b = x.view(4, 2, 128)[..., :96], x.view(4, 2, 128)[..., 96:]
+    assert torch.equal(u8(torch.ops.mla.concat_quant_fp8_static(a, b, s)),
+                       u8(Q.ref_concat_static(a, b, s)))
+
+
+def test_opcheck_custom_ops():
+    x = rand((4, 128), 6)
+    s = torch.tensor([0.05])
+    torch.library.opcheck(torch.ops.mla.quant_fp8_static.default, (x, s),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.mla.quant_fp8_group.default, (x, 64, True),
+                          test_utils=("test_schema", "test_faketensor"))
+    a, b = x.view(4, 2, 64)[..., :48], x.view(4, 2, 64)[..., 48:]
+    torch.library.opcheck(torch.ops.mla.concat_quant_fp8_static.default, (a, b, s),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_op_argument_errors():
+    x = rand((4, 100), 7)
+    with pytest.raises(ValueError, match="divisible"):
+        torch.ops.mla.quant_fp8_group(x, 64, False)
+    with pytest.raises(ValueError, match="fp32"):
+        torch.ops.mla.quant_fp8_static(x, torch.tensor([1.0, 2.0]))
