@@ -41,6 +41,9 @@ SWEEP = {
         ("w16", ("bf16",), dict(num_warps=16)),
         ("lazy_s3", ("bf16", "fp8kv", "fp8q"), dict(lazy_rescale=1, num_stages=3)),
         ("n32_lazy", ("fp8kv", "fp8q"), dict(lazy_rescale=1, block_n=32, num_stages=3)),
+        ("n128s2", ("fp8q",), dict(block_n=128, num_stages=2)),
+        ("n128s1", ("bf16", "fp8q"), dict(block_n=128, num_stages=1)),
+        ("n64s3", ("bf16",), dict(num_stages=3)),
     ],
     "narrow": [
         ("splits1", ("bf16",), dict(num_splits=1)),
@@ -92,13 +95,18 @@ def graph_time_us(fn):
     return ms * 1e3
 
 
-def kernel_stats():
-    """Registers, spills, shared memory and MMA instructions of each compiled stage-1 kernel."""
+def kernel_stats(cubin_dir=None):
+    """Registers, spills, shared memory and MMA instructions of each compiled stage-1 kernel.
+
+    With cubin_dir, the first few cubins are written there for disassembly.
+    """
     from lowering.triton_decode_kernel import mla_decode_stage1_kernel as k
     stats = []
     try:
         for cache in k.device_caches.values():
-            for key, ck in cache[0].items():
+            for i, (key, ck) in enumerate(cache[0].items()):
+                if cubin_dir and i < 4 and "cubin" in ck.asm:
+                    Path(cubin_dir, f"stage1_{i}.cubin").write_bytes(ck.asm["cubin"])
                 ptx = ck.asm.get("ptx", "")
                 stats.append(dict(n_regs=ck.n_regs, n_spills=ck.n_spills,
                                   shared=getattr(ck.metadata, "shared", None),
@@ -153,12 +161,14 @@ def bench_shape(B, H, S, args, ceilings, log):
         record("flashmla", fm_fn, "bf16")
     except ImportError as exc:
         log(f"  flashmla unavailable: {exc}")
-    record("reference", lambda: mla_decode_reference(q, kv, bt, lens, scale, causal=True, kind="auto",
-                                                     k_scale=None, head_dim_v=L), "bf16")
+    if not args.no_reference:
+        record("reference", lambda: mla_decode_reference(q, kv, bt, lens, scale, causal=True,
+                                                         kind="auto", k_scale=None, head_dim_v=L),
+               "bf16")
     wide = "wide" if H >= 64 else "narrow"
     variants = [("default", ("bf16", "fp8kv", "fp8q"), {})]
     if args.sweep:
-        variants += SWEEP[wide]
+        variants += [v for v in SWEEP[wide] if not args.variants or v[0] in args.variants]
     for tag, kinds, tune in variants:
         if time.time() > args.deadline:
             log("  (time budget reached, skipping variants)")
@@ -194,6 +204,9 @@ def main():
     ap.add_argument("--splits", type=int, nargs="*", default=[])
     ap.add_argument("--shapes", default="all", help="'all' or indices like 0,1,3")
     ap.add_argument("--budget-s", type=float, default=480)
+    ap.add_argument("--cubin-dir", default=None)
+    ap.add_argument("--variants", nargs="*", default=[], help="sweep only these tags")
+    ap.add_argument("--no-reference", action="store_true")
     args = ap.parse_args()
     args.deadline = time.time() + args.budget_s
     lines = []
@@ -213,7 +226,7 @@ def main():
         log(f"B={B} H={H} S={S}")
         results["rows"] += bench_shape(B, H, S, args, (copy_bw, gemm), log)
         Path(args.json).write_text(json.dumps(results, indent=1))
-    results["kernels"] = kernel_stats()
+    results["kernels"] = kernel_stats(args.cubin_dir)
     for st in results["kernels"]:
         log(str(st))
     Path(args.json).write_text(json.dumps(results, indent=1))

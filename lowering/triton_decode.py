@@ -171,13 +171,14 @@ def triton_decode_op(
     return out, lse
 
 
-def _check_widths(D: int, head_dim_v: int) -> None:
+def _check_widths(D: int, head_dim_v: int, least: int = 16) -> None:
+    """L and R must be powers of two (tl.arange); fp8 dots need K >= 32."""
     from .backends import BackendUnavailable
     L, R = head_dim_v, D - head_dim_v
     for name, v in (("head_dim_v (L)", L), ("rope width D - head_dim_v (R)", R)):
-        if v < 16 or v & (v - 1):
+        if v < least or v & (v - 1):
             raise BackendUnavailable(
-                f"backend 'triton' needs {name} to be a power of two >= 16, got {v}")
+                f"backend 'triton' needs {name} to be a power of two >= {least}, got {v}")
 
 
 def triton_mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, causal, kind,
@@ -217,7 +218,7 @@ def mla_decode_fp8q(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, q
                            device=q.device).expand(*q.shape)
     _, head_dim_v = check_decode_args(stand_in, kv_cache, block_table, cache_seqlens,
                                       softmax_scale, "fp8", k_scale, head_dim_v)
-    _check_widths(q.shape[-1], head_dim_v)
+    _check_widths(q.shape[-1], head_dim_v, least=32)
     if batch_invariant is None:
         batch_invariant = _batch_invariant
     return triton_decode_op(q, kv_cache, block_table, cache_seqlens, q_scale.reshape(1),
