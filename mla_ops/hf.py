@@ -165,6 +165,27 @@ class PagedMLACache(Cache):
         """Real (non-pad) tokens stored per row."""
         return self.lens.tolist()
 
+    def occupy(self, lengths) -> None:
+        """Mark rows 0.. as holding lengths[b] tokens (blocks taken, contents as they are).
+
+        For benchmarks and tests that need a long context without running its prefill.
+        """
+        lengths = [int(n) for n in lengths]
+        if len(lengths) > self.max_batch_size or any(not 0 <= n <= self.max_cache_len
+                                                      for n in lengths):
+            raise ValueError(f"lengths {lengths} do not fit max_batch_size={self.max_batch_size}"
+                             f", max_cache_len={self.max_cache_len}")
+        need = [-(-n // self.block_size) for n in lengths]
+        if sum(need) > self.num_blocks - self.blocks_in_use() or int(self.lens.max()) > 0:
+            raise CacheFullError("occupy() needs an empty cache with enough free blocks")
+        nxt = self.blocks_in_use()
+        for b, k in enumerate(need):
+            self.block_table[b, :k] = torch.arange(nxt, nxt + k, dtype=torch.int32)
+            nxt += k
+        self.lens[:len(lengths)] = torch.tensor(lengths, dtype=torch.int32)
+        self.num_used.fill_(nxt)
+        self._seen.fill_(max(lengths))
+
     # -- HF Cache API ------------------------------------------------------------------
     def reset(self):
         """Forget every sequence and return all blocks (in place: addresses stay put)."""

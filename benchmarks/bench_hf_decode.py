@@ -1,0 +1,177 @@
+"""One decode step of a DeepSeek-V3-shaped HF model: HF vs the converted model.
+
+Model: DeepseekV3ForCausalLM with V3's attention (128 heads, q_lora 1536, L 512, R 64,
+P 128, V 128), hidden 7168, intermediate 18432, 2 dense layers, vocab 2048 (so the head
+is negligible), bf16, random weights. Each (B, S) times one decode step with S tokens of
+context per row:
+
+  hf-eager     HF forward, StaticCache(max_cache_len=S+n), no compile
+  hf-compile   torch.compile(model.forward, fullgraph, mode) with the same StaticCache
+  ours-compile converted model + PagedMLACache(block 64), same compile settings
+
+Caches are filled with random rows (no prefill is run). Reported: ms per layer = median
+step time / num_layers (the step includes embedding, final norm and head).
+
+    python benchmarks/bench_hf_decode.py --device cuda                       # the table
+    python benchmarks/bench_hf_decode.py --device cpu --config tiny --shapes 2x64 --iters 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+import mla_ops.hf  # noqa: E402
+from deepseek_demo import build_model, make_config  # noqa: E402
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def fill_static_cache(cfg, B, S, extra, dev, dtype):
+    from transformers import StaticCache
+    cache = StaticCache(config=cfg, max_cache_len=S + extra)
+    L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    for layer in cache.layers:   # keys [B, 1, max, L], values [B, 1, max, R] (HF's MLA layout)
+        layer.lazy_initialization(torch.empty(B, 1, 0, L, device=dev, dtype=dtype),
+                                  torch.empty(B, 1, 0, R, device=dev, dtype=dtype))
+        layer.keys.normal_()
+        layer.values.normal_()
+        layer.cumulative_length.fill_(S)
+    return cache
+
+
+def fill_paged_cache(cfg, B, S, extra, dev, dtype, backend_block=64):
+    cache = mla_ops.hf.PagedMLACache(cfg, max_batch_size=B, max_cache_len=S + extra,
+                                     block_size=backend_block, device=dev, dtype=dtype)
+    for kv in cache.pool.kv:
+        kv.normal_()
+    cache.occupy([S] * B)
+    return cache
+
+
+def time_steps(step, dev, warmup, iters, mark):
+    """Median seconds of step() after warmup calls."""
+    for _ in range(warmup):
+        if mark:
+            torch.compiler.cudagraph_mark_step_begin()
+        step()
+    sync(dev)
+    times = []
+    for _ in range(iters):
+        if mark:
+            torch.compiler.cudagraph_mark_step_begin()
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--config", choices=["v3-shaped", "tiny"], default="v3-shaped")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--shapes", default="1x4096,32x4096,32x1024")
+    ap.add_argument("--modes", default="ours-compile,hf-eager,hf-compile")
+    ap.add_argument("--compile-mode", default=None,
+                    help="torch.compile mode (default: reduce-overhead on CUDA, i.e. CUDA graphs)")
+    ap.add_argument("--backend", default=None, help="default: inductor on CUDA, aot_eager on CPU")
+    ap.add_argument("--mla-backend", default="auto", help="decode kernel: auto | reference | ...")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json", default=None, help="append results here as JSON lines")
+    args = ap.parse_args()
+
+    import lowering
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16
+    on_cuda = dev.type == "cuda"
+    backend = args.backend or ("inductor" if on_cuda else "aot_eager")
+    cmode = args.compile_mode or ("reduce-overhead" if on_cuda and backend == "inductor" else None)
+    mark = cmode == "reduce-overhead"
+    cfg = make_config(args.config, args.layers)
+    cfg._attn_implementation = "sdpa"
+    model = build_model(cfg, dev, dtype)
+    mla_ops.hf.convert(model, backend=args.mla_backend)   # a StaticCache still runs HF's path
+    nl = cfg.num_hidden_layers
+    modes = args.modes.split(",")
+    extra = args.warmup + args.iters + 8
+    print(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, "
+          f"{torch.cuda.get_device_name() if on_cuda else 'cpu'}; compile backend {backend}, "
+          f"mode {cmode}; mla backend {args.mla_backend}", flush=True)
+    rows = []
+    for shape in args.shapes.split(","):
+        B, S = (int(x) for x in shape.split("x"))
+        res = {"B": B, "S": S}
+        for mode in modes:
+            torch._dynamo.reset()
+            ids = torch.randint(3, cfg.vocab_size, (B, 1), device=dev)
+            pos = torch.full((B, 1), S, device=dev, dtype=torch.long)
+            if mode.startswith("ours"):
+                cache = fill_paged_cache(cfg, B, S, extra, dev, dtype)
+            else:
+                cache = fill_static_cache(cfg, B, S, extra, dev, dtype)
+            fwd = model.forward
+            if mode.endswith("compile"):
+                fwd = torch.compile(model.forward, fullgraph=True, dynamic=False,
+                                    backend=backend, mode=cmode)
+            lowering.backend_choices.clear()
+
+            def step():
+                with torch.no_grad():
+                    return fwd(input_ids=ids, position_ids=pos, past_key_values=cache,
+                               logits_to_keep=1).logits
+
+            t0 = time.perf_counter()
+            try:
+                step()
+                sync(dev)
+                first = time.perf_counter() - t0
+                sec = time_steps(step, dev, args.warmup, args.iters,
+                                 mark and mode.endswith("compile"))
+            except Exception as e:       # keep the other rows of the table
+                print(f"  {mode} B={B} S={S} failed: {type(e).__name__}: {e}"[:600], flush=True)
+                res[mode] = None
+                continue
+            res[mode] = sec * 1e3 / nl
+            served = dict(lowering.backend_choices) if mode.startswith("ours") else {}
+            print(f"  B={B} S={S} {mode}: {res[mode]:.3f} ms/layer (first call {first:.1f} s)"
+                  + (f" decode kernel {served}" if served else ""), flush=True)
+            del cache
+            if on_cuda:
+                torch.cuda.empty_cache()
+        rows.append(res)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(res) + "\n")
+
+    print("\n| B, S | " + " | ".join(modes) + " | hf-compile / ours |")
+    print("|---|" + "---|" * (len(modes) + 1))
+    for r in rows:
+        cells = [f"{r[m]:.3f}" if r.get(m) else "—" for m in modes]
+        sp = (f"{r['hf-compile'] / r['ours-compile']:.1f}x"
+              if r.get("hf-compile") and r.get("ours-compile") else "—")
+        print(f"| {r['B']}, {r['S']} | " + " | ".join(cells) + f" | {sp} |")
+
+
+if __name__ == "__main__":
+    main()
