@@ -330,3 +330,46 @@ def test_second_identical_compile_is_a_cache_hit():
                           dyn_utils.counters["inductor"]["fxgraph_cache_miss"]))
     assert stats == [(0, 1), (1, 0), (0, 1)]      # miss, hit, miss on other parameters
     assert outs[1][0].dtype == torch.float8_e4m3fn
+
+
+# ------------------------------------------------------------------ a two-layer model
+
+def test_two_layer_model_with_fp8_o_proj_fuses_every_layer():
+    """MLAAttention (fp8 cache, fp8 decode query) + Fp8BlockLinear o_proj, two layers."""
+    from mla_ops import PagedLatentCache
+    from passes.fp8_linear import Fp8BlockLinear
+    layers, projs = [], []
+    for i in range(2):
+        layer, _, step = build(fp8_query=True, seed=10 * i)
+        layers.append(layer)
+        lin = torch.nn.Linear(D.N * D.V, 128, bias=False)
+        torch.nn.init.normal_(lin.weight, std=0.05, generator=torch.Generator().manual_seed(i))
+        projs.append(Fp8BlockLinear.from_linear(lin.to(torch.bfloat16)))
+    cache2 = PagedLatentCache(1, step.cache.num_blocks, step.cache.block_size, kv_lora_rank=D.L,
+                              qk_rope_head_dim=D.R, dtype=torch.bfloat16, kv_cache_dtype="fp8",
+                              k_scale=0.03)
+    cache2.kv[0].copy_(step.cache.kv[0])
+
+    def model(q, kv_c, k_pe, kv0, k_scale, meta, kv1):
+        h = 0
+        for layer, proj, kv in zip(layers, projs, (kv0, kv1)):
+            h = h + proj(layer(q, kv_c, k_pe, kv, k_scale, meta))
+        return (h,)
+
+    q, kv_c, k_pe = step.inputs()
+    snap = [step.cache.kv[0].clone(), cache2.kv[0].clone()]
+    compiled = passes.compile_with_passes(model)
+    fused = compiled(q, kv_c, k_pe, step.cache.kv[0], step.cache.k_scale, step.meta, cache2.kv[0])
+    step.cache.kv[0].copy_(snap[0])
+    cache2.kv[0].copy_(snap[1])
+    eager = model(q, kv_c, k_pe, step.cache.kv[0], step.cache.k_scale, step.meta, cache2.kv[0])
+    assert torch.allclose(fused[0].float(), eager[0].float(), atol=2e-2, rtol=2e-2)
+    fusion = compiled.fusion
+    for p, pattern in (("A", "cat_quant_fp8_static"), ("B", "fp8_dynamic_group128")):
+        recs = [r for r in fusion.records if r["pass_"] == p]
+        assert sorted((r["layer"], r["matched"]) for r in recs) == [(0, True), (1, True)], p
+        assert fusion.match_counts(p) == {pattern: 2}
+    b, a = fusion.ops_before, fusion.ops_after
+    assert (b["mla::quant_fp8_group"], a["mla::quant_fp8_group"]) == (2, 0)
+    assert (b["mla::quant_fp8_static"], a["mla::quant_fp8_static"]) == (2, 0)
+    assert a["mla::concat_quant_fp8_static"] == 2 and a["mla::kv_cache_update"] == 2
