@@ -143,7 +143,22 @@ def main():
 
             t0 = time.perf_counter()
             try:
-                step()
+                try:
+                    step()
+                except Exception as e:
+                    if not mode.startswith("ours") or args.mla_backend == "reference":
+                        raise
+                    print(f"  {mode} with mla backend {args.mla_backend!r} failed "
+                          f"({type(e).__name__}: {e}"[:400] + "); retrying with 'reference'",
+                          flush=True)
+                    args.mla_backend = "reference"
+                    for m in model.modules():
+                        if hasattr(m, "mla_attn"):
+                            m.mla_attn.backend = "reference"
+                    torch._dynamo.reset()
+                    fwd = torch.compile(model.forward, fullgraph=True, dynamic=False,
+                                        backend=backend, mode=cmode)
+                    step()
                 sync(dev)
                 first = time.perf_counter() - t0
                 sec = time_steps(step, dev, args.warmup, args.iters,
