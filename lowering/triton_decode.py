@@ -15,8 +15,10 @@ Public entries:
   mla_decode_fp8q(q_fp8, kv_cache_fp8, block_table, cache_seqlens, softmax_scale, *,
                   q_scale, k_scale, causal=True, head_dim_v=None, out_dtype=bf16,
                   batch_invariant=None)
-      fp8 query x fp8 cache with per-tensor scales (value = stored * scale), using
-      fp8 tensor-core dots on Hopper. Returns (out [B, s_q, H, L] out_dtype, lse [B, H, s_q]).
+      fp8 query x fp8 cache with per-tensor scales (value = stored * scale): the scores
+      use fp8 tensor-core dots (QGMMA on Hopper); P @ V runs in fp16 by default (PV_FP8
+      below: fp8 there needs V transposed per tile, measured 5x slower). L and R >= 32.
+      Returns (out [B, s_q, H, L] out_dtype, lse [B, H, s_q]).
   set_batch_invariant(flag)
       batch-invariant mode: every request is cut into fixed INVARIANT_CHUNK-key splits
       merged in split order, with one kernel config per head count, so a request's

@@ -28,7 +28,7 @@ so each request's work spreads over all splits in proportion to its own length,
 computed on the device (no host sync, safe under CUDA graphs).
 
 Dtypes (KV_KIND):
-  0: q and cache in the same float dtype (bf16 / fp16 / fp32).
+  0: q and cache in the same dtype (bf16 or fp16); P is rounded to that dtype for P @ V.
   1: cache fp8 e4m3, q bf16/fp16: the dots run in fp16. Every e4m3 value is exact in
      fp16 and e4m3 -> fp16 is one instruction per pair on sm89+; q is scaled by 1/16
      (exact) before its one-time cast to fp16, so |q| up to 1e6 stays finite. The
