@@ -93,17 +93,60 @@ def check_attention_args(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_tab
                              f"boundary of query_start_loc {qsl}")
 
 
+def _quant_impl(x: torch.Tensor):
+    """passes.quant (Triton kernels on CUDA, one launch per quant) when it is importable
+    and selects Triton for x; None means the torch reference here."""
+    try:
+        import passes.quant as pq
+    except ImportError:
+        return None
+    return pq if pq._use_triton(x) else None
+
+
 def _write_output(out: torch.Tensor, dst: torch.Tensor, output_scale, block_scale) -> None:
-    """Write out [t, N*V] into dst, quantizing to fp8 when a scale is given."""
-    if output_scale is not None:
-        dst.copy_(quant_fp8_static(out, output_scale))
-    elif block_scale is not None:
-        g = out.shape[1] // block_scale.shape[1]
-        s = group_scales(out, g)
-        block_scale.copy_(s)
-        dst.copy_(quant_fp8_group(out, s))
-    else:
+    """Write out [t, N*V] into dst, quantizing to fp8 when a scale is given.
+
+    Quantized outputs here are a 16-bit temporary plus one quant pass: the prefill path
+    (its output is final only after the last context chunk is merged), and decode rows
+    the fused W_UV epilogue (decode_output) cannot serve.
+    """
+    if output_scale is None and block_scale is None:
         dst.copy_(out)
+        return
+    pq = _quant_impl(out)
+    if output_scale is not None:
+        dst.copy_(pq.quant_fp8_static_op(out, output_scale) if pq else
+                  quant_fp8_static(out, output_scale))
+        return
+    g = out.shape[1] // block_scale.shape[1]
+    if pq:
+        y, s = pq.quant_fp8_group_op(out, g, False)
+    else:
+        s = group_scales(out, g)
+        y = quant_fp8_group(out, s)
+    block_scale.copy_(s)
+    dst.copy_(y)
+
+
+def decode_output(out_latent, W_UV, dst, output_scale, block_scale) -> None:
+    """dst [t, N*V] = out_latent [t, N, L] @ W_UV, quantized when a scale is given.
+
+    With an output quant and Triton selected (CUDA), the quant runs in the W_UV GEMM's
+    epilogue: one kernel writes the fp8 output (and its group scales), no 16-bit
+    temporary. Otherwise: bmm, then _write_output.
+    """
+    t = out_latent.shape[0]
+    if output_scale is not None or block_scale is not None:
+        pq = _quant_impl(out_latent)
+        g = None if block_scale is None else dst.shape[1] // block_scale.shape[1]
+        if pq is not None:
+            from passes.quant_kernels import wuv_quant, wuv_quant_supported
+            if wuv_quant_supported(out_latent, W_UV, g) is None:
+                wuv_quant(out_latent, W_UV, scale=output_scale, group_size=g, out=dst,
+                          block_scale=block_scale)
+                return
+    out = torch.bmm(out_latent.transpose(0, 1), W_UV)                    # [N, t, V]
+    _write_output(out.transpose(0, 1).reshape(t, -1), dst, output_scale, block_scale)
 
 
 def check_decode_query(decode_q, decode_q_scale, q, W_UK_T, num_decode_tokens):
@@ -160,7 +203,8 @@ def _fp8_query_decode(q8, q_scale, kv_cache, block_table, lens, softmax_scale, k
 
 def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_start_loc,
                      softmax_scale, kind, k_scale, backend, decode_q=None, decode_q_scale=None):
-    """Absorbed MQA for decode tokens q [t, N, P+R] -> [t, N*V] (q dtype).
+    """Absorbed MQA for decode tokens q [t, N, P+R] -> latent output [t, N, L] (W_UV dtype);
+    decode_output then applies W_UV (and the output quant).
 
     decode_q, when given, is the prebuilt query [t, N, L + R] (q's dtype, or fp8 with
     decode_q_scale), built outside the op so graph passes can see and fuse it.
@@ -181,8 +225,7 @@ def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_sta
         out_latent, _ = lowering.mla_decode(
             q_mqa[:, None], kv_cache, bt, lens, softmax_scale, causal=True, kv_cache_dtype=kind,
             k_scale=k_scale, backend=backend, head_dim_v=L)              # [t, 1, N, L]
-    out = torch.bmm(out_latent[:, 0].transpose(0, 1), W_UV)              # [N, t, V]
-    return out.transpose(0, 1).reshape(t, -1)                            # [t, N * V]
+    return out_latent[:, 0]                                              # [t, N, L]
 
 
 def run_attention(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
@@ -197,10 +240,10 @@ def run_attention(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq
         return None if output_block_scale is None else output_block_scale[a:b]
 
     if nd > 0:
-        out = decode_attention(q[:nd], kv_cache, W_UK_T, W_UV, block_table, seq_lens,
+        lat = decode_attention(q[:nd], kv_cache, W_UK_T, W_UV, block_table, seq_lens,
                                query_start_loc, softmax_scale, kind, k_scale, backend,
                                decode_q, decode_q_scale)
-        _write_output(out, output[:nd], output_scale, scale_rows(0, nd))
+        decode_output(lat, W_UV, output[:nd], output_scale, scale_rows(0, nd))
     if nd < T:
         out = prefill_attention(q, kv_c_normed, k_pe.reshape(T, -1), kv_cache, W_UK_T, W_UV,
                                 block_table, seq_lens, query_start_loc, nd, softmax_scale,

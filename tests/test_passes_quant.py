@@ -150,3 +150,71 @@ def test_op_argument_errors():
         torch.ops.mla.quant_fp8_group(x, 64, False)
     with pytest.raises(ValueError, match="fp32"):
         torch.ops.mla.quant_fp8_static(x, torch.tensor([1.0, 2.0]))
+
+
+def fp8_step_close(y, ref, max_frac=0.01):
+    """Equal except a few elements one e4m3 step apart (fp32 GEMM sums round either way)."""
+    a, b = y.double(), ref.double()
+    diff = a != b
+    assert diff.double().mean().item() <= max_frac
+    assert ((a - b).abs()[diff] <= b.abs()[diff] / 8 + 2 ** -9).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [None, 64, 128])
+def test_wuv_gemm_quant_epilogue(dtype, group):
+    g = torch.Generator().manual_seed(8)
+    t, N, L, V = 37, 3, 64, 128
+    a = torch.randn(N, t, L, generator=g).to(dtype).transpose(0, 1)         # bmm-output layout
+    W = (torch.randn(N, L, V, generator=g) / 8).to(dtype)
+    o = torch.einsum("tnl,nlv->tnv", a.double(), W.double()).to(dtype).reshape(t, -1)
+    assert K.wuv_quant_supported(a, W, group) is None
+    if group is None:
+        s = torch.tensor([0.01])
+        y, _ = K.wuv_quant(a, W, scale=s)
+        fp8_step_close(y, Q.ref_static(o, s))
+    else:
+        y, sc = K.wuv_quant(a, W, group_size=group)
+        y2, sc2 = Q.ref_group(o, group, False)
+        assert torch.allclose(sc, sc2, rtol=1e-2)
+        fp8_step_close(y.double() * sc.repeat_interleave(group, 1).double(),
+                       y2.double() * sc2.repeat_interleave(group, 1).double())
+
+
+def test_wuv_epilogue_conditions():
+    a = torch.empty(2, 2, 64, dtype=torch.bfloat16)
+    assert "power of two" in K.wuv_quant_supported(a, torch.empty(2, 64, 96, dtype=a.dtype), None)
+    assert "dividing" in K.wuv_quant_supported(a, torch.empty(2, 64, 32, dtype=a.dtype), 64)
+    assert "bf16/fp16" in K.wuv_quant_supported(a.float(), torch.empty(2, 64, 64), None)
+
+
+@pytest.mark.parametrize("quant", ["static", "group"])
+def test_attention_op_epilogue_path_matches_reference_path(monkeypatch, quant):
+    """The op's fused decode epilogue (Triton) vs its bmm + quant path (torch)."""
+    from scenario import Dims, Step, make_layer
+    d = Dims(N=2, P=16, R=16, V=64, L=32)
+    layer, _ = make_layer(d, torch.bfloat16)
+    outs = []
+    for impl in ("torch", "triton"):
+        monkeypatch.setattr(Q, "IMPL", impl)
+        step = Step(d, [6, 2, 0], [1, 1, 3], dtype=torch.bfloat16)
+        q, kv_c, k_pe = step.inputs()
+        T = q.shape[0]
+        dep = torch.ops.mla.kv_cache_update(kv_c, k_pe, step.cache.kv[0], step.meta.slot_mapping,
+                                            "auto", step.cache.k_scale)
+        out = torch.empty(T, d.N * d.V, dtype=torch.float8_e4m3fn)
+        scale = torch.tensor([0.02]) if quant == "static" else None
+        bs = torch.empty(T, d.N * d.V // 64) if quant == "group" else None
+        m = step.meta
+        torch.ops.mla.attention_with_output(
+            q, kv_c, k_pe, step.cache.kv[0], layer.W_UK_T, layer.W_UV, m.block_table,
+            m.seq_lens, m.query_start_loc, m.num_decode_tokens, layer.softmax_scale, "auto",
+            step.cache.k_scale, dep, out, scale, bs)
+        outs.append((out, bs))
+    (y0, s0), (y1, s1) = outs
+    if quant == "group":
+        assert torch.allclose(s0, s1, rtol=1e-2)
+        fp8_step_close(y1.double() * s1.repeat_interleave(64, 1).double(),
+                       y0.double() * s0.repeat_interleave(64, 1).double())
+    else:
+        fp8_step_close(y1, y0)
