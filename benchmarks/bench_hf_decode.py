@@ -131,6 +131,12 @@ def main():
             else:
                 cache = fill_static_cache(cfg, B, S, extra, dev, dtype)
             fwd = model.forward
+            if mode.startswith("ours") and on_cuda:
+                # one eager step first: a decode kernel's persistent buffers (FlashMLA's
+                # scheduler table) are then allocated outside the CUDA-graph pool
+                with torch.no_grad():
+                    model(input_ids=ids, position_ids=pos, past_key_values=cache,
+                          logits_to_keep=1)
             if mode.endswith("compile"):
                 fwd = torch.compile(model.forward, fullgraph=True, dynamic=False,
                                     backend=backend, mode=cmode)
