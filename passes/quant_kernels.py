@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
+FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
@@ -57,7 +57,8 @@ def _group_quant_kernel(x_ptr, y_ptr, s_ptr, C, stride_x, GROUP: tl.constexpr,
     cols = grp * GROUP + tl.arange(0, GROUP)
     x = tl.load(x_ptr + row * stride_x + cols).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
-    s = _div_rn(tl.maximum(amax, 1e-10), FP8_MAX)
+    amax = tl.maximum(amax, 1e-10)
+    s = _div_rn(amax, amax * 0.0 + FP8_MAX)
     if POW2:
         bits = s.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFFFF) & 0x7F800000          # next power of two >= s
