@@ -85,6 +85,24 @@ def time_steps(step, dev, warmup, iters, mark):
     return statistics.median(times)
 
 
+def profile_step(step, mark, title, steps=3, top=12):
+    """Top GPU kernels over `steps` steps, per step."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            if mark:
+                torch.compiler.cudagraph_mark_step_begin()
+            step()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    rows.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in rows) / steps
+    print(f"  profile {title}: {total / 1e3:.3f} ms of GPU kernels per step", flush=True)
+    for e in rows[:top]:
+        print(f"    {e.self_device_time_total / steps / 1e3:8.3f} ms  x{e.count // steps:<3d} {e.key[:90]}",
+              flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
@@ -99,6 +117,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=None, help="append results here as JSON lines")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the top GPU kernels of one compiled step per mode")
     args = ap.parse_args()
 
     import lowering
@@ -124,6 +144,7 @@ def main():
         res = {"B": B, "S": S}
         for mode in modes:
             torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
             ids = torch.randint(3, cfg.vocab_size, (B, 1), device=dev)
             pos = torch.full((B, 1), S, device=dev, dtype=torch.long)
             if mode.startswith("ours"):
@@ -174,7 +195,12 @@ def main():
                 res[mode] = None
                 continue
             res[mode] = sec * 1e3 / nl
+            if args.profile and on_cuda:
+                profile_step(step, mark and mode.endswith("compile"), f"{mode} B={B} S={S}")
             served = dict(lowering.backend_choices) if mode.startswith("ours") else {}
+            skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+            if mode.endswith("compile") and mark and skips:
+                print(f"  {mode}: CUDA graphs skipped ({skips})", flush=True)
             print(f"  B={B} S={S} {mode}: {res[mode]:.3f} ms/layer (first call {first:.1f} s)"
                   + (f" decode kernel {served}" if served else ""), flush=True)
             del cache
