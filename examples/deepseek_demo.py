@@ -133,6 +133,11 @@ def main():
                            mode="reduce-overhead" if (on_cuda and backend == "inductor") else None)
         cc._compile_all_devices = True       # compile on CPU as well
         kw["compile_config"] = cc
+    if on_cuda:
+        # A decode kernel may set up persistent buffers on its first call (FlashMLA's
+        # scheduler table): make that call eagerly, outside the CUDA-graph pool.
+        timed_generate(model, ids, mask, 2, dev, past_key_values=cache, disable_compile=True)
+        cache.reset()
     out, t_first = timed_generate(model, ids, mask, new, dev, past_key_values=cache, **kw)
     used_blocks, used_bytes = cache.blocks_in_use(), cache.bytes_in_use()
     cache.reset()
