@@ -73,6 +73,8 @@ def kv_cache_update(kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: tor
         # No host sync under graph capture: padding rows rewrite their target's current value.
         keep = (slot_mapping >= 0)[:, None]
         idx = slot_mapping.clamp(min=0)
+        if flat.dtype in FP8_DTYPES:        # CUDA has no fp8 index_copy_/where: move bytes
+            flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
         flat.index_copy_(0, idx, torch.where(keep, rows, flat.index_select(0, idx)))
     else:
         valid = slot_mapping >= 0

@@ -22,7 +22,9 @@ def group_scales(x: torch.Tensor, group_size: int, pow2: bool = False) -> torch.
     """
     T, C = x.shape
     amax = x.float().reshape(T, C // group_size, group_size).abs().amax(-1)
-    scale = amax.clamp(min=1e-10) / FP8_MAX
+    # divide by a tensor on amax's device: CUDA turns division by a Python scalar into a
+    # multiply by its reciprocal, which is not the correctly rounded quotient
+    scale = amax.clamp(min=1e-10) / amax.new_full((), FP8_MAX)
     if pow2:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     return scale

@@ -34,7 +34,9 @@ def _to_e4m3(y, dst):
     normal = bits.to(tl.float32, bitcast=True)
     sub = (a + 16384.0) - 16384.0                              # multiples of 2^-9, RTNE
     r = tl.where(a < 0.015625, sub, normal)
-    r = tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r)      # keeps -0.0
+    # copy y's sign bit (a negation would be 0 - r on GPU, losing -0.0)
+    sign = y.to(tl.int32, bitcast=True) & -2147483648
+    r = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return r.to(dst.dtype.element_ty)
 
 
