@@ -202,7 +202,7 @@ class PagedMLACache(Cache):
     reorder_cache = crop = batch_repeat_interleave = batch_select_indices = _unsupported
 
     # -- per-step bookkeeping (called by the converted attention) -----------------------
-    def _prepare(self, layer_idx: int, B: int, S: int, attention_mask, dtype) -> _Step:
+    def _prepare(self, layer_idx: int, B: int, S: int, attention_mask, dtype, device) -> _Step:
         """This step's plan for one layer; the last layer commits it to the cache state.
 
         The plan is a pure function of the state before the step, so every layer gets
@@ -221,6 +221,9 @@ class PagedMLACache(Cache):
             if dtype != self.dtype:
                 raise TypeError(f"model activations are {dtype} but the cache was built for "
                                 f"{self.dtype}; pass dtype= to PagedMLACache")
+            if device != self.device:
+                raise ValueError(f"model runs on {device} but the cache lives on {self.device}; "
+                                 f"pass device= to PagedMLACache")
             valid = None if S == 1 else _valid_tokens(attention_mask, B, S, self._seen)  # [B, S]
             step = self._plan(B, S, valid, check=not compiling and layer_idx == 0)
             self._step = None if compiling else step
@@ -373,7 +376,7 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     kv_c = kv_c.reshape(T, L)                                                # [T, L]
     k_pe = k_rot.reshape(T, 1, R)                                            # [T, 1, R]
 
-    step = cache._prepare(self.layer_idx, B, S, attention_mask, q.dtype)
+    step = cache._prepare(self.layer_idx, B, S, attention_mask, q.dtype, q.device)
     if step.perm is not None:
         q, kv_c, k_pe = q[step.perm], kv_c[step.perm], k_pe[step.perm]
     meta = step.meta
@@ -441,7 +444,7 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192):
         if w.device.type == "meta":
             raise ValueError(f"{name} has weights on the meta device; load them before convert()")
         scale_inv = getattr(m.kv_b_proj, "weight_scale_inv", None)
-        dt = m.kv_a_proj_with_mqa.weight.dtype if scale_inv is not None else w.dtype
+        dt = m.kv_a_layernorm.weight.dtype if scale_inv is not None else w.dtype   # activations
         mla = MLAAttention(N, P, R, V, L, float(m.scaling), workspace_rows=workspace_rows,
                            backend=backend)
         with torch.no_grad():

@@ -51,10 +51,13 @@ def test_generate_matches_hf(family, q_lora, interleave, yarn):
     assert cache.blocks_in_use() == sum(-(-n // bs) for n in kept)
 
 
-def test_forward_prefill_chunk_and_decode_match_hf():
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])   # bool and additive float masks
+def test_forward_prefill_chunk_and_decode_match_hf(attn):
     from transformers import DynamicCache
     cfg = tiny_config("v3")
     ref, model = build_pair(cfg, seed=5)
+    for m in (ref, model):
+        m.set_attn_implementation(attn)
     H.convert(model)
     ids, mask = left_padded([3, 11, 8], seed=7)
     cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=40, block_size=4)
@@ -213,6 +216,17 @@ def test_batch_larger_than_cache():
     with torch.no_grad(), pytest.raises(ValueError, match="max_batch_size=2"):
         model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2)
     assert cache.seq_lens() == [0, 0]
+
+
+def test_cache_dtype_must_match_model():
+    cfg = tiny_config("v3")
+    _, model = build_pair(cfg)
+    H.convert(model)
+    ids, mask = left_padded([3])
+    cache = H.PagedMLACache(model.config, max_batch_size=1, max_cache_len=16,
+                            dtype=torch.bfloat16)
+    with torch.no_grad(), pytest.raises(TypeError, match="dtype="):
+        model(ids, attention_mask=mask, past_key_values=cache)
 
 
 def test_unconverted_model_with_paged_cache_says_convert():
