@@ -66,6 +66,37 @@ def build_model(cfg, fp8_o_proj: bool, device):
     return model
 
 
+def normalize_graph(text: str) -> str:
+    """An FX graph print with what varies between runs stripped, for golden tests.
+
+    Node names are renumbered in order of appearance (inputs in0.., other nodes n0..),
+    user counts and placeholder targets dropped, floats rounded to 6 significant digits.
+    """
+    names: dict = {}
+    count = Counter()
+
+    def rename(name: str, placeholder: bool = False) -> str:
+        if name not in names:
+            kind = "in" if placeholder else "n"
+            names[name] = f"{kind}{count[kind]}"
+            count[kind] += 1
+        return names[name]
+
+    out = []
+    for line in text.strip().splitlines():
+        line = re.sub(r" : \[num_users=\d+\]", "", line)
+        m = re.match(r"(\s*)%(\w+) = placeholder\[target=\w+\]$", line)
+        if m:
+            out.append(f"{m.group(1)}%{rename(m.group(2), True)} = placeholder")
+            continue
+        line = re.sub(r"%(\w+)", lambda m: "%" + rename(m.group(1)), line)
+        if line.strip().startswith("return"):
+            line = re.sub(r"\b(\w+)\b", lambda m: names.get(m.group(1), m.group(1)), line)
+        line = re.sub(r"(?<![\w.])(\d+\.\d{7,})", lambda m: f"{float(m.group(1)):.6g}", line)
+        out.append(line.rstrip())
+    return "\n".join(out) + "\n"
+
+
 def count_generated_kernels(codes) -> dict:
     text = "\n".join(codes)
     return {"triton": len(re.findall(r"async_compile\.triton\(", text)),
