@@ -17,10 +17,17 @@ step traces to one graph with no host syncs: per row, the number of real (non-pa
 tokens stored; a block table handed out by a bump allocator (blocks are taken only
 when a row crosses a block boundary and are returned all at once by reset()).
 
-Padding: a token is padding when HF's mask hides it from itself. Within a step each
-row is reordered so its real tokens come first and its pads last; a row is then one
-request of S tokens whose trailing pads are never written to the cache and which no
-real token attends to (causality), so their output rows are discarded.
+Padding: in a step of S > 1 tokens, a token is padding when HF's mask hides it from
+itself. Each row is reordered so its real tokens come first and its pads last; a row is
+then one request of S tokens whose trailing pads are never written to the cache and
+which no real token attends to (causality), so their output rows are discarded. A
+one-token step (decode) needs no mask: every row's token is real, as in generate().
+Pads take no cache room, so row b's positions count its real tokens only, which is
+what HF's position_ids (cumsum of the mask) already assume.
+
+Each layer derives the step's plan (slots, block table, lengths) from the cache state
+as it was before the step; the last layer writes the new state back. Decode-step
+shapes depend only on B, so a fixed batch compiles once and replays in a CUDA graph.
 """
 from __future__ import annotations
 
