@@ -6,12 +6,13 @@ the package's legacy extension (torch.ops.flash_mla_legacy, use_legacy=True).
 
 Scheduler metadata. FlashMLA splits each request's keys over the SMs according to a
 tile-scheduler table computed from cache_seqlens. A table computed once and reused
-while lengths change (or freshly allocated outside a captured graph) gives stale
-splits and garbage after some steps. Here the table is recomputed from the current
-cache_seqlens on every call and copied into buffers that persist per
-(device, B, s_q, H), and the decode kernel reads those buffers. Under CUDA-graph
-capture both the recompute and the copy are captured, so every replay schedules
-from the lengths it is replayed with.
+while lengths change (or computed outside a captured graph into fresh tensors) gives
+stale splits and garbage after some steps. Here the table is computed inside this op,
+on the device, from the cache_seqlens it is called with. Under CUDA-graph capture the
+metadata kernel is captured too: its output buffers belong to the graph's private pool
+(fixed addresses for the graph's life) and every replay refills them from the lengths
+it is replayed with. No buffer outlives the call, so nothing is allocated in a CUDA-graph
+pool that the graph does not own (cudagraph trees reject such tensors).
 
 The call is wrapped as the custom op mla::flashmla_decode (with a fake impl) so
 torch.compile treats it as one opaque node.
@@ -21,9 +22,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
-_BUFFERS: dict = {}   # (device, B, s_q, H) -> [tile_scheduler_metadata, num_splits] (persistent)
-
 
 @functools.lru_cache(maxsize=1)
 def _flash_mla_import_error():
@@ -57,16 +55,6 @@ def flashmla_unmet(q, kv_cache, kind):
     return None
 
 
-def _persistent(key, meta, splits):
-    bufs = _BUFFERS.get(key)
-    if bufs is None or bufs[0].shape != meta.shape or bufs[1].shape != splits.shape:
-        bufs = [torch.empty_like(meta), torch.empty_like(splits)]
-        _BUFFERS[key] = bufs
-    bufs[0].copy_(meta)
-    bufs[1].copy_(splits)
-    return bufs
-
-
 @torch.library.custom_op("mla::flashmla_decode", mutates_args=())
 def flashmla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                        cache_seqlens: torch.Tensor, softmax_scale: float, causal: bool,
@@ -75,7 +63,6 @@ def flashmla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     B, s_q, H, _ = q.shape
     meta, splits = flash_mla.get_mla_decoding_metadata(
         cache_seqlens, s_q * H, 1, H, False, None, use_legacy=True)
-    meta, splits = _persistent((q.device, B, s_q, H), meta, splits)
     sched = flash_mla.flash_mla_interface.FlashMLASchedMeta()
     sched.tile_scheduler_metadata, sched.num_splits = meta, splits
     out, lse = flash_mla.flash_mla_with_kvcache(

@@ -36,5 +36,8 @@ def mla_decode_reference(q, kv_cache, block_table, cache_seqlens, softmax_scale,
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)                                # [B, H, s_q]
     p = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    # Rows past a request's length were never written: zero them so NaN/inf there
+    # cannot leak through a zero probability (0 * NaN = NaN).
+    kv = kv.masked_fill((pos[None, :] >= lens)[..., None], 0.0)
     out = torch.einsum("bhqs,bsv->bqhv", p, kv[..., :head_dim_v])        # [B, s_q, H, V]
     return out.to(q.dtype), lse.float()

@@ -116,8 +116,9 @@ class PagedLatentCache:
         self.dtype = dtype
         store = torch.float8_e4m3fn if self.kind == "fp8" else dtype
         width = kv_lora_rank + qk_rope_head_dim
-        # [num_blocks, block_size, L + R] per layer
-        self.kv = [torch.empty(num_blocks, block_size, width, dtype=store, device=device)
+        # [num_blocks, block_size, L + R] per layer; zeroed so no read of an unwritten
+        # row can ever see NaN/inf bit patterns
+        self.kv = [torch.zeros(num_blocks, block_size, width, dtype=store, device=device)
                    for _ in range(num_layers)]
         self.k_scale = torch.tensor([float(k_scale)], dtype=torch.float32, device=device)
         for t in self.kv + [self.k_scale]:

@@ -114,3 +114,33 @@ def test_generate_cuda_graphs_long():
     assert max(errs) <= 1e-3
     assert torch.equal(out.sequences, exp.sequences)
     assert graph_breaks() == 0
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_generate_bf16_cuda_graphs_flashmla_first_call_compiled():
+    """bf16 on an SM90 GPU picks FlashMLA; its first call happens inside the compiled,
+    CUDA-graphed decode step (no eager warm-up), which must work and match eager."""
+    import lowering
+    from transformers.generation.configuration_utils import CompileConfig
+    cfg = tiny_config("v3")
+    _, model = build_pair(cfg, seed=11)
+    model = H.convert(model).to(DEVICE, torch.bfloat16)
+    ids, mask = (t.to(DEVICE) for t in left_padded([5, 33, 70], seed=4))
+    kw = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, output_logits=True,
+              return_dict_in_generate=True)
+    before = lowering.backend_choices["flashmla"]
+    with torch.no_grad():
+        cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=128,
+                                block_size=64, device=DEVICE, dtype=torch.bfloat16)
+        out = model.generate(ids, past_key_values=cache,
+                             compile_config=CompileConfig(fullgraph=True, dynamic=False), **kw)
+        cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=128,
+                                block_size=64, device=DEVICE, dtype=torch.bfloat16)
+        eager = model.generate(ids, past_key_values=cache, **kw)
+    if lowering.select_backend(torch.empty(1, 1, 4, 576, device=DEVICE, dtype=torch.bfloat16),
+                               torch.empty(1, 64, 576, device=DEVICE, dtype=torch.bfloat16)) == "flashmla":
+        assert lowering.backend_choices["flashmla"] > before
+    errs = [logit_err(a.float(), b.float()) for a, b in zip(out.logits, eager.logits)]
+    assert max(errs) <= 3e-2, max(errs)
+    assert torch.equal(out.sequences, eager.sequences)
+    assert torch.isfinite(torch.stack(out.logits)).all()
