@@ -373,3 +373,23 @@ def test_two_layer_model_with_fp8_o_proj_fuses_every_layer():
     assert (b["mla::quant_fp8_group"], a["mla::quant_fp8_group"]) == (2, 0)
     assert (b["mla::quant_fp8_static"], a["mla::quant_fp8_static"]) == (2, 0)
     assert a["mla::concat_quant_fp8_static"] == 2 and a["mla::kv_cache_update"] == 2
+
+
+def test_patterns_match_with_dynamic_shapes():
+    """Symbolic token counts: both passes still fire in every compile."""
+    layer, _, step = build(fp8_query=True)
+    fn = lambda *a: quant_after(FP8_GROUP_64)(layer(*a))                # noqa: E731
+    compiled = passes.compile_with_passes(fn, dynamic=True)
+    for ctx, ql in (([5, 3, 0], [1, 1, 3]), ([6, 2, 4, 0], [1, 1, 1, 4])):
+        _, _, st = build(fp8_query=True, ctx=ctx, ql=ql)
+        q, kv_c, k_pe = st.inputs()
+        kv0 = st.cache.kv[0].clone()
+        fused = compiled(q, kv_c, k_pe, st.cache.kv[0], st.cache.k_scale, st.meta)
+        st.cache.kv[0].copy_(kv0)
+        assert_same(fused, fn(q, kv_c, k_pe, st.cache.kv[0], st.cache.k_scale, st.meta))
+    assert "sym_size" in compiled.fusion.graph_after or "s0" in compiled.fusion.graph_after
+    recs = compiled.fusion.records
+    assert recs and all(r["matched"] for r in recs)
+    n = len([r for r in recs if r["pass_"] == "B"])
+    assert compiled.fusion.match_counts("A") == {"cat_quant_fp8_static": n}
+    assert compiled.fusion.match_counts("B") == {"fp8_dynamic_group64": n}
