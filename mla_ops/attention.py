@@ -94,10 +94,11 @@ def check_attention_args(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_tab
 
 
 def _quant_impl(x: torch.Tensor):
-    """passes.quant (Triton kernels on CUDA, one launch per quant) when it is importable
-    and selects Triton for x; None means the torch reference here."""
+    """mla_ops.quant_ops (Triton kernels on CUDA, one launch per quant) when triton is
+    importable and selected for x; None means the torch reference here."""
     try:
-        import passes.quant as pq
+        from . import quant_ops as pq
+        import lowering.quant_kernels  # noqa: F401  (needs triton)
     except ImportError:
         return None
     return pq if pq._use_triton(x) else None
@@ -140,7 +141,7 @@ def decode_output(out_latent, W_UV, dst, output_scale, block_scale) -> None:
         pq = _quant_impl(out_latent)
         g = None if block_scale is None else dst.shape[1] // block_scale.shape[1]
         if pq is not None:
-            from passes.quant_kernels import wuv_quant, wuv_quant_supported
+            from lowering.quant_kernels import wuv_quant, wuv_quant_supported
             if wuv_quant_supported(out_latent, W_UV, g) is None:
                 wuv_quant(out_latent, W_UV, scale=output_scale, group_size=g, out=dst,
                           block_scale=block_scale)

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from . import ops  # noqa: F401  (registers torch.ops.mla.*)
+from . import ops, quant_ops  # noqa: F401  (register torch.ops.mla.*)
 from .attention import build_decode_query
 from .metadata import MLAMetadata
 from .quant import FP8, dequantize_block_fp8
@@ -85,7 +85,6 @@ class MLAAttention(nn.Module):
         """
         if self.kv_cache_dtype == "auto":
             raise ValueError("an fp8 decode query needs kv_cache_dtype='fp8'")
-        import passes.quant  # noqa: F401  (registers mla::quant_fp8_static)
         s = torch.as_tensor(q_scale, dtype=torch.float32).reshape(1)
         if not s.item() > 0:
             raise ValueError(f"q_scale must be positive, got {s.item()}")

@@ -40,6 +40,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import PatternMatcherPass
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
+from mla_ops import quant_ops
+
 from . import pass_a, pass_b, quant
 from .quant import QUANT_KEYS, QuantKey
 
@@ -91,7 +93,7 @@ def verify_kv_cache_dependency(graph) -> None:
 
 def _sources_hash(params: str) -> str:
     h = hashlib.sha256()
-    for mod in (pass_a, pass_b, quant, inspect.getmodule(_sources_hash)):
+    for mod in (pass_a, pass_b, quant, quant_ops, inspect.getmodule(_sources_hash)):
         h.update(inspect.getsource(mod).encode())
     h.update(params.encode())
     return h.hexdigest()

@@ -1,29 +1,20 @@
-"""QuantKey (what a quantization is, as data) and the FP8 quant custom ops.
+"""QuantKey: what a quantization is, as data; and quantize(), which applies one.
 
-    mla::quant_fp8_static(Tensor x, Tensor scale) -> Tensor
-        fp8(x / scale) saturated to +-448; scale one-element fp32 (per-tensor, static).
-    mla::quant_fp8_group(Tensor x, int group_size, bool pow2) -> (Tensor, Tensor)
-        dynamic per-token-group: x [T, C] -> (fp8 [T, C], scales [T, C // group_size] fp32),
-        scale = amax(|group|) / 448 (rounded up to a power of two when pow2).
-    mla::concat_quant_fp8_static(Tensor a, Tensor b, Tensor scale) -> Tensor
-        the fused op Pass A inserts: fp8(cat([a, b], -1) / scale) in one pass.
-
-Scales are dequantization scales (value = stored * scale). Each op has a torch reference
-(CPU, and the definition of the numerics) and a Triton implementation (CUDA; on CPU only
-when IMPL is set to "triton", as the tests do under TRITON_INTERPRET=1).
+The FP8 quant custom ops (mla::quant_fp8_static, mla::quant_fp8_group,
+mla::concat_quant_fp8_static) are defined with their torch references in
+mla_ops/quant_ops.py, their Triton kernels in lowering/quant_kernels.py; they are
+re-exported here for the passes.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from mla_ops.quant import FP8, group_scales, quant_fp8_group, quant_fp8_static
-
-# "auto": Triton on CUDA, torch elsewhere; "torch" / "triton" force one.
-IMPL = os.environ.get("MLA_QUANT_IMPL", "auto")
+from mla_ops.quant import FP8
+from mla_ops.quant_ops import (concat_quant_fp8_static_op, quant_fp8_group_op,  # noqa: F401
+                               quant_fp8_static_op, ref_concat_static, ref_group, ref_static)
 
 
 @dataclass(frozen=True)
@@ -60,84 +51,6 @@ FP8_GROUP_128_POW2 = QuantKey(static=False, group_size=128, pow2=True)
 FP8_GROUP_64_POW2 = QuantKey(static=False, group_size=64, pow2=True)
 QUANT_KEYS = (FP8_STATIC_TENSOR, FP8_GROUP_128, FP8_GROUP_64, FP8_GROUP_128_POW2,
               FP8_GROUP_64_POW2)
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    if IMPL == "triton":
-        return True
-    return IMPL == "auto" and x.is_cuda
-
-
-# ------------------------------------------------------------------ torch references
-
-def ref_static(x, scale):
-    return quant_fp8_static(x, scale)
-
-
-def ref_group(x, group_size, pow2):
-    s = group_scales(x, group_size, pow2=pow2)
-    return quant_fp8_group(x, s), s
-
-
-def ref_concat_static(a, b, scale):
-    return quant_fp8_static(torch.cat([a, b], dim=-1), scale)
-
-
-# ------------------------------------------------------------------ custom ops
-
-def _check_scale(scale):
-    if scale.dtype != torch.float32 or scale.numel() != 1:
-        raise ValueError(f"scale must be one fp32 value, got {scale.dtype} {tuple(scale.shape)}")
-
-
-@torch.library.custom_op("mla::quant_fp8_static", mutates_args=())
-def quant_fp8_static_op(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    _check_scale(scale)
-    if _use_triton(x):
-        from .quant_kernels import static_quant
-        return static_quant(x, scale)
-    return ref_static(x, scale)
-
-
-@quant_fp8_static_op.register_fake
-def _(x, scale):
-    return torch.empty_like(x, dtype=FP8, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("mla::quant_fp8_group", mutates_args=())
-def quant_fp8_group_op(x: torch.Tensor, group_size: int,
-                       pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.dim() != 2 or x.shape[1] % group_size:
-        raise ValueError(f"x must be [T, C] with C divisible by {group_size}, got {tuple(x.shape)}")
-    if _use_triton(x) and group_size & (group_size - 1) == 0:
-        from .quant_kernels import group_quant
-        return group_quant(x, group_size, pow2)
-    return ref_group(x, group_size, pow2)
-
-
-@quant_fp8_group_op.register_fake
-def _(x, group_size, pow2):
-    T, C = x.shape
-    return (x.new_empty((T, C), dtype=FP8),
-            x.new_empty((T, C // group_size), dtype=torch.float32))
-
-
-@torch.library.custom_op("mla::concat_quant_fp8_static", mutates_args=())
-def concat_quant_fp8_static_op(a: torch.Tensor, b: torch.Tensor,
-                               scale: torch.Tensor) -> torch.Tensor:
-    _check_scale(scale)
-    if a.dim() != 3 or b.dim() != 3 or a.shape[:2] != b.shape[:2]:
-        raise ValueError(f"a and b must be [t, H, *] alike, got {tuple(a.shape)}, {tuple(b.shape)}")
-    if _use_triton(a):
-        from .quant_kernels import concat_quant
-        return concat_quant(a, b, scale)
-    return ref_concat_static(a, b, scale)
-
-
-@concat_quant_fp8_static_op.register_fake
-def _(a, b, scale):
-    t, H, LA = a.shape
-    return a.new_empty((t, H, LA + b.shape[-1]), dtype=FP8)
 
 
 def quantize(x: torch.Tensor, key: QuantKey, scale: Optional[torch.Tensor] = None):

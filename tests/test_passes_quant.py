@@ -2,8 +2,9 @@
 import pytest
 import torch
 
+import mla_ops.quant_ops as QO
 import passes.quant as Q
-from passes import quant_kernels as K
+from lowering import quant_kernels as K
 from passes.quant import QUANT_KEYS, QuantKey
 
 FP8 = torch.float8_e4m3fn
@@ -120,7 +121,7 @@ def test_every_e4m3_rounding_boundary():
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_custom_ops_dispatch(monkeypatch, impl):
-    monkeypatch.setattr(Q, "IMPL", impl)
+    monkeypatch.setattr(QO, "IMPL", impl)
     x = rand((4, 256), 5)
     s = torch.tensor([0.03])
     assert torch.equal(u8(torch.ops.mla.quant_fp8_static(x, s)), u8(Q.ref_static(x, s)))
@@ -196,7 +197,7 @@ def test_attention_op_epilogue_path_matches_reference_path(monkeypatch, quant):
     layer, _ = make_layer(d, torch.bfloat16)
     outs = []
     for impl in ("torch", "triton"):
-        monkeypatch.setattr(Q, "IMPL", impl)
+        monkeypatch.setattr(QO, "IMPL", impl)
         step = Step(d, [6, 2, 0], [1, 1, 3], dtype=torch.bfloat16)
         q, kv_c, k_pe = step.inputs()
         T = q.shape[0]

@@ -1,5 +1,5 @@
 """Triton kernels for the FP8 quant ops (static per-tensor, dynamic per-token-group, fused
-concat + static quant). Each has a torch twin in passes/quant.py; tests compare them
+concat + static quant). Each has a torch twin in mla_ops/quant_ops.py; tests compare them
 bit for bit (TRITON_INTERPRET=1 on CPU).
 
 Numerics match the torch reference exactly: x is widened to fp32, divided by the scale
