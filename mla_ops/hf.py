@@ -386,15 +386,8 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     step = cache._prepare(self.layer_idx, B, S, attention_mask, q.dtype, q.device)
     if step.perm is not None:
         q, kv_c, k_pe = q[step.perm], kv_c[step.perm], k_pe[step.perm]
-    meta = step.meta
-    kv_cache = cache.pool.kv[self.layer_idx]
-    dep = torch.ops.mla.kv_cache_update(kv_c, k_pe, kv_cache, meta.slot_mapping,
-                                        cache.kv_cache_dtype, cache.k_scale)
-    out = q.new_empty(T, N * V)                                              # [T, N*V]
-    torch.ops.mla.attention_with_output(
-        q, kv_c, k_pe, kv_cache, mla.W_UK_T, mla.W_UV, meta.block_table, meta.seq_lens,
-        meta.query_start_loc, meta.num_decode_tokens, mla.softmax_scale, cache.kv_cache_dtype,
-        cache.k_scale, dep, out, None, None, mla.workspace_rows, mla.backend)
+    out = mla(q, kv_c, k_pe, cache.pool.kv[self.layer_idx], cache.k_scale, step.meta,
+              kv_cache_dtype=cache.kv_cache_dtype)                          # [T, N*V]
     if step.inv is not None:
         out = out[step.inv]
     return self.o_proj(out.view(B, S, N * V)), None
@@ -415,8 +408,13 @@ def _paged_class(cls, family: str):
     return _PAGED_CLASSES[cls]
 
 
-def convert(model, *, backend: str = "auto", workspace_rows: int = 8192):
+def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
+            fp8_decode_query: float | None = None):
     """Route every DeepSeek V2/V3 attention layer of `model` through the MLA ops (in place).
+
+    fp8_decode_query=q_scale builds each decode step's 576-wide query in the graph and
+    quantizes it to fp8 with that static scale (fp8 x fp8 decode; the cache must then be
+    fp8). The Inductor passes fuse its cat + quant (passes.compile_with_passes).
 
     All checks and weight absorption happen before the first module is touched, so a
     failure leaves the model as it was. Converting twice is a no-op.
@@ -456,6 +454,8 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192):
                            backend=backend)
         with torch.no_grad():
             mla.absorb(w, weight_scale_inv=scale_inv, dtype=dt)
+            if fp8_decode_query is not None:
+                mla.enable_fp8_decode_query(fp8_decode_query)
         plans.append((m, mla, fam))
     for m, mla, fam in plans:          # nothing below can fail
         m.add_module("mla_attn", mla)

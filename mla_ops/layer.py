@@ -78,13 +78,11 @@ class MLAAttention(nn.Module):
 
     def enable_fp8_decode_query(self, q_scale: float | torch.Tensor = 1.0) -> None:
         """Build the 576-wide decode query in the layer and quantize it to fp8 (static
-        per-tensor q_scale) for fp8 x fp8 decode; needs kv_cache_dtype fp8.
+        per-tensor q_scale) for fp8 x fp8 decode; forward then needs an fp8 cache.
 
         The absorption, the cat with q_pe and the quant are then graph ops (Pass A
         fuses cat + quant); the attention op receives them as decode_q / decode_q_scale.
         """
-        if self.kv_cache_dtype == "auto":
-            raise ValueError("an fp8 decode query needs kv_cache_dtype='fp8'")
         s = torch.as_tensor(q_scale, dtype=torch.float32).reshape(1)
         if not s.item() > 0:
             raise ValueError(f"q_scale must be positive, got {s.item()}")
@@ -101,13 +99,20 @@ class MLAAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
                 kv_cache: torch.Tensor, k_scale: torch.Tensor, meta: MLAMetadata,
-                output_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """q [T, N, P+R], kv_c_normed [T, L], k_pe [T, 1, R] -> [T, N * V]."""
+                kv_cache_dtype: str | None = None) -> torch.Tensor:
+        """q [T, N, P+R], kv_c_normed [T, L], k_pe [T, 1, R] -> [T, N * V].
+
+        kv_cache_dtype (default: the layer's) says how kv_cache stores rows: "auto"|"fp8".
+        """
         if self.W_UK_T is None:
             raise RuntimeError("call absorb(kv_b_proj.weight) before forward")
+        kind = self.kv_cache_dtype if kv_cache_dtype is None else kv_cache_dtype
+        if self.q_scale is not None and kind == "auto":
+            raise ValueError("an fp8 decode query (enable_fp8_decode_query) needs an fp8 KV "
+                             "cache: kv_cache_dtype='fp8'")
         T = q.shape[0]
         dep = torch.ops.mla.kv_cache_update(kv_c_normed, k_pe, kv_cache, meta.slot_mapping,
-                                            self.kv_cache_dtype, k_scale)   # [0]
+                                            kind, k_scale)                  # [0]
         out = q.new_empty(T, self.num_heads * self.v_head_dim)              # [T, N * V]
         decode_q = decode_q_scale = None
         nd = meta.num_decode_tokens
@@ -118,6 +123,6 @@ class MLAAttention(nn.Module):
         torch.ops.mla.attention_with_output(
             q, kv_c_normed, k_pe, kv_cache, self.W_UK_T, self.W_UV, meta.block_table,
             meta.seq_lens, meta.query_start_loc, meta.num_decode_tokens, self.softmax_scale,
-            self.kv_cache_dtype, k_scale, dep, out, None, None, self.workspace_rows, self.backend,
+            kind, k_scale, dep, out, None, None, self.workspace_rows, self.backend,
             decode_q, decode_q_scale)
         return out

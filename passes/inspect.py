@@ -52,13 +52,13 @@ def load_config(spec: str):
     return transformers.AutoConfig.from_pretrained(path)
 
 
-def build_model(cfg, fp8_o_proj: bool, device):
+def build_model(cfg, fp8_o_proj: bool, device, fp8_q_scale: float | None = None):
     import transformers
     import mla_ops.hf as hf
     from .fp8_linear import Fp8BlockLinear
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).to(device).eval()
-    hf.convert(model)
+    hf.convert(model, fp8_decode_query=fp8_q_scale)
     if fp8_o_proj:
         for mod in model.modules():
             if hasattr(mod, "o_proj") and isinstance(mod.o_proj, torch.nn.Linear):
@@ -115,7 +115,9 @@ def run(args) -> dict:
 
     cfg = load_config(args.model)
     dev = torch.device(args.device)
-    model = build_model(cfg, args.fp8_o_proj, dev)
+    if args.fp8_q_scale is not None and args.kv_cache_dtype != "fp8":
+        raise SystemExit("mla-inspect: --fp8-q-scale needs --kv-cache-dtype fp8")
+    model = build_model(cfg, args.fp8_o_proj, dev, args.fp8_q_scale)
 
     class CountingFusionPass(MLAFusionPass):
         """Counts Inductor compiles (one pass call each); otherwise the same pass."""
@@ -172,6 +174,7 @@ def _run(args, cfg, model, fusion, hf, lowering, dyn_utils, inductor_config,
     report = {
         "model": args.model, "phase": args.phase, "kv_cache_dtype": args.kv_cache_dtype,
         "fp8_o_proj": bool(args.fp8_o_proj),
+        "fp8_q_scale": args.fp8_q_scale,
         "graph_breaks": int(graph_breaks),
         "graph_break_reasons": sorted(dyn_utils.counters["graph_break"]),
         "compiles": fusion.calls,
@@ -211,8 +214,8 @@ def fusion_rows(fusion, args, n_layers: int) -> list:
             why = ("bf16 KV cache: the decode query stays bf16 inside the op (Pass A needs an "
                    "fp8 cache and an fp8 decode query)")
         else:
-            why = ("no fp8 decode query in the graph: this model path passes q to the op "
-                   "(MLAAttention.enable_fp8_decode_query builds it in the layer)")
+            why = ("no fp8 decode query in the graph: the model passes bf16 q to the op "
+                   "(convert with fp8_decode_query=q_scale, or --fp8-q-scale here)")
         rows.append({"pass": "A", "pattern": "cat_quant_fp8_static", "layer": layer,
                      "matched": False, "reason": why})
     return sorted(rows, key=lambda r: (r["pass"], r["layer"] if r["layer"] is not None else -1))
@@ -266,6 +269,9 @@ def parse_args(argv=None):
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     ap.add_argument("--fp8-o-proj", action="store_true",
                     help="replace o_proj by FP8 block-quantized linears (128x128, acts g128)")
+    ap.add_argument("--fp8-q-scale", type=float, default=None, metavar="S",
+                    help="build the decode query in the graph as fp8 with static scale S "
+                         "(needs --kv-cache-dtype fp8); Pass A can then fuse its cat + quant")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--html", metavar="FILE", help="also write the two graphs side by side")
     ap.add_argument("--device", default="cpu")

@@ -33,6 +33,19 @@ def test_decode_fp8_with_fp8_o_proj(capsys):
     assert "mla.attention_with_output" in rep["graph_after"]
 
 
+def test_fp8_decode_query_lets_pass_a_fire(capsys, tmp_path):
+    dense_config(tmp_path, "tiny-v3")
+    rep = run_json(capsys, "--model", str(tmp_path), "--phase", "decode", "--kv-cache-dtype",
+                   "fp8", "--fp8-q-scale", "0.05")
+    a = [f for f in rep["fusions"] if f["pass"] == "A"]
+    assert [(f["layer"], f["matched"], f["reason"]) for f in a] == [(0, True, ""), (1, True, "")]
+    assert rep["ops_before"]["mla::quant_fp8_static"] == 2
+    assert rep["ops_after"]["mla::concat_quant_fp8_static"] == 2
+    assert rep["graph_breaks"] == 0 and rep["recompiles"] == 0
+    with pytest.raises(SystemExit, match="needs --kv-cache-dtype fp8"):
+        mla_inspect.main(["--model", str(tmp_path), "--fp8-q-scale", "0.05"])
+
+
 def dense_config(tmp_path, family):
     """A local checkpoint directory holding only a config.json (dense MLP layers: faster)."""
     import transformers

@@ -16,7 +16,7 @@ hf = pytest.importorskip("mla_ops.hf")
 B, PROMPT, NEW = 2, 5, 4
 
 
-def tiny_model():
+def tiny_model(fp8_decode_query=None):
     cfg = transformers.DeepseekV3Config(
         vocab_size=256, hidden_size=256, intermediate_size=256, moe_intermediate_size=64,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=192,
@@ -25,7 +25,7 @@ def tiny_model():
         first_k_dense_replace=2, max_position_embeddings=256)
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).eval()
-    hf.convert(model)
+    hf.convert(model, fp8_decode_query=fp8_decode_query)
     n = 0
     for mod in model.modules():
         if hasattr(mod, "o_proj") and isinstance(mod.o_proj, torch.nn.Linear):
@@ -79,3 +79,40 @@ def test_pass_b_fires_on_every_layer_and_tokens_match_unfused():
     # and the fused model stays close to eager without compile
     tok_e, lg_e = greedy(model, lambda t, c, p: step(t, c, p), ids)
     assert (lg_f.float() - lg_e.float()).abs().max() < 0.1
+
+
+def test_pass_a_and_b_fire_on_every_layer_with_fp8_decode_query():
+    """convert(fp8_decode_query=...) puts the decode query's cat + fp8 quant in the graph:
+    Pass A fuses it on every layer, Pass B the output quant; tokens equal the unfused run."""
+    model = tiny_model(fp8_decode_query=0.05)
+    ids = torch.randint(0, 256, (B, PROMPT), generator=torch.Generator().manual_seed(2))
+
+    def step(tok, cache, pos):
+        return model(input_ids=tok, past_key_values=cache, cache_position=pos).logits
+
+    results = {}
+    with inductor_config.patch(fx_graph_cache=False):
+        for fused in (True, False):
+            torch._dynamo.reset()
+            compiled = passes.compile_with_passes(step, pass_a_on=fused, pass_b_on=fused)
+            results[fused] = greedy(model, compiled, ids), compiled.fusion
+    (tok_f, lg_f), fusion = results[True]
+    (tok_u, lg_u), _ = results[False]
+    assert lg_f.isfinite().all()
+    assert torch.equal(tok_f, tok_u)
+    assert torch.allclose(lg_f.float(), lg_u.float(), atol=1e-2, rtol=0)
+    for name in ("A", "B"):
+        recs = [r for r in fusion.records if r["pass_"] == name]
+        assert sorted(r["layer"] for r in recs if r["matched"]) == [0, 1], (name, recs)
+    assert fusion.ops_before["mla::quant_fp8_static"] == 2
+    assert fusion.ops_after["mla::quant_fp8_static"] == 0
+    assert fusion.ops_after["mla::concat_quant_fp8_static"] == 2
+    assert fusion.ops_after["mla::kv_cache_update"] == 2
+
+
+def test_fp8_decode_query_needs_fp8_cache():
+    model = tiny_model(fp8_decode_query=0.05)
+    cache = hf.PagedMLACache(model.config, max_batch_size=1, max_cache_len=16, block_size=16,
+                             dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fp8 KV cache"):
+        model(input_ids=torch.tensor([[3, 4]]), past_key_values=cache)
