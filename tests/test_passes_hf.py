@@ -52,32 +52,46 @@ def greedy(model, step_fn, ids):
     return torch.cat(toks, 1), torch.cat(logits, 1)
 
 
-def test_pass_b_fires_on_every_layer_and_tokens_match_unfused():
-    model = tiny_model()
-    ids = torch.randint(0, 256, (B, PROMPT), generator=torch.Generator().manual_seed(1))
-
+def decode_step(model):
     def step(tok, cache, pos):
         return model(input_ids=tok, past_key_values=cache, cache_position=pos).logits
+    return step
 
+
+def fused_vs_unfused(model, ids):
+    """Greedy decode compiled with and without the passes; checks tokens and logits agree.
+
+    Returns the fused run's logits and its fusion record."""
     results = {}
     with inductor_config.patch(fx_graph_cache=False):
         for fused in (True, False):
             torch._dynamo.reset()
-            compiled = passes.compile_with_passes(step, pass_a_on=fused, pass_b_on=fused)
+            compiled = passes.compile_with_passes(decode_step(model), pass_a_on=fused,
+                                                  pass_b_on=fused)
             results[fused] = greedy(model, compiled, ids), compiled.fusion
     (tok_f, lg_f), fusion = results[True]
     (tok_u, lg_u), _ = results[False]
     assert lg_f.isfinite().all()
     assert torch.equal(tok_f, tok_u)
     assert torch.allclose(lg_f.float(), lg_u.float(), atol=1e-2, rtol=0)
-    recs = [r for r in fusion.records if r["pass_"] == "B"]
-    assert sorted(r["layer"] for r in recs if r["matched"]) == [0, 1]
-    assert {r["pattern"] for r in recs} == {"fp8_dynamic_group128"}
+    return lg_f, fusion
+
+
+def matched_layers(fusion, name):
+    return sorted(r["layer"] for r in fusion.records if r["pass_"] == name and r["matched"])
+
+
+def test_pass_b_fires_on_every_layer_and_tokens_match_unfused():
+    model = tiny_model()
+    ids = torch.randint(0, 256, (B, PROMPT), generator=torch.Generator().manual_seed(1))
+    lg_f, fusion = fused_vs_unfused(model, ids)
+    assert matched_layers(fusion, "B") == [0, 1]
+    assert {r["pattern"] for r in fusion.records if r["pass_"] == "B"} == {"fp8_dynamic_group128"}
     assert fusion.ops_before["mla::quant_fp8_group"] == 2
     assert fusion.ops_after["mla::quant_fp8_group"] == 0
     assert fusion.ops_after["mla::kv_cache_update"] == 2
     # and the fused model stays close to eager without compile
-    tok_e, lg_e = greedy(model, lambda t, c, p: step(t, c, p), ids)
+    tok_e, lg_e = greedy(model, decode_step(model), ids)
     assert (lg_f.float() - lg_e.float()).abs().max() < 0.1
 
 
@@ -86,24 +100,9 @@ def test_pass_a_and_b_fire_on_every_layer_with_fp8_decode_query():
     Pass A fuses it on every layer, Pass B the output quant; tokens equal the unfused run."""
     model = tiny_model(fp8_decode_query=0.05)
     ids = torch.randint(0, 256, (B, PROMPT), generator=torch.Generator().manual_seed(2))
-
-    def step(tok, cache, pos):
-        return model(input_ids=tok, past_key_values=cache, cache_position=pos).logits
-
-    results = {}
-    with inductor_config.patch(fx_graph_cache=False):
-        for fused in (True, False):
-            torch._dynamo.reset()
-            compiled = passes.compile_with_passes(step, pass_a_on=fused, pass_b_on=fused)
-            results[fused] = greedy(model, compiled, ids), compiled.fusion
-    (tok_f, lg_f), fusion = results[True]
-    (tok_u, lg_u), _ = results[False]
-    assert lg_f.isfinite().all()
-    assert torch.equal(tok_f, tok_u)
-    assert torch.allclose(lg_f.float(), lg_u.float(), atol=1e-2, rtol=0)
-    for name in ("A", "B"):
-        recs = [r for r in fusion.records if r["pass_"] == name]
-        assert sorted(r["layer"] for r in recs if r["matched"]) == [0, 1], (name, recs)
+    _, fusion = fused_vs_unfused(model, ids)
+    assert matched_layers(fusion, "A") == [0, 1]
+    assert matched_layers(fusion, "B") == [0, 1]
     assert fusion.ops_before["mla::quant_fp8_static"] == 2
     assert fusion.ops_after["mla::quant_fp8_static"] == 0
     assert fusion.ops_after["mla::concat_quant_fp8_static"] == 2
