@@ -203,9 +203,13 @@ def _fp8_query_decode(q8, q_scale, kv_cache, block_table, lens, softmax_scale, k
 
 
 def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_start_loc,
-                     softmax_scale, kind, k_scale, backend, decode_q=None, decode_q_scale=None):
+                     softmax_scale, kind, k_scale, backend, decode_q=None, decode_q_scale=None,
+                     one_token_per_request=False):
     """Absorbed MQA for decode tokens q [t, N, P+R] -> latent output [t, N, L] (W_UV dtype);
     decode_output then applies W_UV (and the output quant).
+
+    one_token_per_request: the step is t requests of one token each (plain decode), so
+    token i is request i and sees its whole sequence: no per-token gathers are needed.
 
     decode_q, when given, is the prebuilt query [t, N, L + R] (q's dtype, or fp8 with
     decode_q_scale), built outside the op so graph passes can see and fuse it.
@@ -213,11 +217,14 @@ def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_sta
     t, N, _ = q.shape
     P, L = W_UK_T.shape[1:]
     q_mqa = build_decode_query(q, W_UK_T) if decode_q is None else decode_q
-    tok = torch.arange(t, device=q.device)
-    req = torch.searchsorted(query_start_loc[1:], tok.to(torch.int32), right=True)  # [t]
-    # Position of each token in its sequence; it sees positions [0, pos].
-    pos = seq_lens[req].long() - (query_start_loc[req + 1].long() - tok)
-    bt, lens = block_table[req].contiguous(), (pos + 1).to(torch.int32)
+    if one_token_per_request:
+        bt, lens = block_table, seq_lens
+    else:
+        tok = torch.arange(t, device=q.device)
+        req = torch.searchsorted(query_start_loc[1:], tok.to(torch.int32), right=True)  # [t]
+        # Position of each token in its sequence; it sees positions [0, pos].
+        pos = seq_lens[req].long() - (query_start_loc[req + 1].long() - tok)
+        bt, lens = block_table[req].contiguous(), (pos + 1).to(torch.int32)
     if q_mqa.dtype == FP8:
         out_latent, _ = _fp8_query_decode(q_mqa[:, None], decode_q_scale, kv_cache, bt, lens,
                                           softmax_scale, kind, k_scale, backend, L, W_UV.dtype)
@@ -243,7 +250,8 @@ def run_attention(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq
     if nd > 0:
         lat = decode_attention(q[:nd], kv_cache, W_UK_T, W_UV, block_table, seq_lens,
                                query_start_loc, softmax_scale, kind, k_scale, backend,
-                               decode_q, decode_q_scale)
+                               decode_q, decode_q_scale,
+                               one_token_per_request=(T == nd == block_table.shape[0]))
         decode_output(lat, W_UV, output[:nd], output_scale, scale_rows(0, nd))
     if nd < T:
         out = prefill_attention(q, kv_c_normed, k_pe.reshape(T, -1), kv_cache, W_UK_T, W_UV,
