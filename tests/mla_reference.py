@@ -1,4 +1,8 @@
-"""Independent float64 references for the tests: dense, unabsorbed, unpaged MLA attention."""
+"""Independent float64 references for the tests.
+
+dense_mla_reference: unabsorbed, unpaged MLA attention (the layer and ops tests).
+decode_ref64: dense attention over a paged latent cache (the decode-kernel tests).
+"""
 from __future__ import annotations
 
 import torch
@@ -24,22 +28,49 @@ def dense_mla_reference(q, kv_c, k_pe, kv_b_weight, num_heads, P, V, scale, posi
     return torch.einsum("nsk,knv->snv", p, v).reshape(len(positions), -1)
 
 
-def dense_decode_reference(q, kv, lens, scale, head_dim_v, causal=True):
-    """mla_decode in float64 on dense per-request rows.
+def decode_ref64(q, kv_values, block_table, cache_seqlens, scale, causal, head_dim_v):
+    """out [B, s_q, H, L] float64, lse [B, H, s_q] float64.
 
-    q [B, s_q, H, D]; kv: list of [len_b, D] tensors (already dequantized).
-    Returns out [B, s_q, H, head_dim_v], lse [B, H, s_q].
+    q [B, s_q, H, D] and kv_values [num_blocks, page, D] hold the true (dequantized) values.
     """
     B, s_q, H, D = q.shape
-    outs, lses = [], []
+    page = kv_values.shape[1]
+    S = block_table.shape[1] * page
+    pos = torch.arange(S, device=q.device)                                   # [S]
+    lens = cache_seqlens.long()
+    blk = block_table.long()[:, pos // page]                                 # [B, S]
+    valid_pos = pos[None, :] < lens[:, None]                                 # [B, S]
+    blk = torch.where(valid_pos, blk, torch.zeros_like(blk))
+    rows = kv_values.double()[blk, (pos % page)[None, :].expand(B, S)]       # [B, S, D]
+    scores = torch.einsum("bthd,bsd->bhts", q.double(), rows) * scale       # [B, H, s_q, S]
+    t = torch.arange(s_q, device=q.device)
+    limit = (lens[:, None] - s_q + t[None, :] + 1) if causal else lens[:, None].expand(B, s_q)
+    visible = pos[None, None, :] < limit[:, :, None]                         # [B, s_q, S]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                                    # [B, H, s_q]
+    p = torch.exp(scores - lse[..., None])
+    out = torch.einsum("bhts,bsl->bthl", p, rows[..., :head_dim_v])          # [B, s_q, H, L]
+    return out, lse
+
+
+def make_case(B, s_q, H, L, R, page, lens, device, dtype=torch.bfloat16, seed=0, spare_blocks=3):
+    """Random q and paged cache (shuffled pages, -1 padding past each length)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    need = (lens + page - 1) // page
+    max_blocks = int(need.max()) + 1
+    nb = int(need.sum()) + spare_blocks
+    kv = torch.randn(nb, page, L + R, generator=g).to(dtype)
+    q = torch.randn(B, s_q, H, L + R, generator=g).to(dtype)
+    perm = torch.randperm(nb, generator=g)
+    bt = torch.full((B, max_blocks), -1, dtype=torch.int32)
+    k = 0
     for b in range(B):
-        k = kv[b].double()                                             # [S, D]
-        S = k.shape[0]
-        sc = torch.einsum("qhd,sd->hqs", q[b].double(), k) * scale     # [H, s_q, S]
-        if causal:
-            lim = torch.arange(s_q)[:, None] + S - s_q                  # [s_q, 1]
-            sc = sc.masked_fill(torch.arange(S)[None, :] > lim, float("-inf"))
-        lse = torch.logsumexp(sc, -1)
-        outs.append(torch.einsum("hqs,sv->qhv", torch.softmax(sc, -1), k[:, :head_dim_v]))
-        lses.append(lse)
-    return torch.stack(outs), torch.stack(lses)
+        n = int(need[b])
+        bt[b, :n] = perm[k:k + n].int()
+        k += n
+    return q.to(device), kv.to(device), bt.to(device), lens.to(device)
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()

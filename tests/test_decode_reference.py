@@ -3,11 +3,13 @@ import pytest
 import torch
 
 import lowering
-from mla_reference import dense_decode_reference
+from mla_reference import decode_ref64
 
 
 def paged_problem(B, s_q, H, L, R, lens, bs, dtype=torch.float32, fp8=False, seed=0):
-    """Random q and a paged cache holding each request's rows in shuffled blocks."""
+    """Random q and a paged cache holding each request's rows in shuffled blocks.
+
+    Returns q, cache, block_table, cache_seqlens, k_scale and the dequantized cache."""
     g = torch.Generator().manual_seed(seed)
     D = L + R
     need = [-(-n // bs) for n in lens]
@@ -18,13 +20,12 @@ def paged_problem(B, s_q, H, L, R, lens, bs, dtype=torch.float32, fp8=False, see
     raw = torch.randn(nb, bs, D, generator=g) * 2
     cache = ((raw / 0.03).clamp(-448, 448).to(torch.float8_e4m3fn) if fp8 else raw.to(dtype))
     deq = cache.float() * 0.03 if fp8 else cache.float()
-    rows, used = [], 0
+    used = 0
     for b, n in enumerate(need):
         table[b, :n] = perm[used:used + n].int()
         used += n
-        rows.append(deq[table[b, :n].long()].reshape(-1, D)[:lens[b]])
     q = torch.randn(B, s_q, H, D, generator=g).to(dtype)
-    return q, cache, table, torch.tensor(lens, dtype=torch.int32), k_scale, rows
+    return q, cache, table, torch.tensor(lens, dtype=torch.int32), k_scale, deq
 
 
 @pytest.mark.parametrize("lens,s_q,bs", [
@@ -35,9 +36,9 @@ def paged_problem(B, s_q, H, L, R, lens, bs, dtype=torch.float32, fp8=False, see
     ([20, 3], 2, 1),          # block size 1
 ])
 def test_reference_decode_matches_dense(lens, s_q, bs):
-    q, cache, table, seqlens, _, rows = paged_problem(len(lens), s_q, 3, 32, 16, lens, bs)
+    q, cache, table, seqlens, _, deq = paged_problem(len(lens), s_q, 3, 32, 16, lens, bs)
     out, lse = lowering.mla_decode(q, cache, table, seqlens, 0.2, backend="reference", head_dim_v=32)
-    ref_out, ref_lse = dense_decode_reference(q, rows, lens, 0.2, 32)
+    ref_out, ref_lse = decode_ref64(q, deq, table, seqlens, 0.2, True, 32)
     assert out.shape == (len(lens), s_q, 3, 32) and lse.shape == (len(lens), 3, s_q)
     assert lse.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
@@ -45,18 +46,18 @@ def test_reference_decode_matches_dense(lens, s_q, bs):
 
 
 def test_non_causal_and_default_head_dim_v():
-    q, cache, table, seqlens, _, rows = paged_problem(2, 2, 2, 64, 64, [6, 9], 4)
+    q, cache, table, seqlens, _, deq = paged_problem(2, 2, 2, 64, 64, [6, 9], 4)
     out, lse = lowering.mla_decode(q, cache, table, seqlens, 0.1, causal=False)
-    ref_out, ref_lse = dense_decode_reference(q, rows, [6, 9], 0.1, 64, causal=False)
+    ref_out, ref_lse = decode_ref64(q, deq, table, seqlens, 0.1, False, 64)
     assert out.shape[-1] == 64     # default head_dim_v = D - 64
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_cache_vs_dequantized_reference():
-    q, cache, table, seqlens, k_scale, rows = paged_problem(2, 1, 4, 32, 16, [11, 4], 4, fp8=True)
+    q, cache, table, seqlens, k_scale, deq = paged_problem(2, 1, 4, 32, 16, [11, 4], 4, fp8=True)
     out, lse = lowering.mla_decode(q, cache, table, seqlens, 0.2, kv_cache_dtype="fp8",
                                    k_scale=k_scale, head_dim_v=32)
-    ref_out, ref_lse = dense_decode_reference(q, rows, [11, 4], 0.2, 32)
+    ref_out, ref_lse = decode_ref64(q, deq, table, seqlens, 0.2, True, 32)
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
 
 

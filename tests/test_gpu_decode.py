@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 import lowering  # noqa: E402
-from decode_ref import decode_ref64, make_case, rel_err  # noqa: E402
+from mla_reference import decode_ref64, make_case, rel_err  # noqa: E402
 
 L, R = 512, 64
 SCALE = 192 ** -0.5

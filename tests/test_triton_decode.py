@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 import lowering  # noqa: E402
 import lowering.triton_decode as td  # noqa: E402
-from decode_ref import decode_ref64, make_case, rel_err  # noqa: E402
+from mla_reference import decode_ref64, make_case, rel_err  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 0.11
