@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .cache import CacheFullError, PagedLatentCache
+from .cache import CacheFullError, PagedLatentCache, mark_static
 from .layer import MLAAttention
 from .metadata import MLAMetadata
 
@@ -123,8 +123,6 @@ class PagedMLACache(Cache):
                                      kv_lora_rank=config.kv_lora_rank,
                                      qk_rope_head_dim=config.qk_rope_head_dim, dtype=dtype,
                                      kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, device=device)
-        for t in self.pool.kv:   # unwritten rows are read (at weight 0) by decode: keep them finite
-            t.zero_()
         self.kv_cache_dtype = self.pool.kind                     # "auto" | "fp8"
         self.dtype = dtype
         self.device = self.pool.kv[0].device
@@ -134,10 +132,9 @@ class PagedMLACache(Cache):
         self.num_used = torch.zeros((), dtype=torch.int64, device=dev)   # bump-allocator top
         self._seen = torch.zeros((), dtype=torch.int64, device=dev)      # padded length (HF's view)
         self._step: _Step | None = None
-        if not torch.compiler.is_compiling():
-            for t in [*self.pool.kv, self.pool.k_scale, self.block_table, self.lens, self.num_used,
-                      self._seen]:
-                torch._dynamo.mark_static_address(t)
+        if not torch.compiler.is_compiling():   # the pool's tensors are marked by PagedLatentCache
+            for t in (self.block_table, self.lens, self.num_used, self._seen):
+                mark_static(t)
         super().__init__(layers=[_PagedLayer(self) for _ in range(config.num_hidden_layers)])
 
     # -- introspection ---------------------------------------------------------------

@@ -60,6 +60,13 @@ def test_generate_with_compile_config():
     assert graph_breaks() == 0
     assert torch.equal(out.sequences, exp.sequences)
     assert max(logit_err(a, b) for a, b in zip(out.logits, exp.logits)) <= TOL
+    # a second generate with a new cache of the same shape reuses the graph
+    cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=16,
+                            device=DEVICE)
+    with torch.no_grad():
+        again = model.generate(ids, past_key_values=cache, compile_config=cc, **kw)
+    assert len(_graphs) == 1, f"{len(_graphs)} graphs: a new cache recompiled"
+    assert torch.equal(again.sequences, exp.sequences)
 
 
 def test_compiled_forward_fullgraph_decode_loop():
