@@ -54,6 +54,27 @@ def _check_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtyp
     return kind
 
 
+def scatter_rows_no_sync(flat: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor):
+    """flat[slot] = rows[t] for every slot >= 0, without a device->host sync (graph capture).
+
+    A fixed-size index_copy_ cannot skip padding rows, so each padding row is sent to the
+    slot of the first real token with that token's row: duplicate writes of equal values,
+    whatever order they land in. With no real token at all, padding rewrites slot 0 with
+    its own current value.
+    """
+    # index_select with a one-element index tensor throughout: indexing with a 0-dim
+    # tensor would read it on the host.
+    keep = slot_mapping >= 0                                          # [T]
+    first = torch.argmax(keep.to(torch.int32)).reshape(1)             # [1] a real token, if any
+    pad_idx = slot_mapping.index_select(0, first).clamp(min=0)        # [1]
+    if flat.dtype in FP8_DTYPES:        # CUDA has no fp8 index_copy_/where: move bytes
+        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+    pad_row = torch.where(keep.index_select(0, first)[:, None], rows.index_select(0, first),
+                          flat.index_select(0, pad_idx))              # [1, L + R]
+    idx = torch.where(keep, slot_mapping, pad_idx)                    # [T]
+    flat.index_copy_(0, idx, torch.where(keep[:, None], rows, pad_row))
+
+
 torch.library.define(
     "mla::kv_cache_update",
     "(Tensor kv_c_normed, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, "
@@ -70,12 +91,7 @@ def kv_cache_update(kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: tor
     rows = quant_fp8_static(rows, k_scale) if kind == "fp8" else rows.to(kv_cache.dtype)
     flat = kv_cache.view(-1, kv_cache.shape[-1])                     # [num_blocks * block_size, L + R]
     if is_capturing(slot_mapping):
-        # No host sync under graph capture: padding rows rewrite their target's current value.
-        keep = (slot_mapping >= 0)[:, None]
-        idx = slot_mapping.clamp(min=0)
-        if flat.dtype in FP8_DTYPES:        # CUDA has no fp8 index_copy_/where: move bytes
-            flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
-        flat.index_copy_(0, idx, torch.where(keep, rows, flat.index_select(0, idx)))
+        scatter_rows_no_sync(flat, rows, slot_mapping)
     else:
         valid = slot_mapping >= 0
         flat[slot_mapping[valid]] = rows[valid]

@@ -150,3 +150,30 @@ def test_attention_bad_input_names_argument():
     call(7, lens, ValueError, "cache_seqlens|blocks")
     bt = good[6].clone(); bt[0, 0] = 999
     call(6, bt, ValueError, "block ids")
+
+
+@pytest.mark.parametrize("slots", [[0, -1], [-1, 5, -1, 0], [-1, -1], [3, 7]])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_graph_capture_scatter_matches_masked_write(slots, fp8):
+    """The sync-free write used under CUDA-graph capture: padding never clobbers a real row,
+    even when a real token writes the slot padding is redirected to."""
+    from mla_ops.ops import scatter_rows_no_sync
+    g = torch.Generator().manual_seed(len(slots))
+    dtype = torch.float8_e4m3fn if fp8 else torch.float32
+    flat = torch.randn(8, 6, generator=g).to(dtype)
+    rows = torch.randn(len(slots), 6, generator=g).to(dtype)
+    sm = torch.tensor(slots)
+    expect = flat.clone()
+    expect[sm[sm >= 0]] = rows[sm >= 0]
+    scatter_rows_no_sync(flat, rows, sm)
+    assert torch.equal(flat.view(torch.uint8), expect.view(torch.uint8))
+
+
+def test_graph_capture_scatter_reads_nothing_on_the_host():
+    """Under fake tensors a value-dependent host read (.item(), boolean
+    masking) raises (the masked eager path does); the capture path must run through."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from mla_ops.ops import scatter_rows_no_sync
+    with FakeTensorMode():
+        flat = torch.empty(8, 6)
+        scatter_rows_no_sync(flat, torch.empty(3, 6), torch.zeros(3, dtype=torch.int64))
