@@ -1,10 +1,12 @@
-"""Prefill as MHA on up-projected K/V, with chunked cached context.
+"""Prefill as MHA on up-projected K/V, with chunked keys and queries.
 
 For each prefill request: the new tokens attend causally to themselves (K 192
-wide = [k_nope | k_pe], V 128 wide); context already in the paged cache is
-gathered and up-projected at most `workspace_rows` tokens at a time, and each
-chunk's (out, lse) is merged by online softmax, so peak memory is bounded by
-the budget, not by the context length.
+wide = [k_nope | k_pe], V 128 wide) and to the context already in the paged cache.
+Keys are taken at most `workspace_rows` tokens at a time (new tokens, then cached
+context gathered from the paged cache), up-projected, and each chunk's (out, lse)
+is merged by online softmax; queries are split so one score block holds at most
+SCORE_BUDGET elements. Peak memory is bounded by the two budgets, not by the prompt
+or context length.
 """
 from __future__ import annotations
 
@@ -20,12 +22,19 @@ def up_project(kv_c: torch.Tensor, W_UK_T: torch.Tensor, W_UV: torch.Tensor):
     return k_nope, v
 
 
-def attend(q, k, v, scale: float, causal: bool):
-    """q [s, N, D], k [c, N, D], v [c, N, V] -> out [s, N, V] fp32, lse [N, s] fp32."""
+SCORE_BUDGET = 1 << 26   # fp32 elements of one [N, queries, keys] score block (256 MiB)
+
+
+def attend(q, k, v, scale: float, causal_offset: int | None):
+    """q [s, N, D], k [c, N, D], v [c, N, V] -> out [s, N, V] fp32, lse [N, s] fp32.
+
+    causal_offset None: every query sees every key; else query i sees key j iff
+    j <= i + causal_offset. A query that sees no key gets out 0, lse -inf.
+    """
     scores = torch.einsum("snd,cnd->nsc", q.float(), k.float()) * scale   # [N, s, c]
-    if causal:
+    if causal_offset is not None:
         s, c = scores.shape[1:]
-        keep = torch.ones(s, c, dtype=torch.bool, device=q.device).tril(c - s)
+        keep = torch.ones(s, c, dtype=torch.bool, device=q.device).tril(causal_offset)
         scores = scores.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)                                 # [N, s]
     p = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
@@ -63,7 +72,7 @@ def prefill_attention(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table,
     q [T, N, P+R]; kv_c_normed [T, L]; k_pe [T, R].
     """
     T, N, _ = q.shape
-    P, L = W_UK_T.shape[1:]
+    L = W_UK_T.shape[-1]
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     outs = []
@@ -71,14 +80,36 @@ def prefill_attention(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table,
         a, b = qsl[r], qsl[r + 1]
         if b <= num_decode_tokens or a == b:
             continue
-        k_nope, v = up_project(kv_c_normed[a:b], W_UK_T, W_UV)           # [s, N, P], [s, N, V]
-        k = torch.cat([k_nope, k_pe[a:b, None].expand(-1, N, -1)], -1)    # [s, N, P + R]
-        out, lse = attend(q[a:b], k, v, softmax_scale, causal=True)
-        for c0, c1 in context_chunks(lens[r] - (b - a), workspace_rows):
+        s, ctx = b - a, lens[r] - (b - a)
+        out = q.new_zeros(s, N, W_UV.shape[-1], dtype=torch.float32)     # [s, N, V]
+        lse = q.new_full((N, s), float("-inf"), dtype=torch.float32)     # [N, s]
+        # Key chunks: the new tokens (causal), then the cached context (all visible).
+        for k0, k1 in context_chunks(s, workspace_rows):
+            k_nope, v = up_project(kv_c_normed[a + k0:a + k1], W_UK_T, W_UV)
+            k = torch.cat([k_nope, k_pe[a + k0:a + k1, None].expand(-1, N, -1)], -1)
+            _attend_queries(q[a:b], k, v, softmax_scale, k0, out, lse)
+        for c0, c1 in context_chunks(ctx, workspace_rows):
             rows = gather_context(kv_cache, block_table[r], c0, c1, kind, k_scale)  # [c, L + R]
             ck_nope, cv = up_project(rows[:, :L].to(W_UK_T.dtype), W_UK_T, W_UV)
             ck = torch.cat([ck_nope, rows[:, None, L:].to(ck_nope.dtype).expand(-1, N, -1)], -1)
-            c_out, c_lse = attend(q[a:b], ck, cv, softmax_scale, causal=False)
-            out, lse = merge(out, lse, c_out, c_lse)
-        outs.append(out.reshape(b - a, -1))
+            _attend_queries(q[a:b], ck, cv, softmax_scale, None, out, lse)
+        outs.append(out.reshape(s, -1))
     return torch.cat(outs).to(q.dtype)
+
+
+def _attend_queries(q, k, v, scale, key_start, out, lse):
+    """Merge one key chunk into (out [s, N, V], lse [N, s]) in place, query block by block.
+
+    key_start None: the chunk is context, seen by every query; else the chunk holds the
+    request's own tokens [key_start, key_start + c) and query i sees token j iff j <= i.
+    """
+    s, N, _ = q.shape
+    c = k.shape[0]
+    step = max(1, SCORE_BUDGET // (N * c))
+    for q0 in range(0, s, step):
+        q1 = min(q0 + step, s)
+        if key_start is not None and key_start > q1 - 1:
+            continue                            # these queries precede every key of the chunk
+        offset = None if key_start is None else q0 - key_start
+        o, l = attend(q[q0:q1], k, v, scale, offset)
+        out[q0:q1], lse[:, q0:q1] = merge(out[q0:q1], lse[:, q0:q1], o, l)

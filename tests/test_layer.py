@@ -58,8 +58,19 @@ def test_chunked_context_tiny_budget_bounds_workspace(monkeypatch):
     step = Step(D, [17, 0, 10], [4, 5, 2], block_size=4, decode_threshold=0)
     out = run(step, layer)
     assert rel_err(out, step.reference(kv_b, layer.softmax_scale)) < 1e-5
-    # per request: its new tokens, then the context in chunks of at most 3 rows
-    assert seen == [4, 3, 3, 3, 3, 3, 2, 5, 2, 3, 3, 3, 1]
+    # per request: its new tokens, then the context, each in chunks of at most 3 rows
+    assert seen == [3, 1, 3, 3, 3, 3, 3, 2, 3, 2, 2, 3, 3, 3, 1]
+
+
+@pytest.mark.parametrize("score_budget", [1, 7, 40])
+def test_long_prefill_with_tiny_score_budget(monkeypatch, score_budget):
+    """Queries split into blocks (down to one query per block), keys into chunks of 5:
+    every (query block, key chunk) pair still merges to the dense causal result."""
+    monkeypatch.setattr(prefill_mod, "SCORE_BUDGET", score_budget * D.N)
+    layer, kv_b = make_layer(D, torch.float32, workspace_rows=5)
+    step = Step(D, [3, 0, 12], [1, 23, 17], block_size=4)
+    out = run(step, layer)
+    assert rel_err(out, step.reference(kv_b, layer.softmax_scale)) < 1e-5
 
 
 def test_real_dims_bf16():
