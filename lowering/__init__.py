@@ -18,7 +18,7 @@ from collections import Counter
 import torch
 
 from .backends import BACKENDS, BACKEND_ORDER, BackendUnavailable, unmet_condition
-from .checks import check_decode_args
+from .checks import bound_for_capture, check_decode_args
 
 __all__ = ["mla_decode", "BACKENDS", "BACKEND_ORDER", "BackendUnavailable",
            "select_backend", "backend_choices"]
@@ -53,6 +53,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, causal
     """
     kind, head_dim_v = check_decode_args(q, kv_cache, block_table, cache_seqlens, softmax_scale,
                                          kv_cache_dtype, k_scale, head_dim_v)
+    block_table, cache_seqlens = bound_for_capture(q, kv_cache, block_table, cache_seqlens)
     name = select_backend(q, kv_cache, kv_cache_dtype=kind, backend=backend)
     backend_choices[name] += 1
     return BACKENDS[name](q, kv_cache, block_table, cache_seqlens, float(softmax_scale),

@@ -106,3 +106,14 @@ def check_decode_args(q, kv_cache, block_table, cache_seqlens, softmax_scale,
         if ids.numel() and (ids.min() < 0 or ids.max() >= nb):
             raise ValueError(f"block_table holds block ids outside [0, {nb}) within cache_seqlens")
     return kind, head_dim_v
+
+
+def bound_for_capture(q, kv_cache, block_table, cache_seqlens):
+    """Under CUDA-graph capture the value checks above are skipped (they need a host
+    sync), so bound what a kernel can read: bad lengths or block ids then give wrong
+    rows, never an out-of-bounds access. Outside capture the checks have run: no-op."""
+    if not is_capturing(q):
+        return block_table, cache_seqlens
+    nb, bs, _ = kv_cache.shape
+    return (block_table.clamp(0, nb - 1),
+            cache_seqlens.clamp(1, block_table.shape[1] * bs))

@@ -205,7 +205,7 @@ def mla_decode_fp8q(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, q
     q_scale and k_scale one-element fp32 tensors. Returns (out [B, s_q, H, L] out_dtype,
     lse [B, H, s_q] fp32).
     """
-    from .checks import check_decode_args, check_tensor
+    from .checks import bound_for_capture, check_decode_args, check_tensor
     check_tensor("q", q, ndim=4, dtypes=(torch.float8_e4m3fn,))
     for name, t in (("q_scale", q_scale), ("k_scale", k_scale)):
         check_tensor(name, t, dtypes=(torch.float32,))
@@ -221,6 +221,7 @@ def mla_decode_fp8q(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, q
     _, head_dim_v = check_decode_args(stand_in, kv_cache, block_table, cache_seqlens,
                                       softmax_scale, "fp8", k_scale, head_dim_v)
     _check_widths(q.shape[-1], head_dim_v, least=32)
+    block_table, cache_seqlens = bound_for_capture(q, kv_cache, block_table, cache_seqlens)
     if batch_invariant is None:
         batch_invariant = _batch_invariant
     from . import backend_choices

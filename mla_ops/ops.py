@@ -64,7 +64,8 @@ def scatter_rows_no_sync(flat: torch.Tensor, rows: torch.Tensor, slot_mapping: t
     """
     # index_select with a one-element index tensor throughout: indexing with a 0-dim
     # tensor would read it on the host.
-    keep = slot_mapping >= 0                                          # [T]
+    # Out-of-range slots (unchecked under capture) are dropped like padding, never written.
+    keep = (slot_mapping >= 0) & (slot_mapping < flat.shape[0])       # [T]
     first = torch.argmax(keep.to(torch.int32)).reshape(1)             # [1] a real token, if any
     pad_idx = slot_mapping.index_select(0, first).clamp(min=0)        # [1]
     if flat.dtype in FP8_DTYPES:        # CUDA has no fp8 index_copy_/where: move bytes

@@ -96,3 +96,17 @@ def test_bad_input():
     if "flashmla" in lowering.BACKENDS and not torch.cuda.is_available():
         with pytest.raises(lowering.BackendUnavailable, match="flashmla"):
             dec(q, cache, table, seqlens, 0.2, backend="flashmla")
+
+
+def test_bound_for_capture_keeps_reads_inside_the_cache(monkeypatch):
+    """Under graph capture the value checks cannot run; lengths past the block table and
+    bad block ids are clamped into the cache instead of read out of bounds."""
+    import lowering.checks as checks
+    q, cache, table, seqlens, _, _ = paged_problem(2, 1, 2, 32, 16, [5, 3], 4)
+    monkeypatch.setattr(checks, "is_capturing", lambda t: True)
+    bt, lens = checks.bound_for_capture(q, cache, table - 100, seqlens + 1000)
+    assert int(bt.min()) >= 0 and int(bt.max()) < cache.shape[0]
+    assert int(lens.max()) <= table.shape[1] * cache.shape[1]
+    monkeypatch.setattr(checks, "is_capturing", lambda t: False)
+    bt2, lens2 = checks.bound_for_capture(q, cache, table, seqlens)
+    assert bt2 is table and lens2 is seqlens

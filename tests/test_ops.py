@@ -177,3 +177,13 @@ def test_graph_capture_scatter_reads_nothing_on_the_host():
     with FakeTensorMode():
         flat = torch.empty(8, 6)
         scatter_rows_no_sync(flat, torch.empty(3, 6), torch.zeros(3, dtype=torch.int64))
+
+
+def test_graph_capture_scatter_drops_out_of_range_slots():
+    from mla_ops.ops import scatter_rows_no_sync
+    flat = torch.randn(8, 6)
+    rows = torch.randn(3, 6)
+    expect = flat.clone()
+    expect[2] = rows[1]
+    scatter_rows_no_sync(flat, rows, torch.tensor([99, 2, -1]))   # 99: past the cache
+    assert torch.equal(flat, expect)
