@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
-
 from .backends import BACKENDS, BACKEND_ORDER, BackendUnavailable, unmet_condition
 from .checks import bound_for_capture, check_decode_args
 
