@@ -76,6 +76,17 @@ def scatter_rows_no_sync(flat: torch.Tensor, rows: torch.Tensor, slot_mapping: t
     flat.index_copy_(0, idx, torch.where(keep[:, None], rows, pad_row))
 
 
+def _triton_cache_write(kv_cache: torch.Tensor):
+    """lowering's one-kernel cache write for a CUDA cache when triton is importable."""
+    if not kv_cache.is_cuda:
+        return None
+    try:
+        from lowering.cache_write_kernel import write_cache_rows
+    except ImportError:
+        return None
+    return write_cache_rows
+
+
 torch.library.define(
     "mla::kv_cache_update",
     "(Tensor kv_c_normed, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, "
@@ -88,6 +99,11 @@ def kv_cache_update(kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: tor
                     k_scale: torch.Tensor) -> torch.Tensor:
     kind = _check_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)
     T, L = kv_c_normed.shape
+    write_rows = _triton_cache_write(kv_cache)
+    if write_rows is not None:      # CUDA: one kernel (concat, fp8 quant, skip pads/bad slots)
+        write_rows(kv_c_normed, k_pe.reshape(T, -1), kv_cache, slot_mapping,
+                   k_scale.reshape(1) if kind == "fp8" else None)
+        return torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device)
     rows = torch.cat([kv_c_normed, k_pe.reshape(T, -1)], dim=-1)   # [T, L + R]
     rows = quant_fp8_static(rows, k_scale) if kind == "fp8" else rows.to(kv_cache.dtype)
     flat = kv_cache.view(-1, kv_cache.shape[-1])                     # [num_blocks * block_size, L + R]
