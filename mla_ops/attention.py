@@ -146,6 +146,11 @@ def decode_output(out_latent, W_UV, dst, output_scale, block_scale) -> None:
                 wuv_quant(out_latent, W_UV, scale=output_scale, group_size=g, out=dst,
                           block_scale=block_scale)
                 return
+    if output_scale is None and block_scale is None and dst.dtype == out_latent.dtype:
+        N, V = W_UV.shape[0], W_UV.shape[2]
+        with torch.no_grad():   # straight into dst viewed [N, t, V] (strided batch): no copy
+            torch.bmm(out_latent.transpose(0, 1), W_UV, out=dst.view(t, N, V).transpose(0, 1))
+        return
     out = torch.bmm(out_latent.transpose(0, 1), W_UV)                    # [N, t, V]
     _write_output(out.transpose(0, 1).reshape(t, -1), dst, output_scale, block_scale)
 
@@ -176,11 +181,29 @@ def check_decode_query(decode_q, decode_q_scale, q, W_UK_T, num_decode_tokens):
 
 
 def build_decode_query(q, W_UK_T):
-    """q [t, N, P+R] -> the absorbed MQA query [t, N, L + R]: [q_nope @ W_UK_T | q_pe]."""
+    """q [t, N, P+R] -> the absorbed MQA query [t, N, L + R]: [q_nope @ W_UK_T | q_pe].
+
+    Functional (bmm + cat), for traced code: the layer builds the fp8 decode query with
+    it in the graph, where Pass A matches the cat.
+    """
     P = W_UK_T.shape[1]
     q_nope, q_pe = q.split([P, q.shape[-1] - P], dim=-1)
     ql_nope = torch.bmm(q_nope.transpose(0, 1), W_UK_T)                   # [N, t, L]
     return torch.cat([ql_nope.transpose(0, 1), q_pe], dim=-1)            # [t, N, L + R]
+
+
+def _decode_query_into(q, W_UK_T):
+    """build_decode_query for the op's own (eager) body: the GEMM writes its [N, t, L]
+    result straight into the first L columns of the [t, N, L + R] query (a strided batch
+    cuBLAS takes as is), so there is no temporary and no concat."""
+    t, N, PR = q.shape
+    P, L = W_UK_T.shape[1:]
+    q_nope, q_pe = q.split([P, PR - P], dim=-1)
+    out = q.new_empty((t, N, L + PR - P))                                # [t, N, L + R]
+    with torch.no_grad():   # inference only; out= refuses inputs that require grad
+        torch.bmm(q_nope.transpose(0, 1), W_UK_T, out=out.transpose(0, 1)[..., :L])
+        out[..., L:] = q_pe
+    return out
 
 
 def _fp8_query_decode(q8, q_scale, kv_cache, block_table, lens, softmax_scale, kind, k_scale,
@@ -216,7 +239,7 @@ def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_sta
     """
     t, N, _ = q.shape
     P, L = W_UK_T.shape[1:]
-    q_mqa = build_decode_query(q, W_UK_T) if decode_q is None else decode_q
+    q_mqa = _decode_query_into(q, W_UK_T) if decode_q is None else decode_q
     if one_token_per_request:
         bt, lens = block_table, seq_lens
     else:
