@@ -25,8 +25,9 @@ one-token step (decode) needs no mask: every row's token is real, as in generate
 Pads take no cache room, so row b's positions count its real tokens only, which is
 what HF's position_ids (cumsum of the mask) already assume.
 
-Each layer derives the step's plan (slots, block table, lengths) from the cache state
-as it was before the step; the last layer writes the new state back. Decode-step
+The first layer derives the step's plan (slots, block table, lengths) from the cache
+state as it was before the step, the others reuse it; the last layer writes the new
+state back. Decode-step
 shapes depend only on B, so a fixed batch compiles once and replays in a CUDA graph.
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ from .cache import CacheFullError, PagedLatentCache, mark_static
 from .layer import MLAAttention
 from .metadata import MLAMetadata
 
-__all__ = ["convert", "PagedMLACache", "is_converted"]
+__all__ = ["convert", "PagedMLACache", "DecodeGraph", "is_converted"]
 
 
 # ----------------------------------------------------------------------------- cache
@@ -132,6 +133,8 @@ class PagedMLACache(Cache):
         self.num_used = torch.zeros((), dtype=torch.int64, device=dev)   # bump-allocator top
         self._seen = torch.zeros((), dtype=torch.int64, device=dev)      # padded length (HF's view)
         self._step: _Step | None = None
+        self.version = 0        # bumped by every host-side change of the state (eager steps,
+                                # reset, occupy, restore); compiled steps do not bump it
         if not torch.compiler.is_compiling():   # the pool's tensors are marked by PagedLatentCache
             for t in (self.block_table, self.lens, self.num_used, self._seen):
                 mark_static(t)
@@ -189,6 +192,22 @@ class PagedMLACache(Cache):
         self.lens[:len(lengths)] = torch.tensor(lengths, dtype=torch.int32)
         self.num_used.fill_(nxt)
         self._seen.fill_(max(lengths))
+        self.version += 1
+
+    def _state(self):
+        return (self.block_table, self.lens, self.num_used, self._seen)
+
+    def snapshot(self) -> list:
+        """Copies of the bookkeeping (block table, lengths, counters; not the KV rows)."""
+        return [t.clone() for t in self._state()]
+
+    def restore(self, saved) -> None:
+        """Put back a snapshot() in place: tokens written since are forgotten (their rows
+        lie past the restored lengths), blocks taken since are free again."""
+        for t, v in zip(self._state(), saved):
+            t.copy_(v)
+        self._step = None
+        self.version += 1
 
     # -- HF Cache API ------------------------------------------------------------------
     def reset(self):
@@ -198,6 +217,7 @@ class PagedMLACache(Cache):
         self.num_used.zero_()
         self._seen.zero_()
         self._step = None
+        self.version += 1
 
     def _unsupported(self, *args, **kwargs):
         raise NotImplementedError("PagedMLACache supports greedy/sampled decoding only "
@@ -210,12 +230,12 @@ class PagedMLACache(Cache):
         """This step's plan for one layer; the last layer commits it to the cache state.
 
         The plan is a pure function of the state before the step, so every layer gets
-        the same one: eager mode computes it once (layer 0) and reuses it; a compiled
-        graph recomputes it per layer (a few tiny ops on [B] / [B, M] tensors), which
-        keeps the graph free of side-effect outputs and host syncs.
+        the same one: layer 0 computes it and later layers reuse it; the last layer's
+        commit drops it again. Compiled, the plan's tensors are values inside the one
+        graph (the attribute is None again when the step ends, so nothing escapes).
         """
         compiling = torch.compiler.is_compiling()
-        if compiling or layer_idx == 0 or self._step is None:
+        if layer_idx == 0 or self._step is None:
             if B > self.max_batch_size:
                 raise ValueError(f"batch of {B} sequences exceeds the cache's max_batch_size="
                                  f"{self.max_batch_size}; build PagedMLACache with a larger one")
@@ -230,7 +250,7 @@ class PagedMLACache(Cache):
                                  f"pass device= to PagedMLACache")
             valid = None if S == 1 else _valid_tokens(attention_mask, B, S, self._seen)  # [B, S]
             step = self._plan(B, S, valid, check=not compiling and layer_idx == 0)
-            self._step = None if compiling else step
+            self._step = step
         else:
             step = self._step
         if layer_idx == len(self.layers) - 1:
@@ -262,7 +282,9 @@ class PagedMLACache(Cache):
         start = self.num_used + torch.cumsum(need, 0) - need                 # [B]
         col = torch.arange(M, device=dev)[None]                              # [1, M]
         fresh = (col >= nb_old[:, None]) & (col < nb_new[:, None])           # [B, M]
-        ids = (start[:, None] + col - nb_old[:, None]).clamp(max=self.num_blocks - 1)
+        ids = start[:, None] + col - nb_old[:, None]
+        ids = torch.where(ids < self.num_blocks, ids, -1)   # pool exhausted (unchecked when
+        # compiled): no block, so the token is not written rather than sharing a block
         table = torch.where(fresh, ids.to(torch.int32), self.block_table[:B])   # [B, M] int32
         # Slots of this step's tokens, in op order (real tokens of a row first).
         j = torch.arange(S, device=dev)
@@ -291,6 +313,8 @@ class PagedMLACache(Cache):
         self.num_used.add_(step.num_new_blocks)
         self._seen.add_(S)
         self._step = None
+        if not torch.compiler.is_compiling():
+            self.version += 1
 
 
 def _valid_tokens(attention_mask, B: int, S: int, past):
@@ -458,3 +482,6 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
         m.add_module("mla_attn", mla)
         m.__class__ = _paged_class(type(m), fam)
     return model
+
+
+from .hf_graph import DecodeGraph  # noqa: E402  (it builds on the classes above)
