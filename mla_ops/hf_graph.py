@@ -1,0 +1,184 @@
+"""A converted HF model's decode step, compiled and captured once in a CUDA graph.
+
+    runner = mla_ops.hf.DecodeGraph(model, cache, batch_size=B)   # after the prefill
+    logits = runner(next_ids)                 # [B, 1, vocab]: one decode step
+    tokens = runner.greedy(next_ids, 32)      # [B, 32]: 32 greedy steps, no host syncs
+
+torch.compile(mode="reduce-overhead") replays CUDA graphs through cudagraph trees, which
+still evaluate dynamo's guards and the tree's bookkeeping on every call: a few hundred
+microseconds of host time per step, during which a small model's GPU idles. Here the
+compiled step (Inductor, no cudagraph trees) is captured once in one torch.cuda.CUDAGraph
+and each call is one replay. The step is replayable because PagedMLACache keeps all its
+bookkeeping on the device: every replay writes the new tokens after each row's stored
+tokens, takes blocks from the bump allocator and advances the lengths.
+
+Positions. Row b's new token gets position = the real (non-pad) tokens row b holds,
+which is what generate() computes from the attention mask; the graph reads it from the
+cache, so callers pass token ids only.
+
+Room. Capturing runs `warmup` real steps (then undone), so it needs room for them.
+The graph cannot raise, so the runner counts: when it reads the cache (at the first
+call, and again after any eager call, reset() or occupy() on the cache) it works out how
+many more steps fit (max_cache_len and free blocks) and raises CacheFullError before a
+step that would not fit. A compiled call on the same cache made outside the runner is
+not seen: call runner.sync() after one. Were the count ever stale, the device side still
+drops tokens that have no room (never writing outside a row's own blocks).
+
+Without CUDA (or with graph=False) the runner calls the compiled step directly.
+"""
+from __future__ import annotations
+
+import torch
+
+from .cache import CacheFullError
+from .hf import PagedMLACache, is_converted
+
+
+class DecodeGraph:
+    """One-token-per-row decode steps of a converted model on a PagedMLACache."""
+
+    def __init__(self, model, cache: PagedMLACache, batch_size: int | None = None, *,
+                 compile: bool = True, backend: str = "inductor", graph: bool | None = None,
+                 warmup: int = 2):
+        if not isinstance(model, torch.nn.Module) or not is_converted(model):
+            raise TypeError("DecodeGraph needs a model converted with mla_ops.hf.convert(model)")
+        if not isinstance(cache, PagedMLACache):
+            raise TypeError(f"cache must be a mla_ops.hf.PagedMLACache, got {type(cache).__name__}")
+        B = cache.max_batch_size if batch_size is None else batch_size
+        if not isinstance(B, int) or isinstance(B, bool) or not 1 <= B <= cache.max_batch_size:
+            raise ValueError(f"batch_size must be an int in [1, max_batch_size="
+                             f"{cache.max_batch_size}], got {batch_size!r}")
+        if warmup < 1:
+            raise ValueError(f"warmup must be >= 1, got {warmup}")
+        self.model, self.cache, self.batch_size = model, cache, B
+        self.device = cache.device
+        self.graph_enabled = (self.device.type == "cuda") if graph is None else bool(graph)
+        if self.graph_enabled and self.device.type != "cuda":
+            raise ValueError(f"graph=True needs a CUDA cache, this one is on {self.device}")
+        dev = self.device
+        self.input_ids = torch.zeros(B, 1, dtype=torch.long, device=dev)      # [B, 1] graph input
+        self._pos = torch.zeros(B, 1, dtype=torch.long, device=dev)           # [B, 1]
+        self._fwd = (torch.compile(model.forward, fullgraph=True, dynamic=False, backend=backend)
+                     if compile else model.forward)
+        self.logits = self.next_tokens = None
+        self._graph = None
+        self._steps_left = None          # steps that fit, counted from the last sync()
+        self._seen_version = None
+        if self.graph_enabled:
+            self._capture(warmup)
+
+    # -- the step ----------------------------------------------------------------------
+    def _step(self):
+        c = self.cache
+        self._pos.copy_(c.lens[:self.batch_size, None])       # each row's next position
+        with torch.no_grad():
+            logits = self._fwd(input_ids=self.input_ids, position_ids=self._pos,
+                               past_key_values=c, use_cache=True, logits_to_keep=1).logits
+        return logits, logits[:, -1].argmax(-1)                # [B, 1, V], [B]
+
+    def _capture(self, warmup: int) -> None:
+        """Warm up (compile) on a side stream, capture one step, undo the warm-up steps."""
+        c = self.cache
+        if self.sync() < warmup:
+            raise CacheFullError(f"capturing runs warmup={warmup} real steps first (undone "
+                                 f"afterwards), but the cache has room for {self._steps_left}; "
+                                 f"build PagedMLACache larger, or warmup=1 / graph=False")
+        saved = c.snapshot()
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            for _ in range(warmup):
+                self._step()
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g):
+                self.logits, self.next_tokens = self._step()
+        except RuntimeError as exc:
+            c.restore(saved)
+            raise RuntimeError(
+                f"the decode step cannot be captured in a CUDA graph: {exc}\n(some layer of "
+                f"the model copies between host and device inside its forward, e.g. a MoE "
+                f"router reading token counts on the host; use DecodeGraph(..., graph=False) "
+                f"or compile with mode='reduce-overhead', which skips such graphs)") from exc
+        c.restore(saved)        # warm-up tokens were written past the lengths: unseen
+        self._graph = g
+
+    # -- room --------------------------------------------------------------------------
+    def sync(self) -> int:
+        """Re-read the cache state (one host sync); return how many steps still fit."""
+        c, B, bs = self.cache, self.batch_size, self.cache.block_size
+        lens = c.lens[:B].tolist()
+        seen, used = int(c._seen), int(c.num_used)
+        free = c.num_blocks - used
+
+        def blocks_needed(k):
+            return sum(-(-(n + k) // bs) - (-(-n // bs)) for n in lens)
+        k = c.max_cache_len - seen                # HF's padded length bounds every row
+        lo, hi = 0, max(k, 0)
+        while lo < hi:                            # largest k with blocks_needed(k) <= free
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if blocks_needed(mid) <= free else (lo, mid - 1)
+        self._steps_left = lo
+        self._seen_version = c.version
+        return lo
+
+    @property
+    def steps_left(self) -> int:
+        if self._steps_left is None or self._seen_version != self.cache.version:
+            self.sync()
+        return self._steps_left
+
+    # -- calls -------------------------------------------------------------------------
+    def _set_ids(self, input_ids) -> None:
+        B = self.batch_size
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input_ids must be int64 or int32 token ids, got {input_ids.dtype}")
+        if tuple(input_ids.shape) not in ((B,), (B, 1)):
+            raise ValueError(f"input_ids must be [B={B}] or [B, 1] (one token per row), got "
+                             f"{tuple(input_ids.shape)}")
+        self.input_ids.copy_(input_ids.reshape(B, 1))
+
+    def _take(self, n: int) -> None:
+        left = self.steps_left
+        if n > left:
+            raise CacheFullError(f"{n} more decode step(s) do not fit: the cache has room for "
+                                 f"{left} (max_cache_len={self.cache.max_cache_len}, "
+                                 f"{self.cache.num_blocks} blocks); build PagedMLACache larger "
+                                 f"or call cache.reset()")
+        self._steps_left -= n
+
+    def _run(self) -> None:
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self.logits, self.next_tokens = self._step()
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """One decode step: input_ids [B] or [B, 1] -> logits [B, 1, vocab].
+
+        With a CUDA graph the logits live in the graph's output buffer, overwritten by
+        the next call: clone them to keep them.
+        """
+        self._set_ids(input_ids)
+        self._take(1)
+        self._run()
+        return self.logits
+
+    def greedy(self, input_ids: torch.Tensor, steps: int) -> torch.Tensor:
+        """steps greedy decode steps from input_ids [B] / [B, 1] -> new tokens [B, steps].
+
+        Each step's argmax feeds the next on the device: no host syncs in the loop.
+        """
+        if not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"steps must be a non-negative int, got {steps!r}")
+        self._set_ids(input_ids)
+        self._take(steps)
+        out = torch.empty(self.batch_size, steps, dtype=torch.long, device=self.device)
+        for i in range(steps):
+            self._run()
+            out[:, i] = self.next_tokens
+            self.input_ids.copy_(self.next_tokens[:, None])
+        return out

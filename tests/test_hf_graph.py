@@ -1,0 +1,133 @@
+"""mla_ops.hf.DecodeGraph: the compiled decode step captured in one CUDA graph (GPU) or
+called directly (CPU): same tokens and logits as HF, room counted, bad input refused."""
+import os
+
+import pytest
+import torch
+import torch._dynamo
+
+import mla_ops.hf as H
+from hf_models import build_pair, left_padded, logit_err, tiny_config
+from mla_ops.cache import CacheFullError
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKEND = os.environ.get("MLA_HF_COMPILE_BACKEND", "inductor" if DEVICE == "cuda" else "aot_eager")
+TOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def prefilled(lengths, max_cache_len, block_size=16, seed=4, num_blocks=None, moe=False):
+    cfg = tiny_config("v3")
+    if not moe:     # HF's MoE reads routed-token counts on the host: not capturable
+        cfg.first_k_dense_replace = cfg.num_hidden_layers
+    ref, model = build_pair(cfg, seed=seed)
+    ref, model = ref.to(DEVICE), H.convert(model).to(DEVICE)
+    ids, mask = (t.to(DEVICE) for t in left_padded(lengths, seed=seed))
+    cache = H.PagedMLACache(model.config, max_batch_size=len(lengths), max_cache_len=max_cache_len,
+                            block_size=block_size, device=DEVICE, num_blocks=num_blocks)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                      past_key_values=cache).logits[:, -1].argmax(-1)          # [B]
+    return ref, model, cache, ids, mask, first
+
+
+def test_greedy_matches_hf_generate():
+    ref, model, cache, ids, mask, first = prefilled([5, 21, 12], max_cache_len=64)
+    runner = H.DecodeGraph(model, cache, backend=BACKEND)
+    assert cache.seq_lens() == [5, 21, 12]          # capture's warm-up steps were undone
+    with torch.no_grad():
+        exp = ref.generate(ids, attention_mask=mask, max_new_tokens=15, do_sample=False)
+    got = runner.greedy(first, 14)                                      # [B, 14]
+    assert torch.equal(first, exp[:, ids.shape[1]])
+    assert torch.equal(got, exp[:, ids.shape[1] + 1:])
+    assert cache.seq_lens() == [5 + 14, 21 + 14, 12 + 14]
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    # graph: one capture, replays ever since; without: one compiled graph, no recompiles
+    assert runner.graph_enabled == (DEVICE == "cuda")
+
+
+def test_call_logits_match_hf_forward():
+    from transformers import DynamicCache
+    ref, model, cache, ids, mask, first = prefilled([9, 3], max_cache_len=48, block_size=8, seed=6)
+    rcache = DynamicCache(config=ref.config)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    runner = H.DecodeGraph(model, cache, backend=BACKEND)
+    with torch.no_grad():
+        ref(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=rcache)
+        tok, p = first[:, None], pos[:, -1:]
+        for step in range(6):
+            p = p + 1
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            exp = ref(input_ids=tok, attention_mask=mask, position_ids=p, past_key_values=rcache).logits
+            got = runner(tok).clone()
+            assert logit_err(got, exp) <= TOL, f"step {step}"
+            tok = exp[:, -1:].argmax(-1)
+
+
+def test_room_is_counted_before_running():
+    # 2 rows at 20 and 7 of 24 tokens: 4 more steps fit (the padded length, 20, bounds them)
+    ref, model, cache, ids, mask, first = prefilled([20, 7], max_cache_len=24, block_size=8)
+    runner = H.DecodeGraph(model, cache, backend=BACKEND)
+    assert runner.steps_left == 4
+    with pytest.raises(CacheFullError, match="room for 4"):
+        runner.greedy(first, 5)
+    assert cache.seq_lens() == [20, 7]                  # refused before any step ran
+    runner.greedy(first, 4)
+    assert cache.seq_lens() == [24, 11] and runner.steps_left == 0
+    with pytest.raises(CacheFullError):
+        runner(first)
+    cache.reset()                                       # host-side change: counted again
+    assert runner.steps_left == 24
+
+
+def test_room_counts_free_blocks():
+    # blocks of 4, 2 rows at 4 tokens (one full block each), 3 blocks in the pool:
+    # one row can grow into the last free block, both cannot -> no step fits.
+    ref, model, cache, ids, mask, first = prefilled([4, 4], max_cache_len=32, block_size=4,
+                                                    num_blocks=3)
+    if DEVICE == "cuda":    # capture's warm-up steps need room too
+        with pytest.raises(CacheFullError, match="warmup"):
+            H.DecodeGraph(model, cache, backend=BACKEND)
+    runner = H.DecodeGraph(model, cache, backend=BACKEND, graph=False)
+    assert runner.steps_left == 0
+    with pytest.raises(CacheFullError, match="room for 0"):
+        runner(first)
+    assert cache.seq_lens() == [4, 4]
+
+
+def test_bad_input():
+    ref, model, cache, ids, mask, first = prefilled([3, 4], max_cache_len=16, block_size=4)
+    with pytest.raises(TypeError, match="convert"):
+        H.DecodeGraph(ref, cache)
+    with pytest.raises(TypeError, match="PagedMLACache"):
+        H.DecodeGraph(model, object())
+    with pytest.raises(ValueError, match="batch_size"):
+        H.DecodeGraph(model, cache, batch_size=3)
+    runner = H.DecodeGraph(model, cache, backend=BACKEND)
+    with pytest.raises(ValueError, match="input_ids"):
+        runner(torch.zeros(2, 2, dtype=torch.long, device=DEVICE))
+    with pytest.raises(TypeError, match="input_ids"):
+        runner(torch.zeros(2, 1, device=DEVICE))
+    with pytest.raises(ValueError, match="steps"):
+        runner.greedy(first, -1)
+    assert cache.seq_lens() == [3, 4]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_uncapturable_model_says_why_and_leaves_the_cache():
+    ref, model, cache, ids, mask, first = prefilled([5, 9], max_cache_len=32, moe=True)
+    with pytest.raises(RuntimeError, match="graph=False"):
+        H.DecodeGraph(model, cache, backend=BACKEND)
+    assert cache.seq_lens() == [5, 9]
+    runner = H.DecodeGraph(model, cache, backend=BACKEND, graph=False)
+    with torch.no_grad():
+        exp = ref.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert torch.equal(runner.greedy(first, 4), exp[:, ids.shape[1] + 1:])
