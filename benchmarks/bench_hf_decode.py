@@ -8,6 +8,9 @@ context per row:
   hf-eager     HF forward, StaticCache(max_cache_len=S+n), no compile
   hf-compile   torch.compile(model.forward, fullgraph, mode) with the same StaticCache
   ours-compile converted model + PagedMLACache(block 64), same compile settings
+  ours-graph   mla_ops.hf.DecodeGraph: the converted model compiled by inductor without
+               graph trees, the whole decode step captured once in one CUDA graph and
+               replayed (no per-step guards or graph-tree bookkeeping)
 
 Caches are filled with random rows (no prefill is run). Reported: ms per layer = median
 step time / num_layers (the step includes embedding, final norm and head).
@@ -85,6 +88,19 @@ def time_steps(step, dev, warmup, iters, mark):
     return statistics.median(times)
 
 
+def host_time(step, dev, mark, n=20):
+    """Host seconds per step() call when the GPU never makes the host wait."""
+    sync(dev)
+    t = time.perf_counter()
+    for _ in range(n):
+        if mark:
+            torch.compiler.cudagraph_mark_step_begin()
+        step()
+    host = (time.perf_counter() - t) / n
+    sync(dev)
+    return host
+
+
 def profile_step(step, mark, title, steps=3, top=12):
     """Top GPU kernels over `steps` steps, per step."""
     from torch.profiler import ProfilerActivity, profile
@@ -97,7 +113,9 @@ def profile_step(step, mark, title, steps=3, top=12):
     rows = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     rows.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in rows) / steps
-    print(f"  profile {title}: {total / 1e3:.3f} ms of GPU kernels per step", flush=True)
+    launches = sum(e.count for e in rows) / steps
+    print(f"  profile {title}: {total / 1e3:.3f} ms of GPU kernels per step "
+          f"({launches:.0f} kernels)", flush=True)
     for e in rows[:top]:
         print(f"    {e.self_device_time_total / steps / 1e3:8.3f} ms  x{e.count // steps:<3d} {e.key[:90]}",
               flush=True)
@@ -117,6 +135,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=None, help="append results here as JSON lines")
+    ap.add_argument("--top", type=int, default=12, help="kernels listed by --profile")
     ap.add_argument("--profile", action="store_true",
                     help="print the top GPU kernels of one compiled step per mode")
     args = ap.parse_args()
@@ -134,7 +153,7 @@ def main():
     mla_ops.hf.convert(model, backend=args.mla_backend)   # a StaticCache still runs HF's path
     nl = cfg.num_hidden_layers
     modes = args.modes.split(",")
-    extra = args.warmup + args.iters + 8
+    extra = 2 * (args.warmup + args.iters) + 80      # every timed, warm-up or host-timed step adds a token
     print(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, "
           f"{torch.cuda.get_device_name() if on_cuda else 'cpu'}; compile backend {backend}, "
           f"mode {cmode}; mla backend {args.mla_backend}", flush=True)
@@ -158,15 +177,20 @@ def main():
                 with torch.no_grad():
                     model(input_ids=ids, position_ids=pos, past_key_values=cache,
                           logits_to_keep=1)
-            if mode.endswith("compile"):
+            graph = mode.endswith("graph")
+            if graph and not on_cuda:
+                print(f"  {mode} needs CUDA; skipped", flush=True)
+                continue
+            if mode.endswith("compile") or graph:
                 fwd = torch.compile(model.forward, fullgraph=True, dynamic=False,
-                                    backend=backend, mode=cmode)
+                                    backend=backend, mode=None if graph else cmode)
             lowering.backend_choices.clear()
 
             def step():
                 with torch.no_grad():
                     return fwd(input_ids=ids, position_ids=pos, past_key_values=cache,
                                logits_to_keep=1).logits
+            run = step
 
             t0 = time.perf_counter()
             try:
@@ -184,24 +208,34 @@ def main():
                             m.mla_attn.backend = "reference"
                     torch._dynamo.reset()
                     fwd = torch.compile(model.forward, fullgraph=True, dynamic=False,
-                                        backend=backend, mode=cmode)
+                                        backend=backend, mode=None if graph else cmode)
                     step()
                 sync(dev)
+                if graph:
+                    runner = mla_ops.hf.DecodeGraph(model, cache, batch_size=B,
+                                                    backend=backend)
+
+                    def run():
+                        return runner(ids)
                 first = time.perf_counter() - t0
-                sec = time_steps(step, dev, args.warmup, args.iters,
-                                 mark and mode.endswith("compile"))
+                mk = mark and mode.endswith("compile")
+                sec = time_steps(run, dev, args.warmup, args.iters, mk)
+                host = host_time(run, dev, mk)
             except Exception as e:       # keep the other rows of the table
                 print(f"  {mode} B={B} S={S} failed: {type(e).__name__}: {e}"[:600], flush=True)
                 res[mode] = None
                 continue
             res[mode] = sec * 1e3 / nl
             if args.profile and on_cuda:
-                profile_step(step, mark and mode.endswith("compile"), f"{mode} B={B} S={S}")
+                profile_step(run, mark and mode.endswith("compile"), f"{mode} B={B} S={S}",
+                             top=args.top)
             served = dict(lowering.backend_choices) if mode.startswith("ours") else {}
             skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
             if mode.endswith("compile") and mark and skips:
                 print(f"  {mode}: CUDA graphs skipped ({skips})", flush=True)
-            print(f"  B={B} S={S} {mode}: {res[mode]:.3f} ms/layer (first call {first:.1f} s)"
+            res[mode + "-host"] = host * 1e3 / nl
+            print(f"  B={B} S={S} {mode}: {res[mode]:.3f} ms/layer, host {host * 1e3:.3f} ms/step "
+                  f"(first call {first:.1f} s)"
                   + (f" decode kernel {served}" if served else ""), flush=True)
             del cache
             if on_cuda:
@@ -211,12 +245,12 @@ def main():
             with open(args.json, "a") as f:
                 f.write(json.dumps(res) + "\n")
 
-    print("\n| B, S | " + " | ".join(modes) + " | hf-compile / ours |")
+    print("\n| B, S | " + " | ".join(modes) + " | hf-compile / best ours |")
     print("|---|" + "---|" * (len(modes) + 1))
     for r in rows:
         cells = [f"{r[m]:.3f}" if r.get(m) else "—" for m in modes]
-        sp = (f"{r['hf-compile'] / r['ours-compile']:.1f}x"
-              if r.get("hf-compile") and r.get("ours-compile") else "—")
+        ours = [r[m] for m in modes if m.startswith("ours") and r.get(m)]
+        sp = (f"{r['hf-compile'] / min(ours):.1f}x" if r.get("hf-compile") and ours else "—")
         print(f"| {r['B']}, {r['S']} | " + " | ".join(cells) + f" | {sp} |")
 
 
