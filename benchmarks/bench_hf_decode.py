@@ -131,6 +131,8 @@ def main():
     ap.add_argument("--compile-mode", default=None,
                     help="torch.compile mode (default: reduce-overhead on CUDA, i.e. CUDA graphs)")
     ap.add_argument("--backend", default=None, help="default: inductor on CUDA, aot_eager on CPU")
+    ap.add_argument("--graph-compile-mode", default=None,
+                    help="torch.compile mode inside ours-graph (e.g. max-autotune-no-cudagraphs)")
     ap.add_argument("--mla-backend", default="auto", help="decode kernel: auto | reference | ...")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
@@ -213,7 +215,8 @@ def main():
                 sync(dev)
                 if graph:
                     runner = mla_ops.hf.DecodeGraph(model, cache, batch_size=B,
-                                                    backend=backend)
+                                                    backend=backend,
+                                                    mode=args.graph_compile_mode)
 
                     def run():
                         return runner(ids)

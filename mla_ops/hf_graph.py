@@ -38,8 +38,8 @@ class DecodeGraph:
     """One-token-per-row decode steps of a converted model on a PagedMLACache."""
 
     def __init__(self, model, cache: PagedMLACache, batch_size: int | None = None, *,
-                 compile: bool = True, backend: str = "inductor", graph: bool | None = None,
-                 warmup: int = 2):
+                 compile: bool = True, backend: str = "inductor", mode: str | None = None,
+                 graph: bool | None = None, warmup: int = 2):
         if not isinstance(model, torch.nn.Module) or not is_converted(model):
             raise TypeError("DecodeGraph needs a model converted with mla_ops.hf.convert(model)")
         if not isinstance(cache, PagedMLACache):
@@ -48,6 +48,10 @@ class DecodeGraph:
         if not isinstance(B, int) or isinstance(B, bool) or not 1 <= B <= cache.max_batch_size:
             raise ValueError(f"batch_size must be an int in [1, max_batch_size="
                              f"{cache.max_batch_size}], got {batch_size!r}")
+        if mode in ("reduce-overhead", "max-autotune"):
+            raise ValueError(f"mode={mode!r} makes torch.compile capture CUDA graphs itself; "
+                             f"DecodeGraph captures the step: use None, 'default' or "
+                             f"'max-autotune-no-cudagraphs'")
         if warmup < 1:
             raise ValueError(f"warmup must be >= 1, got {warmup}")
         self.model, self.cache, self.batch_size = model, cache, B
@@ -58,8 +62,8 @@ class DecodeGraph:
         dev = self.device
         self.input_ids = torch.zeros(B, 1, dtype=torch.long, device=dev)      # [B, 1] graph input
         self._pos = torch.zeros(B, 1, dtype=torch.long, device=dev)           # [B, 1]
-        self._fwd = (torch.compile(model.forward, fullgraph=True, dynamic=False, backend=backend)
-                     if compile else model.forward)
+        self._fwd = (torch.compile(model.forward, fullgraph=True, dynamic=False, backend=backend,
+                                   mode=mode) if compile else model.forward)
         self.logits = self.next_tokens = None
         self._graph = None
         self._steps_left = None          # steps that fit, counted from the last sync()

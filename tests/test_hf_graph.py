@@ -88,6 +88,18 @@ def test_room_is_counted_before_running():
     assert runner.steps_left == 24
 
 
+def test_eager_steps_between_calls_are_seen():
+    ref, model, cache, ids, mask, first = prefilled([6, 2], max_cache_len=16, block_size=4)
+    runner = H.DecodeGraph(model, cache, backend=BACKEND)
+    assert runner.steps_left == 10
+    tok = runner.greedy(first, 3)[:, -1]
+    assert runner.steps_left == 7
+    with torch.no_grad():                               # an eager step on the same cache
+        model(input_ids=tok[:, None], position_ids=torch.tensor([[9], [5]], device=DEVICE),
+              past_key_values=cache)
+    assert cache.seq_lens() == [10, 6] and runner.steps_left == 6
+
+
 def test_room_counts_free_blocks():
     # blocks of 4, 2 rows at 4 tokens (one full block each), 3 blocks in the pool:
     # one row can grow into the last free block, both cannot -> no step fits.
@@ -111,6 +123,8 @@ def test_bad_input():
         H.DecodeGraph(model, object())
     with pytest.raises(ValueError, match="batch_size"):
         H.DecodeGraph(model, cache, batch_size=3)
+    with pytest.raises(ValueError, match="captures the step"):
+        H.DecodeGraph(model, cache, mode="reduce-overhead")
     runner = H.DecodeGraph(model, cache, backend=BACKEND)
     with pytest.raises(ValueError, match="input_ids"):
         runner(torch.zeros(2, 2, dtype=torch.long, device=DEVICE))
@@ -131,3 +145,29 @@ def test_uncapturable_model_says_why_and_leaves_the_cache():
     with torch.no_grad():
         exp = ref.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
     assert torch.equal(runner.greedy(first, 4), exp[:, ids.shape[1] + 1:])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_bf16_page64_replays_match_compiled_generate():
+    """bf16 with block 64 (FlashMLA on SM90 when installed, else Triton): 40 replays with
+    growing lengths give the tokens of generate() with the same compiled kernels."""
+    from transformers.generation.configuration_utils import CompileConfig
+    cfg = tiny_config("v3")
+    cfg.first_k_dense_replace = cfg.num_hidden_layers
+    _, model = build_pair(cfg, seed=8, dtype=torch.bfloat16)
+    model = H.convert(model).to(DEVICE)
+    ids, mask = (t.to(DEVICE) for t in left_padded([30, 70, 5], seed=8))
+    kw = dict(attention_mask=mask, max_new_tokens=42, do_sample=False)
+    cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=128, device=DEVICE,
+                            dtype=torch.bfloat16)
+    cc = CompileConfig(fullgraph=True, dynamic=False, backend=BACKEND, mode=None)
+    with torch.no_grad():
+        exp = model.generate(ids, past_key_values=cache, compile_config=cc, **kw)
+    cache.reset()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                      past_key_values=cache).logits[:, -1].argmax(-1)
+    runner = H.DecodeGraph(model, cache, backend=BACKEND)
+    got = torch.cat([first[:, None], runner.greedy(first, 41)], 1)
+    assert torch.equal(got, exp[:, ids.shape[1]:])
