@@ -148,9 +148,11 @@ def test_uncapturable_model_says_why_and_leaves_the_cache():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
-def test_bf16_page64_replays_match_compiled_generate():
-    """bf16 with block 64 (FlashMLA on SM90 when installed, else Triton): 40 replays with
-    growing lengths give the tokens of generate() with the same compiled kernels."""
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_bf16_page64_replays_match_compiled_generate(kv_cache_dtype):
+    """bf16 with block 64 (bf16 cache: FlashMLA on SM90 when installed, else Triton; fp8
+    cache: Triton): 41 replays with growing lengths give the tokens of generate() with the
+    same compiled kernels."""
     from transformers.generation.configuration_utils import CompileConfig
     cfg = tiny_config("v3")
     cfg.first_k_dense_replace = cfg.num_hidden_layers
@@ -159,7 +161,7 @@ def test_bf16_page64_replays_match_compiled_generate():
     ids, mask = (t.to(DEVICE) for t in left_padded([30, 70, 5], seed=8))
     kw = dict(attention_mask=mask, max_new_tokens=42, do_sample=False)
     cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=128, device=DEVICE,
-                            dtype=torch.bfloat16)
+                            dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype, k_scale=0.05)
     cc = CompileConfig(fullgraph=True, dynamic=False, backend=BACKEND, mode=None)
     with torch.no_grad():
         exp = model.generate(ids, past_key_values=cache, compile_config=cc, **kw)
