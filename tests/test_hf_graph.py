@@ -173,3 +173,25 @@ def test_bf16_page64_replays_match_compiled_generate(kv_cache_dtype):
     runner = H.DecodeGraph(model, cache, backend=BACKEND)
     got = torch.cat([first[:, None], runner.greedy(first, 41)], 1)
     assert torch.equal(got, exp[:, ids.shape[1]:])
+
+
+def test_batch_smaller_than_the_cache():
+    cfg = tiny_config("v3")
+    cfg.first_k_dense_replace = cfg.num_hidden_layers
+    ref, model = build_pair(cfg, seed=11)
+    ref, model = ref.to(DEVICE), H.convert(model).to(DEVICE)
+    ids, mask = (t.to(DEVICE) for t in left_padded([7, 3], seed=11))
+    cache = H.PagedMLACache(model.config, max_batch_size=4, max_cache_len=32, block_size=8,
+                            device=DEVICE)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                      past_key_values=cache).logits[:, -1].argmax(-1)
+        exp = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    runner = H.DecodeGraph(model, cache, batch_size=2, backend=BACKEND)
+    assert runner.steps_left == 32 - 7
+    logits = runner(first)
+    assert logits.shape == (2, 1, cfg.vocab_size)
+    assert torch.equal(logits[:, -1].argmax(-1), exp[:, ids.shape[1] + 1])
+    assert torch.equal(runner.greedy(runner.next_tokens, 4), exp[:, ids.shape[1] + 2:])
+    assert cache.seq_lens() == [7 + 5, 3 + 5, 0, 0]
