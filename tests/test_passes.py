@@ -197,6 +197,44 @@ def test_dropping_the_cache_dependency_is_caught(monkeypatch):
         run_both(fn, step)
 
 
+def _split_layer(layer, meta, graph_break):
+    """The layer's two ops by hand, optionally with a graph break between write and read."""
+    def fn(q, kv_c, k_pe, kv, k_scale, dep=None):
+        if dep is None:
+            dep = torch.ops.mla.kv_cache_update(kv_c, k_pe, kv, meta.slot_mapping, "fp8", k_scale)
+        if graph_break:
+            torch._dynamo.graph_break()
+        out = q.new_empty(q.shape[0], layer.num_heads * layer.v_head_dim)
+        torch.ops.mla.attention_with_output(
+            q, kv_c, k_pe, kv, layer.W_UK_T, layer.W_UV, meta.block_table, meta.seq_lens,
+            meta.query_start_loc, meta.num_decode_tokens, layer.softmax_scale, "fp8", k_scale,
+            dep, out, None, None, layer.workspace_rows, layer.backend, None, None)
+        return quant_after(FP8_GROUP_128)(out)
+    return fn
+
+
+@pytest.mark.parametrize("where", ["before the compiled function", "before a graph break"])
+def test_cache_write_outside_the_graph_is_accepted(where):
+    """The write ran before this graph (its result is a graph input): order is kept by
+    program order, so the passes fire instead of refusing the graph."""
+    layer, kv_b, step = build()
+    q, kv_c, k_pe = step.inputs()
+    kv, ks, meta = step.cache.kv[0], step.cache.k_scale, step.meta
+    kv0 = kv.clone()
+    fn = _split_layer(layer, meta, graph_break=where.endswith("break"))
+    compiled = passes.compile_with_passes(fn)
+    if where.startswith("before the compiled"):
+        dep = torch.ops.mla.kv_cache_update(kv_c, k_pe, kv, meta.slot_mapping, "fp8", ks)
+        fused = compiled(q, kv_c, k_pe, kv, ks, dep)
+    else:
+        fused = compiled(q, kv_c, k_pe, kv, ks)
+    kv.copy_(kv0)
+    eager = fn(q, kv_c, k_pe, kv, ks)
+    assert_same(fused, eager)
+    assert compiled.fusion.match_counts("B") == {"fp8_dynamic_group128": 1}
+    assert "mla.kv_cache_update" not in compiled.fusion.graph_after
+
+
 # ------------------------------------------------------------------ Pass A
 
 def test_pass_a_fuses_decode_query_bitwise():
