@@ -379,12 +379,16 @@ def _rope(self, q_rot, k_rot, position_embeddings):
 
 def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                    past_key_values=None, **kwargs):
-    """Converted forward: hidden_states [B, S, H] -> ([B, S, H], None)."""
-    cache = past_key_values
+    """Converted forward: hidden_states [B, S, H] -> ([B, S, H], None).
+
+    transformers < 5.24 passes the cache as past_key_values, later versions as cache.
+    """
+    cache = past_key_values if past_key_values is not None else kwargs.get("cache")
     if not isinstance(cache, PagedMLACache):
+        if past_key_values is not None:
+            kwargs["past_key_values"] = past_key_values
         return self._hf_forward(hidden_states=hidden_states, position_embeddings=position_embeddings,
-                                attention_mask=attention_mask, past_key_values=past_key_values,
-                                **kwargs)
+                                attention_mask=attention_mask, **kwargs)
     mla: MLAAttention = self.mla_attn
     B, S, _ = hidden_states.shape
     N, P, R, V, L = (mla.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
