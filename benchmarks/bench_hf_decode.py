@@ -173,19 +173,13 @@ def main():
             else:
                 cache = fill_static_cache(cfg, B, S, extra, dev, dtype)
             fwd = model.forward
-            if mode.startswith("ours") and on_cuda:
-                # one eager step first: a decode kernel's persistent buffers (FlashMLA's
-                # scheduler table) are then allocated outside the CUDA-graph pool
-                with torch.no_grad():
-                    model(input_ids=ids, position_ids=pos, past_key_values=cache,
-                          logits_to_keep=1)
-            graph = mode.endswith("graph")
+            graph = mode.endswith("graph")      # DecodeGraph compiles; the first step is eager
             if graph and not on_cuda:
                 print(f"  {mode} needs CUDA; skipped", flush=True)
                 continue
-            if mode.endswith("compile") or graph:
+            if mode.endswith("compile"):
                 fwd = torch.compile(model.forward, fullgraph=True, dynamic=False,
-                                    backend=backend, mode=None if graph else cmode)
+                                    backend=backend, mode=cmode)
             lowering.backend_choices.clear()
 
             def step():
@@ -209,8 +203,9 @@ def main():
                         if hasattr(m, "mla_attn"):
                             m.mla_attn.backend = "reference"
                     torch._dynamo.reset()
-                    fwd = torch.compile(model.forward, fullgraph=True, dynamic=False,
-                                        backend=backend, mode=None if graph else cmode)
+                    if mode.endswith("compile"):
+                        fwd = torch.compile(model.forward, fullgraph=True, dynamic=False,
+                                            backend=backend, mode=cmode)
                     step()
                 sync(dev)
                 if graph:
