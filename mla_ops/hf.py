@@ -204,7 +204,12 @@ class PagedMLACache(Cache):
     def restore(self, saved) -> None:
         """Put back a snapshot() in place: tokens written since are forgotten (their rows
         lie past the restored lengths), blocks taken since are free again."""
-        for t, v in zip(self._state(), saved):
+        state = self._state()
+        if (not isinstance(saved, (list, tuple)) or len(saved) != len(state)
+                or any(not isinstance(v, torch.Tensor) or v.shape != t.shape or v.dtype != t.dtype
+                       for t, v in zip(state, saved))):
+            raise ValueError("restore() takes what snapshot() of this cache returned")
+        for t, v in zip(state, saved):
             t.copy_(v)
         self._step = None
         self.version += 1

@@ -125,6 +125,8 @@ def test_bad_input():
         H.DecodeGraph(model, cache, batch_size=3)
     with pytest.raises(ValueError, match="captures the step"):
         H.DecodeGraph(model, cache, mode="reduce-overhead")
+    with pytest.raises(ValueError, match="snapshot"):
+        cache.restore([torch.zeros(1)])
     runner = H.DecodeGraph(model, cache, backend=BACKEND)
     with pytest.raises(ValueError, match="input_ids"):
         runner(torch.zeros(2, 2, dtype=torch.long, device=DEVICE))
@@ -195,3 +197,17 @@ def test_batch_smaller_than_the_cache():
     assert torch.equal(logits[:, -1].argmax(-1), exp[:, ids.shape[1] + 1])
     assert torch.equal(runner.greedy(runner.next_tokens, 4), exp[:, ids.shape[1] + 2:])
     assert cache.seq_lens() == [7 + 5, 3 + 5, 0, 0]
+
+
+def test_snapshot_restore_undoes_steps():
+    ref, model, cache, ids, mask, first = prefilled([6, 2], max_cache_len=24, block_size=4)
+    saved, used = cache.snapshot(), cache.blocks_in_use()
+    with torch.no_grad():
+        for p in range(3):          # row 1 crosses into a new block
+            model(input_ids=first[:, None], past_key_values=cache,
+                  position_ids=torch.tensor([[6 + p], [2 + p]], device=DEVICE))
+    assert cache.seq_lens() == [9, 5] and cache.blocks_in_use() > used
+    v = cache.version
+    cache.restore(saved)
+    assert cache.seq_lens() == [6, 2] and cache.blocks_in_use() == used
+    assert cache.version > v
