@@ -134,6 +134,9 @@ def main():
     ap.add_argument("--graph-compile-mode", default=None,
                     help="torch.compile mode inside ours-graph (e.g. max-autotune-no-cudagraphs)")
     ap.add_argument("--mla-backend", default="auto", help="decode kernel: auto | reference | ...")
+    ap.add_argument("--per-layer-schedule", action="store_true",
+                    help="ours: let every layer's FlashMLA call compute its own scheduler "
+                         "metadata (the default computes it once per step in the plan)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=None, help="append results here as JSON lines")
@@ -170,6 +173,8 @@ def main():
             pos = torch.full((B, 1), S, device=dev, dtype=torch.long)
             if mode.startswith("ours"):
                 cache = fill_paged_cache(cfg, B, S, extra, dev, dtype)
+                if args.per_layer_schedule:
+                    cache._flashmla_backends = frozenset()
             else:
                 cache = fill_static_cache(cfg, B, S, extra, dev, dtype)
             fwd = model.forward

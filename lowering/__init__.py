@@ -3,8 +3,12 @@
     mla_decode(q [B, s_q, H, L+R], kv_cache [num_blocks, block_size, L+R],
                block_table [B, max_blocks] int32, cache_seqlens [B] int32,
                softmax_scale, *, causal=True, kv_cache_dtype="auto",
-               k_scale=None, backend="auto")
+               k_scale=None, backend="auto", schedule=None)
         -> (out [B, s_q, H, L], lse [B, H, s_q] float32, natural log)
+
+    decode_schedule(kv_cache, block_table, cache_seqlens, num_heads=H) -> schedule
+        FlashMLA's per-step work split, computed once and shared by every layer's call
+        (uses_flashmla() says whether the calls will read it).
 
 With s_q > 1 and causal, query i sees cache positions [0, cache_seqlens - s_q + i].
 Backends are tried in the order of BACKEND_ORDER for backend="auto"; an explicit
@@ -15,11 +19,13 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
+
 from .backends import BACKENDS, BACKEND_ORDER, BackendUnavailable, unmet_condition
 from .checks import bound_for_capture, check_decode_args
 
 __all__ = ["mla_decode", "BACKENDS", "BACKEND_ORDER", "BackendUnavailable",
-           "select_backend", "backend_choices"]
+           "select_backend", "backend_choices", "decode_schedule", "uses_flashmla"]
 
 # backend name -> number of mla_decode calls it served (read by the inspection tool).
 backend_choices: Counter = Counter()
@@ -43,16 +49,51 @@ def select_backend(q, kv_cache, *, kv_cache_dtype="auto", backend="auto") -> str
     raise BackendUnavailable("no decode backend can serve this call; " + "; ".join(reasons))
 
 
+def uses_flashmla(device, q_dtype, num_heads: int, width: int, block_size: int,
+                  kv_cache_dtype="auto", backend="auto", s_q: int = 1) -> bool:
+    """Whether a decode call with these properties (q [B, s_q, num_heads, width] of q_dtype
+    over a cache of block_size rows of width) would run on the flashmla backend.
+
+    Plain Python (imports, device queries): call it outside compiled code and keep the
+    answer, e.g. when a cache is built.
+    """
+    q_like = torch.empty((0, s_q, num_heads, width), dtype=q_dtype, device=device)
+    kv_like = torch.empty((0, block_size, width), dtype=q_dtype, device=device)
+    kind = "auto" if kv_cache_dtype == "auto" else "fp8"
+    try:
+        return select_backend(q_like, kv_like, kv_cache_dtype=kind, backend=backend) == "flashmla"
+    except (BackendUnavailable, ValueError):
+        return False
+
+
+def decode_schedule(kv_cache, block_table, cache_seqlens, *, num_heads, s_q=1):
+    """FlashMLA's work split for decode calls over these lengths: (table, splits).
+
+    Computed once per step and passed as mla_decode(..., schedule=) to every layer's call
+    over the same block_table and cache_seqlens, it replaces one scheduler kernel per
+    call. Only the flashmla backend reads it (check with uses_flashmla first); it must be
+    recomputed whenever the lengths change (a graph op: captured graphs recompute it on
+    every replay).
+    """
+    from .flashmla import flashmla_schedule
+    return flashmla_schedule(block_table, cache_seqlens, kv_cache.shape[1], num_heads, s_q)
+
+
 def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, causal=True,
-               kv_cache_dtype="auto", k_scale=None, backend="auto", head_dim_v=None):
+               kv_cache_dtype="auto", k_scale=None, backend="auto", head_dim_v=None,
+               schedule=None):
     """Absorbed-MLA decode over a paged latent cache (see the module docstring).
 
     head_dim_v (default L+R-64) is the width of the latent value part, L.
+    schedule: decode_schedule()'s result for these block_table / cache_seqlens (used by
+    the flashmla backend, ignored by the others), or None.
     """
     kind, head_dim_v = check_decode_args(q, kv_cache, block_table, cache_seqlens, softmax_scale,
                                          kv_cache_dtype, k_scale, head_dim_v)
     block_table, cache_seqlens = bound_for_capture(q, kv_cache, block_table, cache_seqlens)
     name = select_backend(q, kv_cache, kv_cache_dtype=kind, backend=backend)
     backend_choices[name] += 1
+    extra = {"schedule": schedule} if name == "flashmla" and schedule is not None else {}
     return BACKENDS[name](q, kv_cache, block_table, cache_seqlens, float(softmax_scale),
-                          causal=bool(causal), kind=kind, k_scale=k_scale, head_dim_v=head_dim_v)
+                          causal=bool(causal), kind=kind, k_scale=k_scale, head_dim_v=head_dim_v,
+                          **extra)

@@ -7,19 +7,25 @@ the package's legacy extension (torch.ops.flash_mla_legacy, use_legacy=True).
 Scheduler metadata. FlashMLA splits each request's keys over the SMs according to a
 tile-scheduler table computed from cache_seqlens. A table computed once and reused
 while lengths change (or computed outside a captured graph into fresh tensors) gives
-stale splits and garbage after some steps. Here the table is computed inside this op,
-on the device, from the cache_seqlens it is called with. Under CUDA-graph capture the
-metadata kernel is captured too: its output buffers belong to the graph's private pool
-(fixed addresses for the graph's life) and every replay refills them from the lengths
-it is replayed with. No buffer outlives the call, so nothing is allocated in a CUDA-graph
-pool that the graph does not own (cudagraph trees reject such tensors).
+stale splits and garbage after some steps. So the table is always computed on the
+device from this step's lengths, as a graph op (mla::flashmla_schedule): under CUDA-graph
+capture its kernel is captured too, its outputs live in the graph's private pool (fixed
+addresses for the graph's life) and every replay refills them from the lengths it is
+replayed with. No buffer outlives the step, so nothing is allocated in a CUDA-graph pool
+that the graph does not own (cudagraph trees reject such tensors).
 
-The call is wrapped as the custom op mla::flashmla_decode (with a fake impl) so
-torch.compile treats it as one opaque node.
+Either the decode op computes the table itself (one metadata kernel per call), or the
+caller computes it once per step with decode_schedule() and passes it to every layer's
+call (the table depends only on the lengths and the query rows per KV head, which all
+layers share): one metadata kernel per step instead of one per layer.
+
+Both calls are custom ops (mla::flashmla_schedule, mla::flashmla_decode, with fake
+impls) so torch.compile treats each as one opaque node.
 """
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -55,16 +61,51 @@ def flashmla_unmet(q, kv_cache, kind):
     return None
 
 
+# FlashMLA's SM90 decode tiles 64 query rows per CTA and gives each KV head an equal
+# share of the SMs; its scheduler table has one 8-int row per SM part.
+_BLOCK_M, _META_INTS = 64, 8
+
+
+def schedule_rows(device, q_rows: int) -> int:
+    """Rows of the scheduler table for q_rows query rows (s_q * H) per KV head (one)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return sms // -(-q_rows // _BLOCK_M)
+
+
+@torch.library.custom_op("mla::flashmla_schedule", mutates_args=())
+def flashmla_schedule_op(cache_seqlens: torch.Tensor, q_rows: int,
+                         num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scheduler table [parts, 8] int32 and split offsets [B + 1] int32 for these lengths."""
+    import flash_mla
+    meta, splits = flash_mla.get_mla_decoding_metadata(
+        cache_seqlens, q_rows, 1, num_heads, False, None, use_legacy=True)
+    want = schedule_rows(cache_seqlens.device, q_rows)
+    if tuple(meta.shape) != (want, _META_INTS):
+        raise RuntimeError(f"flash_mla returned a scheduler table of shape {tuple(meta.shape)}, "
+                           f"expected ({want}, {_META_INTS}); this flash_mla version is not "
+                           f"supported (sgl-flash-mla 1.0.0 is)")
+    return meta, splits
+
+
+@flashmla_schedule_op.register_fake
+def _(cache_seqlens, q_rows, num_heads):
+    B = cache_seqlens.shape[0]
+    return (cache_seqlens.new_empty((schedule_rows(cache_seqlens.device, q_rows), _META_INTS)),
+            cache_seqlens.new_empty((B + 1,)))
+
+
 @torch.library.custom_op("mla::flashmla_decode", mutates_args=())
 def flashmla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                        cache_seqlens: torch.Tensor, softmax_scale: float, causal: bool,
-                       head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       head_dim_v: int, sched_meta: Optional[torch.Tensor] = None,
+                       sched_splits: Optional[torch.Tensor] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     import flash_mla
     B, s_q, H, _ = q.shape
-    meta, splits = flash_mla.get_mla_decoding_metadata(
-        cache_seqlens, s_q * H, 1, H, False, None, use_legacy=True)
+    if sched_meta is None:
+        sched_meta, sched_splits = flashmla_schedule_op(cache_seqlens, s_q * H, H)
     sched = flash_mla.flash_mla_interface.FlashMLASchedMeta()
-    sched.tile_scheduler_metadata, sched.num_splits = meta, splits
+    sched.tile_scheduler_metadata, sched.num_splits = sched_meta, sched_splits
     out, lse = flash_mla.flash_mla_with_kvcache(
         q, kv_cache.unsqueeze(2), block_table, cache_seqlens, head_dim_v, sched,
         softmax_scale=softmax_scale, causal=causal, is_fp8_kvcache=False, use_legacy=True)
@@ -72,17 +113,53 @@ def flashmla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
 
 
 @flashmla_decode_op.register_fake
-def _(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, head_dim_v):
+def _(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, head_dim_v,
+      sched_meta=None, sched_splits=None):
     B, s_q, H, _ = q.shape
     return (q.new_empty((B, s_q, H, head_dim_v)),
             q.new_empty((B, H, s_q), dtype=torch.float32))
 
 
+def flashmla_schedule(block_table, cache_seqlens, block_size: int, num_heads: int, s_q: int = 1):
+    """The scheduler table for a decode call over these lengths (see the module docstring).
+
+    The lengths are bounded to the block table's width first, as the decode call bounds
+    them under CUDA-graph capture, so the table never covers blocks the table lacks.
+    """
+    lens = cache_seqlens.clamp(1, block_table.shape[1] * block_size)
+    return flashmla_schedule_op(lens, s_q * num_heads, num_heads)
+
+
+def check_schedule(schedule, q, cache_seqlens):
+    """A caller's (sched_meta [parts, 8], sched_splits [B + 1]) int32 pair on q's device."""
+    if not (isinstance(schedule, (tuple, list)) and len(schedule) == 2):
+        raise TypeError("decode_schedule must be the (table, splits) pair from decode_schedule()")
+    meta, splits = schedule
+    B, s_q, H, _ = q.shape
+    for name, t in (("decode_schedule table", meta), ("decode_schedule splits", splits)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device != q.device:
+            raise TypeError(f"{name} must be an int32 tensor on {q.device}")
+    rows = schedule_rows(q.device, s_q * H)
+    if tuple(meta.shape) != (rows, _META_INTS) or tuple(splits.shape) != (B + 1,):
+        raise ValueError(f"decode_schedule must be a [{rows}, {_META_INTS}] table and [{B + 1}] "
+                         f"splits for {B} requests x {s_q * H} query rows; got "
+                         f"{tuple(meta.shape)} and {tuple(splits.shape)} (compute it with "
+                         f"decode_schedule() from this call's lengths)")
+
+
 def flashmla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, causal, kind,
-                    k_scale, head_dim_v):
-    """Backend "flashmla" of lowering.mla_decode (arguments already validated there)."""
+                    k_scale, head_dim_v, schedule=None):
+    """Backend "flashmla" of lowering.mla_decode (arguments already validated there).
+
+    schedule: (table, splits) from flashmla_schedule() for these lengths, or None to
+    compute it in this call.
+    """
     if head_dim_v != 512:
         from .backends import BackendUnavailable
         raise BackendUnavailable(f"backend 'flashmla' needs head_dim_v 512, got {head_dim_v}")
+    meta = splits = None
+    if schedule is not None:
+        check_schedule(schedule, q, cache_seqlens)
+        meta, splits = schedule
     return flashmla_decode_op(q, kv_cache, block_table, cache_seqlens, float(softmax_scale),
-                              bool(causal), int(head_dim_v))
+                              bool(causal), int(head_dim_v), meta, splits)

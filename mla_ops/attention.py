@@ -227,7 +227,7 @@ def _fp8_query_decode(q8, q_scale, kv_cache, block_table, lens, softmax_scale, k
 
 def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_start_loc,
                      softmax_scale, kind, k_scale, backend, decode_q=None, decode_q_scale=None,
-                     one_token_per_request=False):
+                     one_token_per_request=False, schedule=None):
     """Absorbed MQA for decode tokens q [t, N, P+R] -> latent output [t, N, L] (W_UV dtype);
     decode_output then applies W_UV (and the output quant).
 
@@ -236,6 +236,10 @@ def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_sta
 
     decode_q, when given, is the prebuilt query [t, N, L + R] (q's dtype, or fp8 with
     decode_q_scale), built outside the op so graph passes can see and fuse it.
+
+    schedule: lowering.decode_schedule() of (block_table, seq_lens), computed once per
+    step by the caller; it describes one query token per request, so other steps
+    (several tokens of a request) drop it and the kernel schedules itself.
     """
     t, N, _ = q.shape
     P, L = W_UK_T.shape[1:]
@@ -243,6 +247,7 @@ def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_sta
     if one_token_per_request:
         bt, lens = block_table, seq_lens
     else:
+        schedule = None
         tok = torch.arange(t, device=q.device)
         req = torch.searchsorted(query_start_loc[1:], tok.to(torch.int32), right=True)  # [t]
         # Position of each token in its sequence; it sees positions [0, pos].
@@ -255,14 +260,15 @@ def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_sta
     else:
         out_latent, _ = lowering.mla_decode(
             q_mqa[:, None], kv_cache, bt, lens, softmax_scale, causal=True, kv_cache_dtype=kind,
-            k_scale=k_scale, backend=backend, head_dim_v=L)              # [t, 1, N, L]
+            k_scale=k_scale, backend=backend, head_dim_v=L,
+            schedule=schedule)                                           # [t, 1, N, L]
     return out_latent[:, 0]                                              # [t, N, L]
 
 
 def run_attention(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
                   query_start_loc, num_decode_tokens, softmax_scale, kv_cache_dtype, k_scale,
                   output, output_scale, output_block_scale, workspace_rows, backend,
-                  decode_q=None, decode_q_scale=None):
+                  decode_q=None, decode_q_scale=None, schedule=None):
     kind = "auto" if kv_cache_dtype == "auto" else "fp8"
     T = q.shape[0]
     nd = num_decode_tokens
@@ -274,7 +280,8 @@ def run_attention(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq
         lat = decode_attention(q[:nd], kv_cache, W_UK_T, W_UV, block_table, seq_lens,
                                query_start_loc, softmax_scale, kind, k_scale, backend,
                                decode_q, decode_q_scale,
-                               one_token_per_request=(T == nd == block_table.shape[0]))
+                               one_token_per_request=(T == nd == block_table.shape[0]),
+                               schedule=schedule)
         decode_output(lat, W_UV, output[:nd], output_scale, scale_rows(0, nd))
     if nd < T:
         out = prefill_attention(q, kv_c_normed, k_pe.reshape(T, -1), kv_cache, W_UK_T, W_UV,

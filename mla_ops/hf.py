@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+import lowering
+
 from .cache import CacheFullError, PagedLatentCache, mark_static
 from .layer import MLAAttention
 from .metadata import MLAMetadata
@@ -133,6 +135,15 @@ class PagedMLACache(Cache):
         self.num_used = torch.zeros((), dtype=torch.int64, device=dev)   # bump-allocator top
         self._seen = torch.zeros((), dtype=torch.int64, device=dev)      # padded length (HF's view)
         self._step: _Step | None = None
+        # Decode backends ("auto", "flashmla") that will run FlashMLA on this cache: for
+        # them a decode step's plan carries FlashMLA's work split, computed once per step.
+        heads = getattr(config, "num_attention_heads", None)
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+        self._num_heads = heads
+        self._flashmla_backends = frozenset(
+            b for b in ("auto", "flashmla")
+            if heads and lowering.uses_flashmla(self.device, dtype, heads, width, block_size,
+                                                self.kv_cache_dtype, b))
         self.version = 0        # bumped by every host-side change of the state (eager steps,
                                 # reset, occupy, restore); compiled steps do not bump it
         if not torch.compiler.is_compiling():   # the pool's tensors are marked by PagedLatentCache
@@ -231,7 +242,8 @@ class PagedMLACache(Cache):
     reorder_cache = crop = batch_repeat_interleave = batch_select_indices = _unsupported
 
     # -- per-step bookkeeping (called by the converted attention) -----------------------
-    def _prepare(self, layer_idx: int, B: int, S: int, attention_mask, dtype, device) -> _Step:
+    def _prepare(self, layer_idx: int, B: int, S: int, attention_mask, dtype, device,
+                 backend: str = "auto") -> _Step:
         """This step's plan for one layer; the last layer commits it to the cache state.
 
         The plan is a pure function of the state before the step, so every layer gets
@@ -254,7 +266,8 @@ class PagedMLACache(Cache):
                 raise ValueError(f"model runs on {device} but the cache lives on {self.device}; "
                                  f"pass device= to PagedMLACache")
             valid = None if S == 1 else _valid_tokens(attention_mask, B, S, self._seen)  # [B, S]
-            step = self._plan(B, S, valid, check=not compiling and layer_idx == 0)
+            step = self._plan(B, S, valid, check=not compiling and layer_idx == 0,
+                              backend=backend)
             self._step = step
         else:
             step = self._step
@@ -262,7 +275,7 @@ class PagedMLACache(Cache):
             self._commit(step, B, S)
         return step
 
-    def _plan(self, B: int, S: int, valid, check: bool) -> _Step:
+    def _plan(self, B: int, S: int, valid, check: bool, backend: str = "auto") -> _Step:
         dev, bs, M = self.device, self.block_size, self.max_blocks
         lens_old = self.lens[:B].long()                                      # [B]
         q = (valid.sum(1) if valid is not None
@@ -297,12 +310,18 @@ class PagedMLACache(Cache):
         blk = table.gather(1, (pos // bs).clamp(max=M - 1)).long()
         real = (j[None] < q[:, None]) & (pos < self.max_cache_len) & (blk >= 0)
         slots = torch.where(real, blk * bs + pos % bs, -1).reshape(-1)       # [T]
+        seq_lens = (lens_old + S).to(torch.int32)            # trailing pads count, never read
+        sched = None
+        if S == 1 and backend in self._flashmla_backends:   # one scheduler kernel per step
+            sched = lowering.decode_schedule(self.pool.kv[0], table, seq_lens,
+                                             num_heads=self._num_heads)
         meta = MLAMetadata(
             slot_mapping=slots,
             block_table=table,
-            seq_lens=(lens_old + S).to(torch.int32),          # trailing pads count, never read
+            seq_lens=seq_lens,
             query_start_loc=(torch.arange(B + 1, device=dev) * S).to(torch.int32),
-            num_decode_tokens=B if S == 1 else 0)
+            num_decode_tokens=B if S == 1 else 0,
+            decode_schedule=sched)
         perm = inv = None
         if valid is not None:
             rows = torch.arange(B, device=dev)[:, None]
@@ -413,7 +432,8 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     kv_c = kv_c.reshape(T, L)                                                # [T, L]
     k_pe = k_rot.reshape(T, 1, R)                                            # [T, 1, R]
 
-    step = cache._prepare(self.layer_idx, B, S, attention_mask, q.dtype, q.device)
+    step = cache._prepare(self.layer_idx, B, S, attention_mask, q.dtype, q.device,
+                          backend=mla.backend)
     if step.perm is not None:
         q, kv_c, k_pe = q[step.perm], kv_c[step.perm], k_pe[step.perm]
     out = mla(q, kv_c, k_pe, cache.pool.kv[self.layer_idx], cache.k_scale, step.meta,

@@ -120,9 +120,10 @@ class MLAAttention(nn.Module):
             q_mqa = build_decode_query(q[:nd], self.W_UK_T)                # [nd, N, L + R]
             decode_q = torch.ops.mla.quant_fp8_static(q_mqa, self.q_scale)
             decode_q_scale = self.q_scale
+        sched = meta.decode_schedule if decode_q is None else None
         torch.ops.mla.attention_with_output(
             q, kv_c_normed, k_pe, kv_cache, self.W_UK_T, self.W_UV, meta.block_table,
             meta.seq_lens, meta.query_start_loc, meta.num_decode_tokens, self.softmax_scale,
             kind, k_scale, dep, out, None, None, self.workspace_rows, self.backend,
-            decode_q, decode_q_scale)
+            decode_q, decode_q_scale, *(sched if sched is not None else ()))
         return out

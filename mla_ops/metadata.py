@@ -8,6 +8,7 @@ and attends causally to positions [0, that position].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -21,6 +22,10 @@ class MLAMetadata:
     seq_lens: torch.Tensor          # [B] int32, context + this step's tokens
     query_start_loc: torch.Tensor   # [B + 1] int32, cumulative query lengths
     num_decode_tokens: int          # tokens of the leading decode requests
+    # Optional FlashMLA work split for the decode requests (lowering.decode_schedule of
+    # block_table and seq_lens when every request decodes one token): computed once per
+    # step, read by every layer's attention call instead of one scheduler kernel each.
+    decode_schedule: Optional[tuple] = None
 
     @property
     def num_tokens(self) -> int:

@@ -130,7 +130,8 @@ torch.library.define(
     "float softmax_scale, str kv_cache_dtype, Tensor k_scale, Tensor kv_cache_dep, "
     "Tensor(a!) output, Tensor? output_scale=None, Tensor(b!)? output_block_scale=None, "
     "SymInt workspace_rows=8192, str backend=\"auto\", Tensor? decode_q=None, "
-    "Tensor? decode_q_scale=None) -> ()")
+    "Tensor? decode_q_scale=None, Tensor? decode_schedule=None, "
+    "Tensor? decode_splits=None) -> ()")
 
 
 @torch.library.impl("mla::attention_with_output", "CompositeExplicitAutograd")
@@ -156,6 +157,8 @@ def attention_with_output(
         backend: str = "auto",
         decode_q: Optional[torch.Tensor] = None,        # [nd, N, L + R] prebuilt decode query
         decode_q_scale: Optional[torch.Tensor] = None,  # [1] fp32 when decode_q is fp8
+        decode_schedule: Optional[torch.Tensor] = None,  # FlashMLA table for this step's
+        decode_splits: Optional[torch.Tensor] = None,    # decode lengths (lowering.decode_schedule)
 ) -> None:
     from .attention import check_attention_args, check_decode_query, run_attention
     check_attention_args(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
@@ -163,15 +166,19 @@ def attention_with_output(
                          k_scale, kv_cache_dep, output, output_scale, output_block_scale,
                          workspace_rows, backend)
     check_decode_query(decode_q, decode_q_scale, q, W_UK_T, num_decode_tokens)
+    if (decode_schedule is None) != (decode_splits is None):
+        raise ValueError("pass decode_schedule and decode_splits together (both from "
+                         "lowering.decode_schedule) or neither")
+    schedule = None if decode_schedule is None else (decode_schedule, decode_splits)
     run_attention(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
                   query_start_loc, num_decode_tokens, softmax_scale, kv_cache_dtype, k_scale,
                   output, output_scale, output_block_scale, workspace_rows, backend,
-                  decode_q, decode_q_scale)
+                  decode_q, decode_q_scale, schedule)
 
 
 @torch.library.register_fake("mla::attention_with_output")
 def _(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_start_loc,
       num_decode_tokens, softmax_scale, kv_cache_dtype, k_scale, kv_cache_dep, output,
       output_scale=None, output_block_scale=None, workspace_rows=8192, backend="auto",
-      decode_q=None, decode_q_scale=None):
+      decode_q=None, decode_q_scale=None, decode_schedule=None, decode_splits=None):
     return None

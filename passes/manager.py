@@ -156,8 +156,9 @@ class MLAFusionPass(CustomGraphPass):
 
     def _register(self, kind, key, p):
             if kind == "B":
-                v2, kvd, backend, dq = key
-                strings = dict(kv_cache_dtype=kvd, backend=backend, extra=pass_a.decode_q_extra(dq))
+                v2, kvd, backend, dq, sched = key
+                strings = dict(kv_cache_dtype=kvd, backend=backend,
+                               extra=pass_b.optional_extra(dq, sched))
                 for qk in self.quant_keys:
                     pass_b.register(p, qk, v2, strings, self._record, decode_q=dq)
             else:

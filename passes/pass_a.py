@@ -23,11 +23,6 @@ FUSED = torch.ops.mla.concat_quant_fp8_static.default
 DIMS = (-1, 2)   # a 3-D concat along the last dim is spelled either way
 
 
-def decode_q_extra(kind: str) -> dict:
-    """Pattern B's extra kwargs for the attention call's decode query arguments."""
-    return {} if kind == "none" else {"decode_q": "decode_q", "decode_q_scale": "decode_q_scale"}
-
-
 def _consumer_attention(node, depth=4):
     from .manager import ATTN, hop_target
     frontier = [node]

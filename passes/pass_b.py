@@ -49,9 +49,8 @@ def _attn(v2: bool, t: dict, scalars: dict, strings: dict, output_bases, output_
               num_decode_tokens=scalars["num_decode_tokens"],
               softmax_scale=scalars["softmax_scale"], kv_cache_dtype=strings["kv_cache_dtype"],
               k_scale=t["k_scale"], kv_cache_dep=t["kv_cache_dep"])
-    extra = {k: t[v] for k, v in strings.get("extra", {}).items()}
-    if not extra:
-        extra = dict(decode_q=None, decode_q_scale=None)
+    extra = dict(decode_q=None, decode_q_scale=None, decode_schedule=None, decode_splits=None)
+    extra.update({k: t[v] for k, v in strings.get("extra", {}).items()})
     out, block = output_bases
     if v2:
         kw.update(output_scale=output_scale, workspace_rows=scalars["workspace_rows"],
@@ -129,6 +128,8 @@ def make_pattern(key: QuantKey, v2: bool, strings: dict):
         ex["scale"] = torch.empty(1)
     ex["decode_q"] = torch.empty(2, 2, 48, dtype=FP8)
     ex["decode_q_scale"] = torch.empty(1)
+    ex["decode_schedule"] = torch.empty(66, 8, dtype=torch.int32)
+    ex["decode_splits"] = torch.empty(3, dtype=torch.int32)
     example = [ex[n] for n in names if n in ex] + [SCALARS[k] for k in SCALARS]
     return ns["search"], ns["replace"], example, dict(SCALARS)
 
@@ -163,10 +164,20 @@ def why_not(match: Match, key: QuantKey, recorder) -> bool:
 
 
 def variant_key(node, v2: bool) -> tuple:
-    """(HOP form, kv_cache_dtype, backend, decode-query kind) of one attention call."""
+    """(HOP form, kv_cache_dtype, backend, decode-query kind, decode-schedule kind) of one
+    attention call."""
     kw = node.kwargs
     dq = "none" if kw.get("decode_q") is None else "tensor"
-    return (v2, kw["kv_cache_dtype"], kw["backend"], dq)
+    sched = "none" if kw.get("decode_schedule") is None else "tensor"
+    return (v2, kw["kv_cache_dtype"], kw["backend"], dq, sched)
+
+
+def optional_extra(dq: str, sched: str) -> dict:
+    """The attention call's optional tensor kwargs a variant passes (kwarg -> pattern input)."""
+    extra = {} if dq == "none" else {"decode_q": "decode_q", "decode_q_scale": "decode_q_scale"}
+    if sched != "none":
+        extra.update(decode_schedule="decode_schedule", decode_splits="decode_splits")
+    return extra
 
 
 def register(pm_pass, key: QuantKey, v2: bool, strings: dict, recorder, decode_q="none") -> None:

@@ -81,18 +81,60 @@ def test_batch_invariance_gpu():
     assert rel_err(full_o, ref) < 1e-2
 
 
-@pytest.mark.parametrize("backend", ["flashmla", "triton"])
+@pytest.mark.parametrize("B,H,S", [(1, 128, 4000), (7, 128, 3000), (5, 16, 2000), (3, 64, 700)])
+def test_flashmla_schedule_once_per_step(B, H, S):
+    """decode_schedule() computed once and passed to the call gives the bitwise result of
+    the call scheduling itself; compiled, its fake shapes are the real ones; a schedule
+    of another batch is refused before the kernel runs."""
+    if not _flashmla_ok():
+        pytest.skip("flashmla backend cannot serve on this machine")
+    from lowering.flashmla import schedule_rows
+    lens = _lens(B, S + 1, seed=B + H)
+    q, kv, bt, cl = make_case(B, 1, H, L, R, 64, lens, "cuda", seed=B * H)
+    assert lowering.uses_flashmla(q.device, q.dtype, H, L + R, 64)
+    assert not lowering.uses_flashmla(q.device, q.dtype, H, L + R, 64, backend="triton")
+    assert not lowering.uses_flashmla(q.device, q.dtype, H, L + R, 16)
+    sched = lowering.decode_schedule(kv, bt, cl, num_heads=H)
+    assert sched[0].shape == (schedule_rows(q.device, H), 8) and sched[1].shape == (B + 1,)
+    own = lowering.mla_decode(q, kv, bt, cl, SCALE, backend="flashmla")
+    given = lowering.mla_decode(q, kv, bt, cl, SCALE, backend="flashmla", schedule=sched)
+    assert torch.equal(own[0], given[0]) and torch.equal(own[1], given[1])
+    ref, _ = decode_ref64(q, kv, bt, cl, SCALE, True, L)
+    assert rel_err(given[0], ref) < 1e-2
+    compiled = torch.compile(lambda b, c: lowering.decode_schedule(kv, b, c, num_heads=H),
+                             fullgraph=True)
+    table, splits = compiled(bt, cl)
+    # FlashMLA fills 5 of each row's 8 ints (begin/end request and key, first split);
+    # the rest is padding it never writes or reads
+    assert torch.equal(table[:, :5], sched[0][:, :5]) and torch.equal(splits, sched[1])
+    other = lowering.decode_schedule(kv, bt[:1], cl[:1], num_heads=H) if B > 1 else \
+        lowering.decode_schedule(kv, bt.repeat(2, 1), cl.repeat(2), num_heads=H)
+    with pytest.raises(ValueError, match="decode_schedule"):
+        lowering.mla_decode(q, kv, bt, cl, SCALE, backend="flashmla", schedule=other)
+
+
+@pytest.mark.parametrize("backend", ["flashmla", "flashmla-schedule", "triton"])
 def test_cuda_graph_replay_500_steps(backend):
+    """500 replays of one captured decode with changing lengths == eager each step
+    ("flashmla-schedule": the schedule computed by a separate graph op, as a model's
+    step plan does once for all layers)."""
+    schedule = backend == "flashmla-schedule"
+    backend = "flashmla" if schedule else backend
     if backend == "flashmla" and not _flashmla_ok():
         pytest.skip("flashmla backend cannot serve on this machine")
     B, H, S = 8, 128, 2048
     q, kv, bt, cl = make_case(B, 1, H, L, R, 64, [S] * B, "cuda", seed=5)
     static_q, static_len = q.clone(), cl.clone()
-    lowering.mla_decode(static_q, kv, bt, static_len, SCALE, backend=backend)  # warm up
+
+    def decode():
+        sched = lowering.decode_schedule(kv, bt, static_len, num_heads=H) if schedule else None
+        return lowering.mla_decode(static_q, kv, bt, static_len, SCALE, backend=backend,
+                                   schedule=sched)
+    decode()  # warm up
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        g_out, g_lse = lowering.mla_decode(static_q, kv, bt, static_len, SCALE, backend=backend)
+        g_out, g_lse = decode()
     gen = torch.Generator(device="cuda").manual_seed(0)
     worst = 0.0
     for step in range(500):

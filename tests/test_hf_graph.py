@@ -177,6 +177,44 @@ def test_bf16_page64_replays_match_compiled_generate(kv_cache_dtype):
     assert torch.equal(got, exp[:, ids.shape[1]:])
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="FlashMLA needs a GPU")
+def test_flashmla_schedule_computed_once_per_step():
+    """bf16 cache with block 64 on an SM90 GPU with flash_mla: a decode step runs FlashMLA's
+    scheduler kernel once (the step plan's), not once per layer, and gives the same logits
+    bit for bit as the step where every layer schedules itself."""
+    from torch.profiler import ProfilerActivity, profile
+    cfg = tiny_config("v3")
+    cfg.first_k_dense_replace = cfg.num_hidden_layers
+    _, model = build_pair(cfg, seed=9, dtype=torch.bfloat16)
+    model = H.convert(model).to(DEVICE)
+    cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=256, device=DEVICE,
+                            dtype=torch.bfloat16)
+    if cache._flashmla_backends != {"auto", "flashmla"}:
+        pytest.skip("the flashmla backend cannot serve this cache here")
+    assert cfg.num_hidden_layers >= 2
+    ids, mask = (t.to(DEVICE) for t in left_padded([30, 100, 7], seed=9))
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        nxt = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                    past_key_values=cache).logits[:, -1:].argmax(-1)          # [B, 1]
+    saved = cache.snapshot()
+
+    def step():
+        with torch.no_grad():
+            return model(input_ids=nxt, position_ids=pos[:, -1:] + 1,
+                         past_key_values=cache).logits
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        once = step()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    assert sum("get_mla_metadata" in k for k in kernels) == 1
+    assert sum("flash_fwd_splitkv_mla" in k for k in kernels) == cfg.num_hidden_layers
+    cache.restore(saved)
+    cache._flashmla_backends = frozenset()           # every layer schedules itself
+    per_layer = step()
+    assert torch.equal(once, per_layer)
+
+
 def test_batch_smaller_than_the_cache():
     cfg = tiny_config("v3")
     cfg.first_k_dense_replace = cfg.num_hidden_layers

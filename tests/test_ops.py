@@ -150,6 +150,8 @@ def test_attention_bad_input_names_argument():
     call(7, lens, ValueError, "cache_seqlens|blocks")
     bt = good[6].clone(); bt[0, 0] = 999
     call(6, bt, ValueError, "block ids")
+    table = torch.randint(0, 9, (66, 8), dtype=torch.int32)
+    _bad(lambda: op(*good, decode_schedule=table), ValueError, "decode_splits")
 
 
 @pytest.mark.parametrize("slots", [[0, -1], [-1, 5, -1, 0], [-1, -1], [3, 7]])

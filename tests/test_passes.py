@@ -104,6 +104,21 @@ def test_pass_b_fuses_each_quant_key(key):
     assert ((deq - ref).norm() / ref.norm()).item() < 0.08
 
 
+def test_pass_b_fuses_a_call_carrying_a_decode_schedule():
+    """A decode step whose plan carries FlashMLA's per-step schedule (the CPU backend
+    ignores it) is its own pattern variant: fused, and the schedule still reaches the op."""
+    layer, kv_b, step = build(kv="auto", ctx=[5, 3, 9], ql=[1, 1, 1])
+    g = torch.Generator().manual_seed(3)
+    step.meta.decode_schedule = (torch.randint(0, 64, (66, 8), generator=g, dtype=torch.int32),
+                                 torch.randint(0, 64, (4,), generator=g, dtype=torch.int32))
+    qf = quant_after(FP8_GROUP_128)
+    fused, eager, fusion = run_both(lambda *a: qf(layer(*a)), step)
+    assert_same(fused, eager)
+    assert fusion.match_counts("B") == {str(FP8_GROUP_128): 1}
+    attn = fusion.graph_after.split("mla.attention_with_output.default")[1].split("\n")[0]
+    assert "decode_schedule: %" in attn and "decode_splits: %" in attn
+
+
 def test_per_group_never_matches_as_per_tensor_and_reverse():
     layer, _, step = build()
     scale = torch.tensor([0.02])
