@@ -61,9 +61,9 @@ class DecodeGraph:
             raise ValueError(f"graph=True needs a CUDA cache, this one is on {self.device}")
         dev = self.device
         self.input_ids = torch.zeros(B, 1, dtype=torch.long, device=dev)      # [B, 1] graph input
-        self._pos = torch.zeros(B, 1, dtype=torch.long, device=dev)           # [B, 1]
-        self._fwd = (torch.compile(model.forward, fullgraph=True, dynamic=False, backend=backend,
-                                   mode=mode) if compile else model.forward)
+        # one compiled function for the whole step: positions, forward and argmax
+        self._fwd = (torch.compile(self._forward, fullgraph=True, dynamic=False,
+                                   backend=backend, mode=mode) if compile else self._forward)
         self.logits = self.next_tokens = None
         self._graph = None
         self._steps_left = None          # steps that fit, counted from the last sync()
@@ -72,13 +72,16 @@ class DecodeGraph:
             self._capture(warmup)
 
     # -- the step ----------------------------------------------------------------------
-    def _step(self):
+    def _forward(self, input_ids):
         c = self.cache
-        self._pos.copy_(c.lens[:self.batch_size, None])       # each row's next position
-        with torch.no_grad():
-            logits = self._fwd(input_ids=self.input_ids, position_ids=self._pos,
-                               past_key_values=c, use_cache=True, logits_to_keep=1).logits
+        pos = c.lens[:self.batch_size, None].long()           # [B, 1] each row's next position
+        logits = self.model.forward(input_ids=input_ids, position_ids=pos, past_key_values=c,
+                                    use_cache=True, logits_to_keep=1).logits
         return logits, logits[:, -1].argmax(-1)                # [B, 1, V], [B]
+
+    def _step(self):
+        with torch.no_grad():
+            return self._fwd(self.input_ids)
 
     def _capture(self, warmup: int) -> None:
         """Warm up (compile) on a side stream, capture one step, undo the warm-up steps."""
