@@ -44,6 +44,13 @@ SWEEP = {
         ("n128s2", ("fp8q",), dict(block_n=128, num_stages=2)),
         ("n128s1", ("bf16", "fp8q"), dict(block_n=128, num_stages=1)),
         ("n64s3", ("bf16",), dict(num_stages=3)),
+        # two programs per row block, each half of the value columns (see the kernel)
+        ("m128v2", ("bf16", "fp8kv", "fp8q"), dict(block_m=128, v_parts=2)),
+        ("m128v2n32", ("bf16", "fp8kv", "fp8q"), dict(block_m=128, v_parts=2, block_n=32,
+                                                      num_stages=2)),
+        ("m128v2s2", ("fp8q",), dict(block_m=128, v_parts=2, num_stages=2)),
+        ("m64v2w4", ("bf16", "fp8q"), dict(v_parts=2, num_warps=4)),
+        ("m64v2w4n32", ("bf16", "fp8q"), dict(v_parts=2, num_warps=4, block_n=32)),
     ],
     "narrow": [
         ("splits1", ("bf16",), dict(num_splits=1)),
@@ -159,6 +166,12 @@ def bench_shape(B, H, S, args, ceilings, log):
         import lowering.flashmla as fm
         fm_fn = lambda: fm.flashmla_decode_op(q, kv, bt, lens, scale, True, L)  # noqa: E731
         record("flashmla", fm_fn, "bf16")
+        # the scheduler table computed once outside the timed call, as a model's step
+        # plan does for all its layers: FlashMLA's decode kernels alone
+        if fm.flashmla_unmet(q, kv, "auto") is None:
+            sched = fm.flashmla_schedule(bt, lens, PAGE, H)
+            record("flashmla[kernel only]", lambda: fm.flashmla_decode_op(
+                q, kv, bt, lens, scale, True, L, *sched), "bf16")
     except ImportError as exc:
         log(f"  flashmla unavailable: {exc}")
     if not args.no_reference:

@@ -45,11 +45,13 @@ CONFIGS = {
     (0, "narrow", "gpu"): dict(BLOCK_N=128, num_warps=4, num_stages=2, ctas_per_sm=1),
     (1, "wide", "gpu"): dict(BLOCK_N=64, num_warps=8, num_stages=3, ctas_per_sm=1),
     (1, "narrow", "gpu"): dict(BLOCK_N=64, num_warps=8, num_stages=3, ctas_per_sm=1),
-    (2, "wide", "gpu"): dict(BLOCK_N=64, num_warps=8, num_stages=3, ctas_per_sm=1),
+    (2, "wide", "gpu"): dict(BLOCK_N=64, num_warps=8, num_stages=3, ctas_per_sm=1,
+                             BLOCK_M=128, V_PARTS=2),
     (2, "narrow", "gpu"): dict(BLOCK_N=64, num_warps=8, num_stages=3, ctas_per_sm=1),
 }
-# (Chosen from the H200 sweeps in benchmarks/NOTES-decode.md; "wide" means BLOCK_M = 64
-# query rows per program, "narrow" 16 or 32.)
+# (Chosen from the H200 sweeps in benchmarks/NOTES-decode.md; "wide" means 64 or more
+# query rows (BLOCK_M = 64 unless the config names one), "narrow" 16 or 32. Optional
+# BLOCK_M / V_PARTS: 128 rows per block, each block as two half-value-column programs.)
 CPU_CONFIG = dict(BLOCK_N=16, num_warps=4, num_stages=1, ctas_per_sm=1)
 CPU_SM_COUNT = 4          # split sizing under the CPU interpreter
 MIN_SPLIT_KEYS = 128      # never cut a request into splits shorter than this
@@ -122,6 +124,8 @@ def triton_decode_op(
     num_stages: int = 0,
     lazy_rescale: int = -1,       # -1: from CONFIGS
     warp_specialize: bool = False,
+    block_m: int = 0,             # 0: from the row count (block_m_for) or CONFIGS
+    v_parts: int = 0,             # 0: from CONFIGS (1 when absent)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, s_q, H, D = q.shape
     _, page, _ = kv_cache.shape
@@ -138,8 +142,17 @@ def triton_decode_op(
         cfg["num_stages"] = num_stages
     if lazy_rescale >= 0:
         cfg["lazy"] = bool(lazy_rescale)
+    if block_m:
+        cfg["BLOCK_M"] = block_m
+    if v_parts:
+        cfg["V_PARTS"] = v_parts
     lazy = cfg.get("lazy", False) and not (kv_kind == 2 and PV_FP8)  # fp8 P needs p <= 1
-    BLOCK_M = block_m_for(rows)
+    BLOCK_M = cfg.get("BLOCK_M", block_m_for(rows))
+    V_PARTS = cfg.get("V_PARTS", 1)
+    if not block_m and rows < BLOCK_M:      # a config's 128-row block needs 128 rows
+        BLOCK_M, V_PARTS = block_m_for(rows), v_parts or 1
+    if V_PARTS not in (1, 2) or L % V_PARTS:
+        raise ValueError(f"v_parts must be 1 or 2 (and divide head_dim_v {L}), got {V_PARTS}")
     m_blocks = triton.cdiv(rows, BLOCK_M)
     max_len = block_table.shape[1] * page
     if batch_invariant:
@@ -147,8 +160,8 @@ def triton_decode_op(
         splits = triton.cdiv(max_len, fixed_chunk)
     else:
         fixed_chunk = 0
-        splits = num_splits or choose_num_splits(B, m_blocks, max_len, _sm_count(q.device),
-                                                 cfg["ctas_per_sm"])
+        splits = num_splits or choose_num_splits(B, m_blocks * V_PARTS, max_len,
+                                                 _sm_count(q.device), cfg["ctas_per_sm"])
 
     out = torch.empty((B, s_q, H, L), dtype=out_dtype, device=q.device)      # [B, s_q, H, L]
     lse = torch.empty((B, H, s_q), dtype=torch.float32, device=q.device)     # [B, H, s_q]
@@ -158,7 +171,7 @@ def triton_decode_op(
         o1 = torch.empty((B, splits, rows, L), dtype=torch.float32, device=q.device)
         l1 = torch.empty((B, splits, rows), dtype=torch.float32, device=q.device)
     dummy = cache_seqlens  # stands in for absent scale pointers (never read)
-    torch.library.wrap_triton(mla_decode_stage1_kernel)[(m_blocks, B, splits)](
+    torch.library.wrap_triton(mla_decode_stage1_kernel)[(m_blocks * V_PARTS, B, splits)](
         q, kv_cache, block_table, cache_seqlens,
         q_scale if q_scale is not None else dummy,
         k_scale if k_scale is not None else dummy,
@@ -166,7 +179,7 @@ def triton_decode_op(
         S_Q=s_q, H=H, L=L, R=R, PAGE=page, CAUSAL=causal,
         num_splits=splits, DIRECT=splits == 1, FIXED_CHUNK=fixed_chunk, KV_KIND=kv_kind,
         PV_FP8=PV_FP8, P_SCALE=P_SCALE, BLOCK_M=BLOCK_M, BLOCK_N=cfg["BLOCK_N"],
-        DOT_F32=not on_gpu, LAZY_RESCALE=lazy, WARP_SPEC=warp_specialize, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        V_PARTS=V_PARTS, DOT_F32=not on_gpu, LAZY_RESCALE=lazy, WARP_SPEC=warp_specialize, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
         torch.library.wrap_triton(mla_decode_merge_kernel)[(rows, B)](
             o1, l1, out, lse, splits, S_Q=s_q, H=H, L=L, num_warps=4)

@@ -5,7 +5,14 @@ Absorbed MLA decode is multi-query attention with one shared KV head whose row i
 Per request b the query rows are the s_q x H (token, head) pairs, folded into one
 row axis r = t * H + h, so one program computes a [BLOCK_M, L] tile of output.
 
-    grid = (cdiv(s_q * H, BLOCK_M), B, num_splits)
+    grid = (cdiv(s_q * H, BLOCK_M) * V_PARTS, B, num_splits)
+
+With V_PARTS = 2 each row block has two programs, each computing the scores (the same
+ones) but P @ V and the output for its half of the L value columns only: the fp32
+accumulator halves, so BLOCK_M = 128 rows fit in 8 warps with each warpgroup owning 64
+whole rows (the row max and sum then never cross warpgroups). The scores are computed
+twice, so this pays where they are cheap (fp8 dots) and the cross-warpgroup
+synchronisation of a 64-row block is the bound.
 
 Program (m, b, s) walks the key positions of split s of request b in BLOCK_N
 steps. Each step:
@@ -76,13 +83,16 @@ def mla_decode_stage1_kernel(
     PV_FP8: tl.constexpr,
     P_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    V_PARTS: tl.constexpr,       # 1, or 2: this program computes half of the L columns
     DOT_F32: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,  # rescale acc only when a row max grows by > 2^8
     WARP_SPEC: tl.constexpr,     # ask Triton to warp-specialize the key loop
 ):
     D: tl.constexpr = L + R
     ROWS: tl.constexpr = S_Q * H
-    pid_m = tl.program_id(0)
+    LV: tl.constexpr = L // V_PARTS
+    pid_m = tl.program_id(0) // V_PARTS
+    pid_v = tl.program_id(0) % V_PARTS
     b = tl.program_id(1)
     split = tl.program_id(2)
 
@@ -106,6 +116,7 @@ def mla_decode_stage1_kernel(
     # ---- the query tile, loaded once ------------------------------------------------
     offs_l = tl.arange(0, L)                                # [L]
     offs_r = tl.arange(0, R)                                # [R]
+    offs_v = pid_v * LV + tl.arange(0, LV)                  # [LV] this program's value columns
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + rows[:, None] * D
     q_nope = tl.load(q_rows + offs_l[None, :], mask=row_ok[:, None], other=0.0)      # [BLOCK_M, L]
     q_pe = tl.load(q_rows + L + offs_r[None, :], mask=row_ok[:, None], other=0.0)    # [BLOCK_M, R]
@@ -128,7 +139,7 @@ def mla_decode_stage1_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)   # running max (base 2)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                 # running sum of p
-    acc = tl.zeros([BLOCK_M, L], dtype=tl.float32)              # running sum of p @ v
+    acc = tl.zeros([BLOCK_M, LV], dtype=tl.float32)             # running sum of p @ v
 
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
@@ -176,31 +187,39 @@ def mla_decode_stage1_kernel(
             acc = acc * alpha[:, None]
             m_i = m_new
 
-        # 5. acc += p @ v   (v is the kv_c tile already loaded)
+        # 5. acc += p @ v   (v is the kv_c tile already loaded, or its half of columns)
+        if V_PARTS == 1:
+            v = kv_c
+        else:
+            v = tl.load(kv_ptr + kv_row[:, None] + offs_v[None, :],
+                        mask=in_range[:, None], other=0.0)                        # [BLOCK_N, LV]
+            if KV_KIND == 1:
+                v = v.to(tl.float16)
         if KV_KIND == 2 and PV_FP8:
-            p_op = (p * P_SCALE).to(kv_c.dtype)
-            v_op = kv_c
+            p_op = (p * P_SCALE).to(v.dtype)
+            v_op = v
         elif KV_KIND == 2:
             p_op = p.to(tl.float16)
-            v_op = kv_c.to(tl.float16)
+            v_op = v.to(tl.float16)
         else:
-            p_op = p.to(kv_c.dtype)
-            v_op = kv_c
+            p_op = p.to(v.dtype)
+            v_op = v
         acc = tl.dot(_mma_operand(p_op, DOT_F32), _mma_operand(v_op, DOT_F32), acc)
 
     # ---- epilogue: normalise, write (out, lse) ---------------------------------------
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
-    o = acc * (out_scale / l_safe)[:, None]                 # [BLOCK_M, L]
+    o = acc * (out_scale / l_safe)[:, None]                 # [BLOCK_M, LV]
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse_ok = row_ok & ((rows * 0 + pid_v) == 0)             # one writer per row: part 0
 
     if DIRECT:
-        o_ptrs = out_ptr + (b.to(tl.int64) * ROWS + rows[:, None]) * L + offs_l[None, :]
+        o_ptrs = out_ptr + (b.to(tl.int64) * ROWS + rows[:, None]) * L + offs_v[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         # lse layout [B, H, s_q]: row r = t * H + h goes to h * s_q + t
         lse_off = b * ROWS + (rows % H) * S_Q + rows // H
-        tl.store(lse_ptr + lse_off, lse, mask=row_ok)
+        tl.store(lse_ptr + lse_off, lse, mask=lse_ok)
     else:
         part = (b.to(tl.int64) * num_splits + split) * ROWS + rows      # [BLOCK_M]
-        tl.store(out_ptr + part[:, None] * L + offs_l[None, :], o, mask=row_ok[:, None])
-        tl.store(lse_ptr + part, lse, mask=row_ok)
+        tl.store(out_ptr + part[:, None] * L + offs_v[None, :], o, mask=row_ok[:, None])
+        tl.store(lse_ptr + part, lse, mask=lse_ok)

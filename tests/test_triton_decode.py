@@ -94,6 +94,37 @@ def test_fp8_query_and_cache_with_scales():
     check(out, lse, ref, ref_lse)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "fp8-cache", "fp8-q"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_half_value_column_programs(kind, splits):
+    """v_parts=2: two programs per row block, each writing half of the L columns (and the
+    first the lse); 3 row blocks of 16 rows for 40 (token, head) rows, a length of 1."""
+    L, R, H, s_q = 64, 32, 20, 2
+    q, kv, bt, cl = make_case(2, s_q, H, L, R, 16, [77, 2], DEV, seed=21 + splits)
+    tune = dict(head_dim_v=L, num_splits=splits, block_m=16, v_parts=2)
+    if kind == "bf16":
+        q = q.to(torch.bfloat16)
+        kv = kv.to(torch.bfloat16)
+        out, lse = td.triton_mla_decode(q, kv, bt, cl, SCALE, causal=True, kind="auto",
+                                        k_scale=None, **tune)
+        ref, ref_lse = decode_ref64(q, kv, bt, cl, SCALE, True, L)
+    else:
+        kv8, k_scale = _quantize(kv)
+        kv_ref = kv8.double() * k_scale.double()
+        if kind == "fp8-cache":
+            out, lse = td.triton_mla_decode(q, kv8, bt, cl, SCALE, causal=True, kind="fp8",
+                                            k_scale=k_scale, **tune)
+            ref, ref_lse = decode_ref64(q, kv_ref, bt, cl, SCALE, True, L)
+        else:
+            q8, q_scale = _quantize(q * 5.0)
+            out, lse = td.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale,
+                                          k_scale=k_scale, **tune)
+            ref, ref_lse = decode_ref64(q8.double() * q_scale.double(), kv_ref, bt, cl, SCALE,
+                                        True, L)
+    assert out.shape == (2, s_q, H, L)
+    check(out, lse, ref, ref_lse)
+
+
 def test_fp8q_rejects_bad_scales():
     L, R = 64, 16
     q, kv, bt, cl = make_case(1, 1, 2, L, R, 16, [10], DEV)
