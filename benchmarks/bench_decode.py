@@ -51,6 +51,9 @@ SWEEP = {
         ("m128v2s2", ("fp8q",), dict(block_m=128, v_parts=2, num_stages=2)),
         ("m64v2w4", ("bf16", "fp8q"), dict(v_parts=2, num_warps=4)),
         ("m64v2w4n32", ("bf16", "fp8q"), dict(v_parts=2, num_warps=4, block_n=32)),
+        ("m128v2n32s1", ("bf16", "fp8kv"), dict(block_m=128, v_parts=2, block_n=32,
+                                                num_stages=1)),
+        ("m128v2n16", ("bf16",), dict(block_m=128, v_parts=2, block_n=16, num_stages=2)),
     ],
     "narrow": [
         ("splits1", ("bf16",), dict(num_splits=1)),
