@@ -24,9 +24,11 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lowering.triton_decode as td  # noqa: E402
 from lowering.reference import mla_decode_reference  # noqa: E402
+from timing import graph_time_us  # noqa: E402
 
 SHAPES = [(1, 128, 4096), (32, 128, 4096), (64, 128, 8192), (128, 16, 4096),
           (8, 128, 32768), (256, 16, 1024)]
@@ -88,21 +90,6 @@ def make_inputs(B, H, S, seed=0):
     bt = torch.randperm(blocks, device="cuda", generator=g).int().reshape(B, S // PAGE)
     lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
     return q, kv, bt, lens
-
-
-def graph_time_us(fn):
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
-    return ms * 1e3
 
 
 def kernel_stats(cubin_dir=None):

@@ -23,8 +23,10 @@ import torch
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import passes  # noqa: E402
+from timing import graph_time_us as time_graph  # noqa: E402
 from mla_ops import MLAAttention, MLAMetadata, PagedLatentCache  # noqa: E402
 
 P, R, V, L, PAGE = 128, 64, 128, 512, 64
@@ -58,19 +60,6 @@ def count_kernels(fn):
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return len(names), names
-
-
-def time_graph(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
 
 
 def run_shape(B, N, S):

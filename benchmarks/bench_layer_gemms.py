@@ -18,6 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import graph_time_us  # noqa: E402
 
 # (name, in_features, out_features) of V3's attention + dense MLP weights
 GEMMS = [
@@ -43,21 +44,6 @@ def copy_ceiling(nbytes=1 << 30):
     return 2 * nbytes / (ms * 1e-3)
 
 
-def time_graph(fn):
-    """Median ms of one CUDA-graph replay of fn (launch overhead excluded)."""
-    from triton.testing import do_bench
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return do_bench(g.replay, warmup=25, rep=200)
-
-
 # skinny_gemm.py configs swept: (block_n, block_k, num_warps, num_stages)
 SKINNY_CONFIGS = [
     (16, 256, 4, 4), (16, 512, 4, 4), (16, 512, 4, 6), (32, 128, 4, 8), (32, 256, 4, 4),
@@ -81,9 +67,9 @@ def best_skinny(x, w, out, ref):
         if err > 2e-2:
             print(f"    {cfg}: wrong (rel err {err:.2e})", flush=True)
             continue
-        ms = time_graph(lambda: skinny_gemm(x, w, out, block_n=bn, block_k=bk,
-                                            num_warps=nw, num_stages=ns))
-        best = min(best, (ms * 1e3, cfg))
+        us = graph_time_us(lambda: skinny_gemm(x, w, out, block_n=bn, block_k=bk,
+                                               num_warps=nw, num_stages=ns))
+        best = min(best, (us, cfg))
     return best
 
 
@@ -104,7 +90,7 @@ def main():
             w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
             x = torch.randn(M, k, device=dev, dtype=torch.bfloat16)
             out = torch.empty(M, n, device=dev, dtype=torch.bfloat16)
-            ms = time_graph(lambda: torch.mm(x, w.t(), out=out))
+            ms = graph_time_us(lambda: torch.mm(x, w.t(), out=out)) / 1e3
             nbytes = w.numel() * 2 + x.numel() * 2 + out.numel() * 2
             bw = nbytes / (ms * 1e-3)
             if "fused" not in name:

@@ -130,7 +130,7 @@ def flashmla_schedule(block_table, cache_seqlens, block_size: int, num_heads: in
     return flashmla_schedule_op(lens, s_q * num_heads, num_heads)
 
 
-def check_schedule(schedule, q, cache_seqlens):
+def check_schedule(schedule, q):
     """A caller's (sched_meta [parts, 8], sched_splits [B + 1]) int32 pair on q's device."""
     if not (isinstance(schedule, (tuple, list)) and len(schedule) == 2):
         raise TypeError("decode_schedule must be the (table, splits) pair from decode_schedule()")
@@ -159,7 +159,7 @@ def flashmla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, c
         raise BackendUnavailable(f"backend 'flashmla' needs head_dim_v 512, got {head_dim_v}")
     meta = splits = None
     if schedule is not None:
-        check_schedule(schedule, q, cache_seqlens)
+        check_schedule(schedule, q)
         meta, splits = schedule
     return flashmla_decode_op(q, kv_cache, block_table, cache_seqlens, float(softmax_scale),
                               bool(causal), int(head_dim_v), meta, splits)

@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 
 from .cache import CacheFullError
-from .hf import PagedMLACache, is_converted
+from .hf import is_converted
+from .hf_cache import PagedMLACache
 
 
 class DecodeGraph:

@@ -93,6 +93,16 @@ def test_bad_input():
     for fn, exc, match in cases:
         with pytest.raises(exc, match=match):
             fn()
+    sched = lambda *a, **k: lowering.decode_schedule(*a, **k)                # noqa: E731
+    for fn, exc, match in [
+        (lambda: sched(cache, table.long(), seqlens, num_heads=2), TypeError, "block_table"),
+        (lambda: sched(cache, table, seqlens[:1], num_heads=2), ValueError, "cache_seqlens"),
+        (lambda: sched(cache[0], table, seqlens, num_heads=2), ValueError, "kv_cache"),
+        (lambda: sched(cache, table, seqlens, num_heads=0), ValueError, "num_heads"),
+    ]:
+        with pytest.raises(exc, match=match):
+            fn()
+    assert not lowering.uses_flashmla(q.device, q.dtype, 2, 48, 4)   # CPU: never FlashMLA
     if "flashmla" in lowering.BACKENDS and not torch.cuda.is_available():
         with pytest.raises(lowering.BackendUnavailable, match="flashmla"):
             dec(q, cache, table, seqlens, 0.2, backend="flashmla")
