@@ -1,38 +1,45 @@
 """The weight GEMMs of one DeepSeek-V3-shaped decode layer, one by one, at decode batch sizes.
 
 A decode step streams every weight once; at M <= 32 rows each GEMM is a weight read, so its
-time against the copy ceiling says how close the layer can get to the bandwidth floor. Also
-times the fused variants (q_a + kv_a in one GEMM, gate + up in one GEMM), and with
---skinny the one-pass Triton kernel of skinny_gemm.py (best of SKINNY_CONFIGS, each
-checked against cuBLAS first).
+time against the copy ceiling says how close the layer can get to the bandwidth floor.
+Each row times what HF's modules run (cuBLAS, `torch.mm`; for the fused rows the unfused
+GEMMs they replace) against the weight-streaming kernel of lowering/linear_kernel.py in the
+mode the converted model uses (q_a + kv_a in one launch, gate + up with SiLU x up in one
+launch), best of CONFIGS, each checked against cuBLAS first. Prints the best configs as
+the `lowering.linear.CONFIGS` entries they are.
 
-    python benchmarks/bench_layer_gemms.py --skinny    # H200: V3 dims, M = 1 and 32
+    python benchmarks/bench_layer_gemms.py          # H200: V3 dims, M = 1 and 32
 """
 from __future__ import annotations
 
 import argparse
-
 import os
 import sys
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from timing import graph_time_us  # noqa: E402
+from lowering import linear  # noqa: E402
 
-# (name, in_features, out_features) of V3's attention + dense MLP weights
+# (name, mode, out_features (w1, w2), in_features) of V3's attention + dense MLP weights
 GEMMS = [
-    ("q_a_proj", 7168, 1536),
-    ("kv_a_proj_with_mqa", 7168, 576),
-    ("q_b_proj", 1536, 128 * 192),
-    ("o_proj", 128 * 128, 7168),
-    ("gate_proj", 7168, 18432),
-    ("up_proj", 7168, 18432),
-    ("down_proj", 18432, 7168),
+    ("q_a_proj + kv_a_proj_with_mqa", 1, (1536, 576), 7168),
+    ("q_b_proj", 0, (128 * 192,), 1536),
+    ("o_proj", 0, (7168,), 128 * 128),
+    ("gate_proj, up_proj (+ SiLU x up)", 2, (18432, 18432), 7168),
+    ("down_proj", 0, (7168,), 18432),
 ]
-FUSED = [
-    ("q_a+kv_a (fused)", 7168, 1536 + 576),
-    ("gate+up (fused)", 7168, 2 * 18432),
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) swept
+SWEEP = [
+    (16, 256, 4, 4), (16, 256, 4, 8), (16, 512, 4, 4), (16, 512, 4, 6), (32, 128, 4, 8),
+    (32, 256, 4, 4), (32, 256, 4, 6), (32, 256, 8, 6), (32, 512, 4, 3), (32, 512, 8, 4),
+    (64, 128, 4, 6), (64, 128, 8, 8), (64, 256, 4, 4), (64, 256, 8, 4), (128, 128, 8, 4),
+    (32, 64, 4, 8), (32, 128, 4, 6), (64, 64, 4, 8), (64, 128, 4, 5), (128, 64, 4, 4),
+    (128, 64, 8, 4),
 ]
 
 
@@ -44,71 +51,75 @@ def copy_ceiling(nbytes=1 << 30):
     return 2 * nbytes / (ms * 1e-3)
 
 
-# skinny_gemm.py configs swept: (block_n, block_k, num_warps, num_stages)
-SKINNY_CONFIGS = [
-    (16, 256, 4, 4), (16, 512, 4, 4), (16, 512, 4, 6), (32, 128, 4, 8), (32, 256, 4, 4),
-    (32, 256, 4, 6), (32, 512, 4, 3), (32, 512, 8, 4), (64, 128, 4, 6), (64, 256, 4, 4),
-    (64, 256, 8, 4), (128, 128, 8, 4),
-]
+def reference(mode, x, ws):
+    """What HF's modules compute, in fp32 (for the check) and as a timed cuBLAS closure."""
+    if mode == 2:
+        ref = F.silu(x.float() @ ws[0].float().T) * (x.float() @ ws[1].float().T)
+    else:
+        ref = torch.cat([x.float() @ w.float().T for w in ws], dim=-1)
+    outs = [torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype) for w in ws]
+
+    def cublas():              # the GEMMs alone (the SiLU x up kernel not counted)
+        for w, o in zip(ws, outs):
+            torch.mm(x, w.t(), out=o)
+    return ref, cublas
 
 
-def best_skinny(x, w, out, ref):
-    """(µs, config) of the fastest correct skinny_gemm config."""
-    from skinny_gemm import skinny_gemm
+def best_triton(mode, x, ws, ref):
+    """(µs, config) of the fastest correct config."""
+    M = x.shape[0]
+    y1 = torch.empty(M, ws[0].shape[0], device=x.device, dtype=x.dtype)
+    y2 = torch.empty(M, ws[1].shape[0], device=x.device, dtype=x.dtype) if mode == 1 else None
+    w2 = ws[1] if len(ws) > 1 else None
     best = (float("inf"), None)
-    for cfg in SKINNY_CONFIGS:
-        bn, bk, nw, ns = cfg
+    for cfg in SWEEP:
+        def run():
+            linear.launch(x, ws[0], w2, mode, y1, y2, cfg, wrap=False)
         try:
-            skinny_gemm(x, w, out, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+            run()
+            torch.cuda.synchronize()
         except Exception as e:       # e.g. out of shared memory
             print(f"    {cfg}: {type(e).__name__}", flush=True)
             continue
-        err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        got = torch.cat([y1, y2], -1) if mode == 1 else y1
+        err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
         if err > 2e-2:
             print(f"    {cfg}: wrong (rel err {err:.2e})", flush=True)
             continue
-        us = graph_time_us(lambda: skinny_gemm(x, w, out, block_n=bn, block_k=bk,
-                                               num_warps=nw, num_stages=ns))
-        best = min(best, (us, cfg))
+        best = min(best, (graph_time_us(run), cfg))
     return best
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,32")
-    ap.add_argument("--skinny", action="store_true", help="also sweep the Triton kernel of skinny_gemm.py")
     args = ap.parse_args()
     dev = torch.device("cuda")
     ceil = copy_ceiling()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy ceiling "
           f"{ceil / 1e12:.2f} TB/s")
+    configs = {}
     for M in (int(m) for m in args.rows.split(",")):
-        print(f"\nM = {M}\n| GEMM | weight MB | µs | TB/s | of ceiling | skinny µs (config) | skinny of ceiling |"
-              "\n|---|---|---|---|---|---|---|", flush=True)
-        total_us = total_b = total_sk = 0.0
-        for name, k, n in GEMMS + FUSED:
-            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        print(f"\nM = {M}\n| GEMM | weight MB | cuBLAS µs (of ceiling) | Triton µs (of ceiling) | "
+              "config |\n|---|---|---|---|---|", flush=True)
+        tot_c = tot_t = tot_b = 0.0
+        for name, mode, ns, k in GEMMS:
+            ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for n in ns]
             x = torch.randn(M, k, device=dev, dtype=torch.bfloat16)
-            out = torch.empty(M, n, device=dev, dtype=torch.bfloat16)
-            ms = graph_time_us(lambda: torch.mm(x, w.t(), out=out)) / 1e3
-            nbytes = w.numel() * 2 + x.numel() * 2 + out.numel() * 2
-            bw = nbytes / (ms * 1e-3)
-            if "fused" not in name:
-                total_us += ms * 1e3
-                total_b += nbytes
-            sk = ""
-            if args.skinny:
-                ref = torch.mm(x, w.t())
-                us, cfg = best_skinny(x, w, out, ref)
-                sk = f" {us:.1f} {cfg} | {nbytes / (us * 1e-6) / ceil:.2f} |"
-                if "fused" not in name:
-                    total_sk += us
-            print(f"| {name} | {w.numel() * 2 / 1e6:.1f} | {ms * 1e3:.1f} | {bw / 1e12:.2f} | "
-                  f"{bw / ceil:.2f} |" + sk, flush=True)
-            del w
-        print(f"| all unfused | {total_b / 1e6:.0f} | {total_us:.1f} | "
-              f"{total_b / total_us / 1e6:.2f} | {total_b / total_us / 1e6 / (ceil / 1e12):.2f} |"
-              + (f" {total_sk:.1f} | {total_b / total_sk / 1e6 / (ceil / 1e12):.2f} |" if total_sk else ""))
+            ref, cublas = reference(mode, x, ws)
+            nbytes = sum(w.numel() * 2 for w in ws) + x.numel() * 2 + M * sum(ns) * 2
+            c_us = graph_time_us(cublas)
+            t_us, cfg = best_triton(mode, x, ws, ref)
+            tot_c, tot_t, tot_b = tot_c + c_us, tot_t + t_us, tot_b + nbytes
+            configs[(mode, sum(ns) if mode == 1 else ns[0], k, M <= 16)] = cfg
+            print(f"| {name} | {nbytes / 1e6:.1f} | {c_us:.1f} ({nbytes / c_us / 1e6 / (ceil / 1e12):.2f}) | "
+                  f"{t_us:.1f} ({nbytes / t_us / 1e6 / (ceil / 1e12):.2f}) | {cfg} |", flush=True)
+            del ws
+        print(f"| all | {tot_b / 1e6:.0f} | {tot_c:.1f} ({tot_b / tot_c / 1e6 / (ceil / 1e12):.2f}) | "
+              f"{tot_t:.1f} ({tot_b / tot_t / 1e6 / (ceil / 1e12):.2f}) | |", flush=True)
+    print("\nlowering.linear.CONFIGS entries:")
+    for key, cfg in configs.items():
+        print(f"    {key}: {cfg},")
 
 
 if __name__ == "__main__":

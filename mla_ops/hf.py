@@ -24,6 +24,7 @@ import torch
 
 from .cache import CacheFullError  # noqa: F401  (raised by PagedMLACache and DecodeGraph)
 from .hf_cache import PagedMLACache
+from .hf_linear import fusable_mlp, fused_mlp_class, linear, linear_pair
 from .layer import MLAAttention
 
 __all__ = ["convert", "PagedMLACache", "DecodeGraph", "is_converted"]
@@ -84,12 +85,13 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
                      mla.kv_lora_rank)
     T = B * S
     if self.q_lora_rank is None:
-        q = self.q_proj(hidden_states)
-    else:
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q, kv = linear_pair(self.q_proj, self.kv_a_proj_with_mqa, hidden_states)
+    else:                                      # q_a and kv_a in one launch
+        q_a, kv = linear_pair(self.q_a_proj, self.kv_a_proj_with_mqa, hidden_states)
+        q = linear(self.q_b_proj, self.q_a_layernorm(q_a))
     q = q.view(B, S, N, P + R).transpose(1, 2)                               # [B, N, S, P+R]
     q_pass, q_rot = torch.split(q, [P, R], dim=-1)
-    kv_c, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [L, R], dim=-1)
+    kv_c, k_rot = torch.split(kv, [L, R], dim=-1)                            # kv [B, S, L+R]
     kv_c = self.kv_a_layernorm(kv_c)                                         # [B, S, L]
     k_rot = k_rot.reshape(B, 1, S, R)
     q_rot, k_rot = _rope(self, q_rot, k_rot, position_embeddings)
@@ -105,7 +107,7 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
               kv_cache_dtype=cache.kv_cache_dtype)                          # [T, N*V]
     if step.inv is not None:
         out = out[step.inv]
-    return self.o_proj(out.view(B, S, N * V)), None
+    return linear(self.o_proj, out.view(B, S, N * V)), None
 
 
 _PAGED_CLASSES: dict = {}
@@ -124,8 +126,15 @@ def _paged_class(cls, family: str):
 
 
 def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
-            fp8_decode_query: float | None = None):
+            fp8_decode_query: float | None = None, fuse_mlp: bool = True):
     """Route every DeepSeek V2/V3 attention layer of `model` through the MLA ops (in place).
+
+    The attention's own projections run as decode GEMM ops (q_a + kv_a in one launch; see
+    mla_ops/hf_linear.py), and with fuse_mlp every dense MLP / shared expert with SiLU runs
+    gate + up + SiLU x up as one op and down_proj as another. Both use the modules' own
+    weights and compute what the modules do; they differ from cuBLAS only on CUDA at
+    decode sizes (<= 64 rows, bf16 / fp16: the weight-streaming Triton kernel, fp32
+    accumulation like cuBLAS, in another order).
 
     fp8_decode_query=q_scale builds each decode step's 576-wide query in the graph and
     quantizes it to fp8 with that static scale (fp8 x fp8 decode; the cache must then be
@@ -172,9 +181,13 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
             if fp8_decode_query is not None:
                 mla.enable_fp8_decode_query(fp8_decode_query)
         plans.append((m, mla, fam))
+    mlps = [m for m in model.modules() if fuse_mlp and fusable_mlp(m)
+            and not getattr(m, "_mla_converted", False)]
     for m, mla, fam in plans:          # nothing below can fail
         m.add_module("mla_attn", mla)
         m.__class__ = _paged_class(type(m), fam)
+    for m in mlps:
+        m.__class__ = fused_mlp_class(type(m))
     return model
 
 

@@ -1,0 +1,142 @@
+"""The weight GEMMs of a decode step as graph ops (Triton on CUDA for a few rows, torch else).
+
+    mla::decode_linear(x [*, K], w [N, K]) -> x @ w.T                      [*, N]
+    mla::decode_linear_pair(x [*, K], w1 [N1, K], w2 [N2, K])
+        -> (x @ w1.T [*, N1], x @ w2.T [*, N2])                            one launch
+    mla::decode_gate_up(x [*, K], w_gate [N, K], w_up [N, K])
+        -> silu(x @ w_gate.T) * (x @ w_up.T)                               [*, N], one launch
+
+At most MAX_ROWS rows of x on CUDA in bf16 / fp16 run the weight-streaming kernel of
+linear_kernel.py (a decode step: each weight byte read once); anything else (prefill, CPU,
+fp32, non-contiguous weights, or MLA_LINEAR_IMPL=torch) runs exactly what nn.Linear / the HF
+MLP would (F.linear, F.silu), so converting a model changes no numerics off the GPU's decode
+path. Defined with
+torch.library.triton_op, so Inductor sees the kernel (and, at more rows, plain aten.mm).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from .linear_kernel import decode_linear_kernel
+
+MAX_ROWS = 64
+# "auto": the kernel where it serves; "torch": always the torch path (to compare against)
+IMPL = os.environ.get("MLA_LINEAR_IMPL", "auto")
+
+# (mode, N, K, rows <= 16) -> (BLOCK_N, BLOCK_K, num_warps, num_stages), or None where
+# cuBLAS (the torch path) was faster; measured on an H200 with
+# benchmarks/bench_layer_gemms.py (DeepSeek-V3 layer shapes). N is N1 + N2 for mode 1.
+CONFIGS: dict[tuple, Optional[tuple[int, int, int, int]]] = {
+    (1, 2112, 7168, True): (16, 512, 4, 4),      # q_a + kv_a      19.6 µs (cuBLAS 22.7)
+    (0, 24576, 1536, True): (64, 128, 4, 5),     # q_b             29.1 µs (30.3)
+    (0, 7168, 16384, True): (64, 256, 4, 4),     # o_proj          66.2 µs (74.0)
+    (2, 18432, 7168, True): (32, 256, 4, 4),     # gate + up       139.0 µs (144.4 + SiLU x up)
+    (0, 7168, 18432, True): (64, 256, 4, 4),     # down_proj       72.7 µs (78.1)
+    (1, 2112, 7168, False): (16, 256, 4, 4),     # 32 rows: q_a + kv_a  21.4 µs (25.2)
+    (0, 24576, 1536, False): None,               # q_b             30.4 µs (30.0)
+    (0, 7168, 16384, False): (64, 128, 4, 6),    # o_proj          67.6 µs (75.6)
+    (2, 18432, 7168, False): None,               # gate + up       147.4 µs (138.2 + SiLU x up)
+    (0, 7168, 18432, False): (64, 128, 4, 6),    # down_proj       74.2 µs (82.0)
+}
+DEFAULT_CONFIG = (32, 256, 4, 4)
+
+
+def pick_config(mode: int, N: int, K: int, M: int) -> Optional[tuple[int, int, int, int]]:
+    return CONFIGS.get((mode, N, K, M <= 16), DEFAULT_CONFIG)
+
+
+def _config(mode, x, w1, w2=None):
+    """The kernel config for this call, or None when torch (cuBLAS) serves it."""
+    if not (triton_ok(x, w1) if w2 is None else triton_ok(x, w1, w2)):
+        return None
+    N = w1.shape[0] + (w2.shape[0] if mode == 1 else 0)
+    return pick_config(mode, N, x.shape[-1], x.numel() // x.shape[-1])
+
+
+def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
+    x2 = x.reshape(-1, K)                                                     # [M, K]
+    return x2 if x2.stride(1) == 1 else x2.contiguous()
+
+
+def triton_ok(x: torch.Tensor, *ws: torch.Tensor) -> bool:
+    """Whether the Triton kernel serves x @ w.T for these tensors (else torch does)."""
+    return (IMPL != "torch" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() >= 1
+            and x.numel() // max(1, x.shape[-1]) <= MAX_ROWS
+            and all(w.dtype == x.dtype and w.dim() == 2 and w.is_contiguous()
+                    and w.device == x.device for w in ws))
+
+
+def launch(x2: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor], mode: int,
+           y1: torch.Tensor, y2: Optional[torch.Tensor], config=None, *, wrap=True) -> None:
+    """Run decode_linear_kernel: x2 [M, K] (K contiguous), w1/w2 [N, K] contiguous."""
+    M, K = x2.shape
+    N1 = w1.shape[0]
+    N2 = w2.shape[0] if w2 is not None else 0
+    block_n, block_k, warps, stages = config or pick_config(mode, N1 + N2 if mode == 1 else N1, K, M) \
+        or DEFAULT_CONFIG
+    n1_blocks = triton.cdiv(N1, block_n)
+    grid = (n1_blocks + (triton.cdiv(N2, block_n) if mode == 1 else 0),)
+    kernel = torch.library.wrap_triton(decode_linear_kernel) if wrap else decode_linear_kernel
+    w2_ = w2 if w2 is not None else w1
+    y2_ = y2 if y2 is not None else y1
+    kernel[grid](
+        x2, w1, w2_, y1, y2_, M, N1, N2, K,
+        x2.stride(0), w1.stride(0), w2_.stride(0), y1.stride(0), y2_.stride(0), n1_blocks,
+        MODE=mode, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n,
+        BLOCK_K=block_k, EVEN_K=K % block_k == 0, DOT_F32=not x2.is_cuda,
+        num_warps=warps, num_stages=stages)
+
+
+def _check(x: torch.Tensor, *ws: torch.Tensor) -> int:
+    K = x.shape[-1]
+    for i, w in enumerate(ws):
+        if w.dim() != 2 or w.shape[1] != K:
+            raise ValueError(f"weight {i} must be [N, {K}] to match x [..., {K}]; got {tuple(w.shape)}")
+    return K
+
+
+@torch.library.triton_op("mla::decode_linear", mutates_args={})
+def decode_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    K = _check(x, w)
+    cfg = _config(0, x, w)
+    if cfg is None:
+        return F.linear(x, w)
+    x2 = _rows(x, K)
+    y = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)   # [M, N]
+    launch(x2, w, None, 0, y, None, cfg)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+@torch.library.triton_op("mla::decode_linear_pair", mutates_args={})
+def decode_linear_pair(x: torch.Tensor, w1: torch.Tensor,
+                       w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    K = _check(x, w1, w2)
+    cfg = _config(1, x, w1, w2)
+    if cfg is None:
+        return F.linear(x, w1), F.linear(x, w2)
+    x2 = _rows(x, K)
+    M = x2.shape[0]
+    y1 = torch.empty((M, w1.shape[0]), dtype=x.dtype, device=x.device)        # [M, N1]
+    y2 = torch.empty((M, w2.shape[0]), dtype=x.dtype, device=x.device)        # [M, N2]
+    launch(x2, w1, w2, 1, y1, y2, cfg)
+    lead = x.shape[:-1]
+    return y1.view(*lead, w1.shape[0]), y2.view(*lead, w2.shape[0])
+
+
+@torch.library.triton_op("mla::decode_gate_up", mutates_args={})
+def decode_gate_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    K = _check(x, w_gate, w_up)
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} must match")
+    cfg = _config(2, x, w_gate, w_up)
+    if cfg is None:
+        return F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)
+    x2 = _rows(x, K)
+    y = torch.empty((x2.shape[0], w_gate.shape[0]), dtype=x.dtype, device=x.device)  # [M, N]
+    launch(x2, w_gate, w_up, 2, y, None, cfg)
+    return y.view(*x.shape[:-1], w_gate.shape[0])

@@ -1,0 +1,130 @@
+"""Weight-streaming GEMM for the few rows of a decode step: y = x @ w.T, M <= 64.
+
+    x [M, K], w [N, K] (an nn.Linear weight, K contiguous), y [M, N]; fp32 accumulation.
+
+At decode batch sizes every weight byte is read once and used M times, so the GEMM is a
+copy of w through the SMs. Each program owns BLOCK_N rows of w and walks K in BLOCK_K
+tiles, multiplying the w tile by the x tile transposed ([BLOCK_N, BLOCK_K] x
+[BLOCK_K, BLOCK_M]: the weight is the tall operand) into an fp32 [BLOCK_N, BLOCK_M]
+accumulator. No split-K: one kernel, no workspace.
+
+MODE picks what the programs compute (the fusions of a DeepSeek layer's decode step):
+    0  one weight:         y1 = x @ w1.T                              (o_proj, down_proj)
+    1  two weights:        y1 = x @ w1.T, y2 = x @ w2.T in one launch (q_a_proj + kv_a_proj);
+                           programs [0, N1_BLOCKS) stream w1, the rest w2
+    2  gated (SwiGLU) up:  y1 = silu(x @ w1.T) * (x @ w2.T), w1 and w2 both [N, K]
+                           (gate_proj, up_proj); each program streams the same rows of both
+                           and rounds like the unfused modules: gate, silu(gate), up and the
+                           product each to y's dtype
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _stream_rows(x_ptr, w_ptr, n0, M, N, K, stride_xm, stride_wn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] = w[n0 : n0 + BLOCK_N] @ x.T (fp32)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)                                        # [BLOCK_N]
+    offs_m = tl.arange(0, BLOCK_M)                                             # [BLOCK_M]
+    offs_k = tl.arange(0, BLOCK_K)                                             # [BLOCK_K]
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]   # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]               # [BLOCK_K, BLOCK_M]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k * BLOCK_K
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        if DOT_F32:      # the CPU interpreter mis-multiplies 16-bit dots
+            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc)
+        else:
+            acc = tl.dot(w, x, acc)                                            # [BLOCK_N, BLOCK_M]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _store_rows(y_ptr, acc, n0, M, N, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y[:, n0 : n0 + BLOCK_N] = acc.T in y's dtype."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]            # y.T tile
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
+             mask=(offs_m < M)[None, :] & (offs_n < N)[:, None])
+
+
+@triton.jit
+def decode_linear_kernel(
+    x_ptr, w1_ptr, w2_ptr, y1_ptr, y2_ptr,    # x [M, K]; w1 [N1, K], w2 [N2, K]; y1 [M, N1], y2 [M, N2]
+    M, N1, N2, K,
+    stride_xm, stride_w1, stride_w2, stride_y1, stride_y2,
+    N1_BLOCKS,                                # cdiv(N1, BLOCK_N)
+    MODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if MODE == 0:
+        n0 = pid * BLOCK_N
+        acc = _stream_rows(x_ptr, w1_ptr, n0, M, N1, K, stride_xm, stride_w1,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32)
+        _store_rows(y1_ptr, acc, n0, M, N1, stride_y1, BLOCK_M, BLOCK_N)
+    elif MODE == 1:
+        if pid < N1_BLOCKS:
+            n0 = pid * BLOCK_N
+            acc = _stream_rows(x_ptr, w1_ptr, n0, M, N1, K, stride_xm, stride_w1,
+                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32)
+            _store_rows(y1_ptr, acc, n0, M, N1, stride_y1, BLOCK_M, BLOCK_N)
+        else:
+            n0 = (pid - N1_BLOCKS) * BLOCK_N
+            acc = _stream_rows(x_ptr, w2_ptr, n0, M, N2, K, stride_xm, stride_w2,
+                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32)
+            _store_rows(y2_ptr, acc, n0, M, N2, stride_y2, BLOCK_M, BLOCK_N)
+    else:
+        # gate and up rows n0 : n0 + BLOCK_N, interleaved tile by tile
+        n0 = pid * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_ok = offs_n < N1
+        m_ok = offs_m < M
+        w_off = offs_n.to(tl.int64)[:, None] * stride_w1 + offs_k[None, :]      # [BLOCK_N, BLOCK_K]
+        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]         # [BLOCK_K, BLOCK_M]
+        g_ptrs = w1_ptr + w_off
+        u_ptrs = w2_ptr + w_off
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                wg = tl.load(g_ptrs, mask=n_ok[:, None], other=0.0)
+                wu = tl.load(u_ptrs, mask=n_ok[:, None], other=0.0)
+                x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < K - k * BLOCK_K
+                wg = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                wu = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+            if DOT_F32:
+                acc_g = tl.dot(wg.to(tl.float32), x.to(tl.float32), acc_g)
+                acc_u = tl.dot(wu.to(tl.float32), x.to(tl.float32), acc_u)
+            else:
+                acc_g = tl.dot(wg, x, acc_g)
+                acc_u = tl.dot(wu, x, acc_u)
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        dt = y1_ptr.dtype.element_ty
+        g = acc_g.to(dt).to(tl.float32)
+        act = (g * tl.sigmoid(g)).to(dt).to(tl.float32)                        # silu(gate)
+        up = acc_u.to(dt).to(tl.float32)
+        _store_rows(y1_ptr, act * up, n0, M, N1, stride_y1, BLOCK_M, BLOCK_N)

@@ -1,0 +1,81 @@
+"""A converted layer's weight GEMMs through the decode GEMM ops (lowering/linear.py).
+
+A decode step reads each weight once for a few rows, so the layer's GEMMs are weight
+copies: q_a_proj + kv_a_proj_with_mqa share their input and run as one launch, gate_proj +
+up_proj + SiLU x up as one launch (the dense MLPs and shared experts), o_proj and down_proj
+as single launches. The ops take the HF modules' own weights (no copies); at more rows,
+on CPU or in fp32 they run exactly what the modules would (F.linear, F.silu). A module that
+is not a plain bias-free nn.Linear (FP8 / quantized linears, biases) keeps its own call.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from lowering import linear as _ops  # registers the mla::decode_* ops
+
+
+def _plain(*mods) -> bool:
+    return all(type(m) is nn.Linear and m.bias is None for m in mods)
+
+
+def _use_ops(*mods) -> bool:
+    # MLA_LINEAR_IMPL=torch keeps the modules' own calls; deciding here, in the traced
+    # Python, makes the choice part of the compiled graph (and of its cache key)
+    return _ops.IMPL != "torch" and _plain(*mods)
+
+
+def linear(mod, x: torch.Tensor) -> torch.Tensor:
+    """mod(x) for an HF linear module; mla::decode_linear when it is a plain nn.Linear."""
+    if _use_ops(mod):
+        return torch.ops.mla.decode_linear(x, mod.weight)
+    return mod(x)
+
+
+def linear_pair(m1, m2, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m1(x), m2(x)) in one launch when both are plain nn.Linear."""
+    if _use_ops(m1, m2):
+        return torch.ops.mla.decode_linear_pair(x, m1.weight, m2.weight)
+    return m1(x), m2(x)
+
+
+# ------------------------------------------------------------------------- MLP
+
+
+def _hf_mlp_classes():
+    out = []
+    for mod, cls in (("deepseek_v3", "DeepseekV3MLP"), ("deepseek_v2", "DeepseekV2MLP")):
+        try:
+            m = __import__(f"transformers.models.{mod}.modeling_{mod}", fromlist=[cls])
+            out.append(getattr(m, cls))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(out)
+
+
+def fusable_mlp(m) -> bool:
+    """An HF DeepSeek MLP (dense layer or shared experts) with SiLU and plain linears."""
+    classes = _hf_mlp_classes()
+    return (bool(classes) and isinstance(m, classes)
+            and getattr(m.config, "hidden_act", None) in ("silu", "swish")
+            and _plain(m.gate_proj, m.up_proj, m.down_proj)
+            and m.gate_proj.weight.shape == m.up_proj.weight.shape)
+
+
+def _mlp_forward(self, x):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)): x [..., H] -> [..., H]."""
+    if _ops.IMPL == "torch":
+        return self._hf_forward(x)
+    h = torch.ops.mla.decode_gate_up(x, self.gate_proj.weight, self.up_proj.weight)   # [..., I]
+    return torch.ops.mla.decode_linear(h, self.down_proj.weight)
+
+
+_MLP_CLASSES: dict = {}
+
+
+def fused_mlp_class(cls):
+    if cls not in _MLP_CLASSES:
+        _MLP_CLASSES[cls] = type(f"Fused{cls.__name__}", (cls,), {
+            "forward": _mlp_forward, "_hf_forward": cls.forward, "_mla_converted": True,
+            "__module__": __name__})
+    return _MLP_CLASSES[cls]

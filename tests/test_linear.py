@@ -1,0 +1,165 @@
+"""The decode GEMM kernel and ops (lowering/linear.py) vs float64, and the converted HF
+layer's use of them. CPU: the kernel under the Triton interpreter in fp32 (it mis-multiplies
+16-bit dots); the ops' torch path bit for bit against what the HF modules compute."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from lowering import linear  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _randn(*shape, g):
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def _rel(a, ref):
+    return ((a.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+# M rows, N1 (, N2), K, config: rows 1 / 5 / 33 (BLOCK_M 16 / 16 / 64), N and K not multiples
+# of the blocks, a second weight shorter than one block
+CASES = [
+    (1, 100, 37, 300, (32, 128, 4, 2)),
+    (5, 64, 64, 512, (16, 256, 4, 2)),
+    (33, 50, 7, 200, (64, 64, 4, 2)),
+]
+
+
+@pytest.mark.parametrize("M,N1,N2,K,cfg", CASES)
+def test_kernel_modes_vs_fp64(M, N1, N2, K, cfg):
+    g = torch.Generator().manual_seed(M * 1000 + K)
+    x, w1, w2, w3 = _randn(M, K, g=g), _randn(N1, K, g=g), _randn(N2, K, g=g), _randn(N1, K, g=g)
+    dt, tol = (torch.bfloat16, 1e-2) if DEV == "cuda" else (torch.float32, 1e-5)
+    xs, w1s, w2s, w3s = (t.to(DEV, dt) for t in (x, w1, w2, w3))
+    x, w1, w2, w3 = (t.to(dt).double() for t in (x, w1, w2, w3))          # the rounded inputs
+
+    y = torch.empty(M, N1, device=DEV, dtype=dt)
+    linear.launch(xs, w1s, None, 0, y, None, cfg, wrap=False)
+    assert _rel(y.cpu(), x @ w1.T) < tol
+
+    y1, y2 = torch.empty(M, N1, device=DEV, dtype=dt), torch.empty(M, N2, device=DEV, dtype=dt)
+    linear.launch(xs, w1s, w2s, 1, y1, y2, cfg, wrap=False)
+    assert _rel(y1.cpu(), x @ w1.T) < tol and _rel(y2.cpu(), x @ w2.T) < tol
+
+    y = torch.empty(M, N1, device=DEV, dtype=dt)
+    linear.launch(xs, w1s, w3s, 2, y, None, cfg, wrap=False)
+    ref = F.silu(x @ w1.T) * (x @ w3.T)
+    assert _rel(y.cpu(), ref) < 3 * tol
+
+
+def test_gate_up_kernel_reads_both_weights():
+    """Mode 2 must read both weights: swapping gate and up changes the result."""
+    g = torch.Generator().manual_seed(3)
+    x, wg, wu = (t.float().to(DEV) for t in (_randn(2, 64, g=g), _randn(40, 64, g=g), _randn(40, 64, g=g)))
+    a = torch.empty(2, 40, device=DEV)
+    b = torch.empty(2, 40, device=DEV)
+    linear.launch(x, wg, wu, 2, a, None, (16, 32, 4, 2), wrap=False)
+    linear.launch(x, wu, wg, 2, b, None, (16, 32, 4, 2), wrap=False)
+    assert (a - b).abs().max() > 1e-2
+
+
+def test_ops_torch_path_is_what_the_modules_compute():
+    """Off the GPU decode path the ops are F.linear / F.silu exactly (the converted model
+    then equals HF bit for bit)."""
+    g = torch.Generator().manual_seed(5)
+    x = _randn(3, 7, 48, g=g).float()
+    w1, w2, w3 = (_randn(n, 48, g=g).float() for n in (32, 16, 32))
+    assert torch.equal(torch.ops.mla.decode_linear(x, w1), F.linear(x, w1))
+    a, b = torch.ops.mla.decode_linear_pair(x, w1, w2)
+    assert torch.equal(a, F.linear(x, w1)) and torch.equal(b, F.linear(x, w2))
+    assert torch.equal(torch.ops.mla.decode_gate_up(x, w1, w3),
+                       F.silu(F.linear(x, w1)) * F.linear(x, w3))
+
+
+def test_ops_reject_mismatched_weights():
+    x = torch.randn(2, 48)
+    with pytest.raises(ValueError, match=r"weight 0 must be \[N, 48\]"):
+        torch.ops.mla.decode_linear(x, torch.randn(8, 32))
+    with pytest.raises(ValueError, match=r"weight 1 must be \[N, 48\]"):
+        torch.ops.mla.decode_linear_pair(x, torch.randn(8, 48), torch.randn(8, 47))
+    with pytest.raises(ValueError, match="w_gate .* and w_up .* must match"):
+        torch.ops.mla.decode_gate_up(x, torch.randn(8, 48), torch.randn(9, 48))
+
+
+def test_pick_config_falls_back_to_default_and_torch():
+    assert linear.pick_config(0, 123, 456, 1) == linear.DEFAULT_CONFIG
+    assert linear.pick_config(2, 18432, 7168, 32) is None           # cuBLAS measured faster
+    assert linear.pick_config(2, 18432, 7168, 1) is not None
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the Triton path of the ops runs on CUDA")
+@pytest.mark.parametrize("rows", [1, 7, 64, 65])
+def test_ops_on_gpu_vs_fp64_eager_and_compiled(rows):
+    """bf16 on CUDA: the kernel for <= 64 rows, cuBLAS above; eager and inductor agree with
+    float64 and the kernel appears in the compiled code."""
+    from torch._inductor.utils import run_and_get_code
+    g = torch.Generator().manual_seed(rows)
+    x = _randn(rows, 1, 256, g=g).to(DEV, torch.bfloat16)                  # [B, S, K]
+    wq, wk, wg, wu, wd = (_randn(n, k, g=g).div(k ** 0.5).to(DEV, torch.bfloat16)
+                          for n, k in ((192, 256), (72, 256), (320, 256), (320, 256), (256, 320)))
+
+    def layer(x):
+        a, b = torch.ops.mla.decode_linear_pair(x, wq, wk)
+        h = torch.ops.mla.decode_gate_up(x, wg, wu)
+        return a, b, torch.ops.mla.decode_linear(h, wd)
+
+    xd = x.double()
+    h_ref = F.silu(xd @ wg.double().T) * (xd @ wu.double().T)
+    refs = (xd @ wq.double().T, xd @ wk.double().T, h_ref.to(torch.bfloat16).double() @ wd.double().T)
+    eager = layer(x)
+    compiled, codes = run_and_get_code(torch.compile(layer, fullgraph=True), x)
+    for out in (eager, compiled):
+        for o, r in zip(out, refs):
+            assert o.shape == r.shape and o.dtype == torch.bfloat16
+            assert _rel(o, r) < 2e-2
+    assert ("decode_linear_kernel" in "".join(codes)) == (rows <= 64)
+
+
+def test_converted_hf_layer_uses_the_ops():
+    """convert() routes q_a + kv_a, o_proj and the SiLU MLPs (dense and shared experts)
+    through the ops; fuse_mlp=False leaves the MLPs to HF; a biased MLP stays HF's."""
+    pytest.importorskip("transformers")
+    import mla_ops.hf as H
+    from hf_models import build_pair, tiny_config
+    _, model = build_pair(tiny_config("v3"))
+    H.convert(model)
+    fused = [n for n, m in model.named_modules() if type(m).__name__.startswith("FusedDeepseek")]
+    assert fused == ["model.layers.0.mlp", "model.layers.1.mlp.shared_experts"]
+    _, model = build_pair(tiny_config("v3"))
+    H.convert(model, fuse_mlp=False)
+    assert not any(type(m).__name__.startswith("Fused") for m in model.modules())
+    cfg = tiny_config("v2")
+    cfg.mlp_bias = True
+    _, model = build_pair(cfg)
+    H.convert(model)
+    assert not any(type(m).__name__.startswith("Fused") for m in model.modules())
+
+
+def test_impl_choice_is_part_of_the_traced_graph(monkeypatch):
+    """MLA_LINEAR_IMPL=torch is decided in the traced Python: the graph then holds the
+    modules' own linears, so a cached compile of one choice is never reused for the other."""
+    pytest.importorskip("transformers")
+    import mla_ops.hf as H
+    from hf_models import build_pair, tiny_config
+    _, model = build_pair(tiny_config("v3"))
+    H.convert(model)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 1, 256)
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    for impl in ("auto", "torch"):
+        monkeypatch.setattr(linear, "IMPL", impl)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            out = torch.compile(mlp, backend=backend, fullgraph=True)(x)
+        assert torch.equal(out, mlp._hf_forward(x))
+    assert {"mla.decode_gate_up", "mla.decode_linear"} <= targets[0]
+    assert not any("mla.decode" in t for t in targets[1])
