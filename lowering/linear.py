@@ -66,7 +66,7 @@ def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
 def triton_ok(x: torch.Tensor, *ws: torch.Tensor) -> bool:
     """Whether the Triton kernel serves x @ w.T for these tensors (else torch does)."""
     return (IMPL != "torch" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() >= 1
-            and x.numel() // max(1, x.shape[-1]) <= MAX_ROWS
+            and 0 < x.numel() // max(1, x.shape[-1]) <= MAX_ROWS
             and all(w.dtype == x.dtype and w.dim() == 2 and w.is_contiguous()
                     and w.device == x.device for w in ws))
 
