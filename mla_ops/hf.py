@@ -10,7 +10,8 @@ for a subclass whose forward computes q / kv_c_normed / k_pe exactly as HF does,
 then calls mla::kv_cache_update and mla::attention_with_output with the absorbed
 weights W_UK_T [N, P, L] and W_UV [N, L, V] (the only new tensors; non-persistent
 buffers, so state_dict is unchanged). With any other cache (or none) the layer runs
-HF's own forward.
+HF's own forward. The layer's projections, and the SiLU MLPs (fuse_mlp), run on the
+decode GEMM ops of mla_ops/hf_linear.py with the modules' own weights.
 
 PagedMLACache (mla_ops/hf_cache.py) is a real transformers Cache over the paged latent
 cache; the converted layers ask it for each step's plan. DecodeGraph (mla_ops/hf_graph.py)
