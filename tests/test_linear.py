@@ -163,3 +163,12 @@ def test_impl_choice_is_part_of_the_traced_graph(monkeypatch):
         assert torch.equal(out, mlp._hf_forward(x))
     assert {"mla.decode_gate_up", "mla.decode_linear"} <= targets[0]
     assert not any("mla.decode" in t for t in targets[1])
+
+
+def test_opcheck_decode_gemm_ops():
+    x = torch.randn(3, 2, 48)
+    w1, w2 = torch.randn(32, 48), torch.randn(32, 48)
+    for op, args in ((torch.ops.mla.decode_linear.default, (x, w1)),
+                     (torch.ops.mla.decode_linear_pair.default, (x, w1, w2[:16])),
+                     (torch.ops.mla.decode_gate_up.default, (x, w1, w2))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
