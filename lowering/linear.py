@@ -52,7 +52,7 @@ def pick_config(mode: int, N: int, K: int, M: int) -> Optional[tuple[int, int, i
 
 def _config(mode, x, w1, w2=None):
     """The kernel config for this call, or None when torch (cuBLAS) serves it."""
-    if not (triton_ok(x, w1) if w2 is None else triton_ok(x, w1, w2)):
+    if not triton_ok(x, *(w for w in (w1, w2) if w is not None)):
         return None
     N = w1.shape[0] + (w2.shape[0] if mode == 1 else 0)
     return pick_config(mode, N, x.shape[-1], x.numel() // x.shape[-1])
@@ -65,20 +65,21 @@ def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
 
 def triton_ok(x: torch.Tensor, *ws: torch.Tensor) -> bool:
     """Whether the Triton kernel serves x @ w.T for these tensors (else torch does)."""
-    return (IMPL != "torch" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() >= 1
+    return (IMPL != "torch" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and 0 < x.numel() // max(1, x.shape[-1]) <= MAX_ROWS
             and all(w.dtype == x.dtype and w.dim() == 2 and w.is_contiguous()
                     and w.device == x.device for w in ws))
 
 
 def launch(x2: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor], mode: int,
-           y1: torch.Tensor, y2: Optional[torch.Tensor], config=None, *, wrap=True) -> None:
-    """Run decode_linear_kernel: x2 [M, K] (K contiguous), w1/w2 [N, K] contiguous."""
+           y1: torch.Tensor, y2: Optional[torch.Tensor], config: tuple[int, int, int, int], *,
+           wrap=True) -> None:
+    """Run decode_linear_kernel with config (BLOCK_N, BLOCK_K, num_warps, num_stages):
+    x2 [M, K] (K contiguous), w1/w2 [N, K] contiguous."""
     M, K = x2.shape
     N1 = w1.shape[0]
     N2 = w2.shape[0] if w2 is not None else 0
-    block_n, block_k, warps, stages = config or pick_config(mode, N1 + N2 if mode == 1 else N1, K, M) \
-        or DEFAULT_CONFIG
+    block_n, block_k, warps, stages = config
     n1_blocks = triton.cdiv(N1, block_n)
     grid = (n1_blocks + (triton.cdiv(N2, block_n) if mode == 1 else 0),)
     kernel = torch.library.wrap_triton(decode_linear_kernel) if wrap else decode_linear_kernel
