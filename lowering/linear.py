@@ -94,10 +94,16 @@ def launch(x2: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor], mode:
 
 
 def _check(x: torch.Tensor, *ws: torch.Tensor) -> int:
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension (its last is K)")
     K = x.shape[-1]
     for i, w in enumerate(ws):
         if w.dim() != 2 or w.shape[1] != K:
             raise ValueError(f"weight {i} must be [N, {K}] to match x [..., {K}]; got {tuple(w.shape)}")
+        if w.dtype != x.dtype:
+            raise TypeError(f"weight {i} is {w.dtype}, x is {x.dtype}: they must match")
+        if w.device != x.device:
+            raise ValueError(f"weight {i} is on {w.device}, x on {x.device}")
     return K
 
 

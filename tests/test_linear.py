@@ -83,6 +83,10 @@ def test_ops_reject_mismatched_weights():
         torch.ops.mla.decode_linear_pair(x, torch.randn(8, 48), torch.randn(8, 47))
     with pytest.raises(ValueError, match="w_gate .* and w_up .* must match"):
         torch.ops.mla.decode_gate_up(x, torch.randn(8, 48), torch.randn(9, 48))
+    with pytest.raises(TypeError, match="weight 0 is torch.float64, x is torch.float32"):
+        torch.ops.mla.decode_linear(x, torch.randn(8, 48, dtype=torch.float64))
+    with pytest.raises(ValueError, match="at least one dimension"):
+        torch.ops.mla.decode_linear(torch.tensor(1.0), torch.randn(8, 48))
 
 
 def test_pick_config_falls_back_to_default_and_torch():
