@@ -29,6 +29,9 @@ __all__ = ["mla_decode", "BACKENDS", "BACKEND_ORDER", "BackendUnavailable",
 
 # backend name -> number of mla_decode calls it served (read by the inspection tool).
 backend_choices: Counter = Counter()
+# Backends whose kernels bound the lengths and page ids themselves (see
+# checks.bound_for_capture): no clamp kernels in a captured graph for them.
+BOUNDED_IN_KERNEL = frozenset({"triton"})
 
 
 def select_backend(q, kv_cache, *, kv_cache_dtype="auto", backend="auto") -> str:
@@ -103,8 +106,9 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, causal
     """
     kind, head_dim_v = check_decode_args(q, kv_cache, block_table, cache_seqlens, softmax_scale,
                                          kv_cache_dtype, k_scale, head_dim_v)
-    block_table, cache_seqlens = bound_for_capture(q, kv_cache, block_table, cache_seqlens)
     name = select_backend(q, kv_cache, kv_cache_dtype=kind, backend=backend)
+    if name not in BOUNDED_IN_KERNEL:
+        block_table, cache_seqlens = bound_for_capture(q, kv_cache, block_table, cache_seqlens)
     backend_choices[name] += 1
     extra = {"schedule": schedule} if name == "flashmla" and schedule is not None else {}
     return BACKENDS[name](q, kv_cache, block_table, cache_seqlens, float(softmax_scale),

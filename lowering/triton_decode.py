@@ -56,6 +56,7 @@ CPU_CONFIG = dict(BLOCK_N=16, num_warps=4, num_stages=1, ctas_per_sm=1)
 CPU_SM_COUNT = 4          # split sizing under the CPU interpreter
 MIN_SPLIT_KEYS = 128      # never cut a request into splits shorter than this
 MAX_SPLITS = 64
+MERGE_SPLIT_BLOCK = 16    # splits the merge reads per step (fixed: batch invariance needs it)
 INVARIANT_CHUNK = 1024    # split size in batch-invariant mode (a multiple of every BLOCK_N)
 P_SCALE = 256.0           # fp8 P @ V: p in [0, 1] is scaled into e4m3's normal range
 PV_FP8 = False            # fp8 q path: P @ V with fp8 dots (else fp16; see the kernel)
@@ -175,14 +176,18 @@ def triton_decode_op(
         q, kv_cache, block_table, cache_seqlens,
         q_scale if q_scale is not None else dummy,
         k_scale if k_scale is not None else dummy,
-        o1, l1, softmax_scale, q.stride(0), block_table.stride(0),
+        o1, l1, softmax_scale, q.stride(0), block_table.stride(0), block_table.shape[1],
+        kv_cache.shape[0],
         S_Q=s_q, H=H, L=L, R=R, PAGE=page, CAUSAL=causal,
         num_splits=splits, DIRECT=splits == 1, FIXED_CHUNK=fixed_chunk, KV_KIND=kv_kind,
         PV_FP8=PV_FP8, P_SCALE=P_SCALE, BLOCK_M=BLOCK_M, BLOCK_N=cfg["BLOCK_N"],
         V_PARTS=V_PARTS, DOT_F32=not on_gpu, LAZY_RESCALE=lazy, WARP_SPEC=warp_specialize, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
+        # fewer splits than a merge step: a smaller step (batch-invariant mode keeps one)
+        sb = MERGE_SPLIT_BLOCK if batch_invariant else min(MERGE_SPLIT_BLOCK,
+                                                           triton.next_power_of_2(splits))
         torch.library.wrap_triton(mla_decode_merge_kernel)[(rows, B)](
-            o1, l1, out, lse, splits, S_Q=s_q, H=H, L=L, num_warps=4)
+            o1, l1, out, lse, splits, S_Q=s_q, H=H, L=L, SPLIT_BLOCK=sb, num_warps=4)
     return out, lse
 
 
@@ -218,7 +223,7 @@ def mla_decode_fp8q(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, q
     q_scale and k_scale one-element fp32 tensors. Returns (out [B, s_q, H, L] out_dtype,
     lse [B, H, s_q] fp32).
     """
-    from .checks import bound_for_capture, check_decode_args, check_tensor
+    from .checks import check_decode_args, check_tensor
     check_tensor("q", q, ndim=4, dtypes=(torch.float8_e4m3fn,))
     for name, t in (("q_scale", q_scale), ("k_scale", k_scale)):
         check_tensor(name, t, dtypes=(torch.float32,))
@@ -234,7 +239,6 @@ def mla_decode_fp8q(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, q
     _, head_dim_v = check_decode_args(stand_in, kv_cache, block_table, cache_seqlens,
                                       softmax_scale, "fp8", k_scale, head_dim_v)
     _check_widths(q.shape[-1], head_dim_v, least=32)
-    block_table, cache_seqlens = bound_for_capture(q, kv_cache, block_table, cache_seqlens)
     if batch_invariant is None:
         batch_invariant = _batch_invariant
     from . import backend_choices

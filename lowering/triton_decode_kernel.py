@@ -72,6 +72,8 @@ def mla_decode_stage1_kernel(
     sm_scale,         # softmax scale (float)
     stride_qb,        # q batch stride (elements)
     stride_bt,        # block_table row stride
+    max_blocks,       # block_table width
+    num_blocks,       # pages in the cache
     S_Q: tl.constexpr, H: tl.constexpr,
     L: tl.constexpr, R: tl.constexpr,
     PAGE: tl.constexpr,
@@ -99,7 +101,10 @@ def mla_decode_stage1_kernel(
     # ---- which query rows, and how far each may look --------------------------------
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)          # [BLOCK_M] folded (token, head)
     row_ok = rows < ROWS
-    seqlen = tl.load(seqlens_ptr + b)
+    # Lengths and page ids are bounded here (a no-op for the checked inputs of an
+    # eager call): under CUDA-graph capture nothing checked them, and a bad value must
+    # give wrong rows, never an out-of-bounds read.
+    seqlen = tl.minimum(tl.maximum(tl.load(seqlens_ptr + b), 1), max_blocks * PAGE)
     if CAUSAL:
         limit = seqlen - S_Q + rows // H + 1                # [BLOCK_M] keys visible to each row
     else:
@@ -147,6 +152,7 @@ def mla_decode_stage1_kernel(
         pos = n0 + offs_n                                   # [BLOCK_N] key positions
         in_range = pos < end
         page = tl.load(bt_row + pos // PAGE, mask=in_range, other=0)
+        page = tl.minimum(tl.maximum(page, 0), num_blocks - 1)
         kv_row = (page.to(tl.int64) * PAGE + pos % PAGE) * D                     # [BLOCK_N]
         kv_c = tl.load(kv_ptr + kv_row[:, None] + offs_l[None, :],
                        mask=in_range[:, None], other=0.0)                         # [BLOCK_N, L]

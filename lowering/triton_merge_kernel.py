@@ -7,10 +7,15 @@ natural-log lse_s (-inf for a split that saw no key). The full result is
     lse = log(sum_s exp(lse_s))
     out = sum_s exp(lse_s - lse) * o_s
 
-One program per (row, request) handles the whole L-wide row. The splits are
-visited one after another in index order (first the maximum, then the weighted
-sum), so the reduction order is fixed: empty splits add exact zeros, and a
-request's result does not depend on how many splits the launch had.
+One program per (row, request) handles the whole L-wide row (programs over parts
+of a row were measured slower on an H200 at every batch size). The splits are read
+SPLIT_BLOCK at a time as one [SPLIT_BLOCK, L] tile, so a request cut into many splits
+costs a few dependent memory round trips, not one per split (at one request of 128
+heads and 34 splits: 6.4 µs, split by split 7.2). The reduction order is fixed by
+SPLIT_BLOCK alone: chunks are added in split order,
+and inside a chunk the tile sum has one fixed shape. Empty splits and the padding
+past num_splits add exact zeros, so a request's result does not depend on how many
+splits the launch had beyond its own (the batch-invariant mode relies on this).
 
     grid = (s_q * H, B)
 """
@@ -26,30 +31,40 @@ def mla_decode_merge_kernel(
     lse_ptr,        # [B, H, s_q] fp32
     num_splits,     # splits per request
     S_Q: tl.constexpr, H: tl.constexpr, L: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,   # splits read per step (a power of two)
 ):
     ROWS: tl.constexpr = S_Q * H
     r = tl.program_id(0)
     b = tl.program_id(1)
     offs_l = tl.arange(0, L)                                 # [L]
+    offs_s = tl.arange(0, SPLIT_BLOCK)                       # [SB]
     base = b.to(tl.int64) * num_splits * ROWS + r            # index of (b, split 0, r)
 
     # pass 1: the largest partial lse
-    m = tl.load(part_lse_ptr + base)
-    for s in range(1, num_splits):
-        m = tl.maximum(m, tl.load(part_lse_ptr + base + s * ROWS))
+    m = tl.full([SPLIT_BLOCK], float("-inf"), tl.float32)    # [SB]
+    for s0 in range(0, num_splits, SPLIT_BLOCK):
+        s = s0 + offs_s
+        m = tl.maximum(m, tl.load(part_lse_ptr + base + s * ROWS, mask=s < num_splits,
+                                  other=float("-inf")))
+    m = tl.max(m, axis=0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
 
-    # pass 2: weighted sum in split order
-    total = tl.zeros([1], dtype=tl.float32).sum(0)           # scalar 0.0
+    # pass 2: weighted sum, one [SB, L] tile of partial outputs per step
+    total = tl.zeros([SPLIT_BLOCK], dtype=tl.float32)        # [SB]
     acc = tl.zeros([L], dtype=tl.float32)                    # [L]
-    for s in range(0, num_splits):
-        w = tl.exp(tl.load(part_lse_ptr + base + s * ROWS) - m_use)
-        o_s = tl.load(part_out_ptr + (base + s * ROWS) * L + offs_l)
-        acc += w * o_s
+    for s0 in range(0, num_splits, SPLIT_BLOCK):
+        s = s0 + offs_s
+        live = s < num_splits
+        w = tl.exp(tl.load(part_lse_ptr + base + s * ROWS, mask=live,
+                           other=float("-inf")) - m_use)     # [SB], 0 where empty
+        o_s = tl.load(part_out_ptr + (base + s[:, None] * ROWS) * L + offs_l[None, :],
+                      mask=live[:, None], other=0.0)         # [SB, L]
+        acc += tl.sum(w[:, None] * o_s, axis=0)
         total += w
+    total_sum = tl.sum(total, axis=0)
 
-    has = total > 0.0
-    t_safe = tl.where(has, total, 1.0)
+    has = total_sum > 0.0
+    t_safe = tl.where(has, total_sum, 1.0)
     tl.store(out_ptr + (b.to(tl.int64) * ROWS + r) * L + offs_l,
              (acc / t_safe).to(out_ptr.dtype.element_ty))
     lse = tl.where(has, m_use + tl.log(t_safe), float("-inf"))

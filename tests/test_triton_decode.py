@@ -34,6 +34,7 @@ def check(out, lse, ref, ref_lse, tol=1e-2, lse_tol=2e-3):
     (2, 1, 4, 16, [1, 5], 0),            # seq_len 1
     (3, 1, 2, 16, [37, 70, 17], 0),      # lengths not multiples of the page
     (2, 1, 4, 16, [100, 61], 6),         # many splits, some shorter than others
+    (2, 1, 2, 16, [300, 9], 21),         # more splits than one merge step reads, some empty
     (2, 2, 2, 16, [40, 2], 3),           # s_q 2, causal, a length equal to s_q
     (1, 3, 4, 1, [23], 2),               # page size 1
     (2, 4, 2, 64, [130, 70], 3),         # s_q 4, page 64
@@ -46,6 +47,17 @@ def test_triton_matches_fp64(B, s_q, H, page, lens, splits):
     ref, ref_lse = decode_ref64(q, kv, bt, cl, SCALE, True, L)
     assert out.shape == (B, s_q, H, L) and out.dtype == q.dtype
     assert lse.shape == (B, H, s_q) and lse.dtype == torch.float32
+    check(out, lse, ref, ref_lse)
+
+
+@pytest.mark.parametrize("split_block", [4, 16])
+def test_merge_split_blocks_match_fp64(monkeypatch, split_block):
+    # The merge reads the splits in blocks: several blocks, the last one partial.
+    monkeypatch.setattr(td, "MERGE_SPLIT_BLOCK", split_block)
+    L, R = 64, 16
+    q, kv, bt, cl = make_case(2, 2, 2, L, R, 16, [200, 3], DEV, seed=11)
+    out, lse = run_triton(q, kv, bt, cl, L, num_splits=11)
+    ref, ref_lse = decode_ref64(q, kv, bt, cl, SCALE, True, L)
     check(out, lse, ref, ref_lse)
 
 
@@ -139,9 +151,12 @@ def test_fp8q_rejects_bad_scales():
         td.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale, k_scale=k_scale, head_dim_v=L)
 
 
-def test_batch_invariant_mode_is_bit_exact(monkeypatch):
-    # A small fixed split so requests span several splits on the interpreter.
+@pytest.mark.parametrize("merge_block", [16, 2])
+def test_batch_invariant_mode_is_bit_exact(monkeypatch, merge_block):
+    # A small fixed split so requests span several splits on the interpreter; with a
+    # merge step of 2 splits the wider table below adds whole merge steps.
     monkeypatch.setattr(td, "INVARIANT_CHUNK", 32)
+    monkeypatch.setattr(td, "MERGE_SPLIT_BLOCK", merge_block)
     L, R, H = 64, 16, 2
     lens = [90, 33, 64, 7]
     q, kv, bt, cl = make_case(4, 1, H, L, R, 16, lens, DEV, seed=5)
@@ -181,3 +196,24 @@ def test_backend_choice_and_errors():
         lowering.mla_decode(q, kv, bt, cl, SCALE, backend="triton", head_dim_v=48)
     with pytest.raises(lowering.BackendUnavailable, match="bfloat16 or float16"):
         lowering.mla_decode(q.float(), kv.float(), bt, cl, SCALE, backend="triton")
+
+
+def test_kernel_bounds_unchecked_inputs_as_bound_for_capture_would(monkeypatch):
+    # Under CUDA-graph capture nothing checks lengths or page ids; the triton backend
+    # bounds them inside its kernel instead of launching clamp kernels, and must give
+    # the same result as inputs clamped the way checks.bound_for_capture clamps them.
+    import lowering.checks as checks
+    L, R, page = 64, 16, 16
+    q, kv, bt, cl = make_case(3, 1, 2, L, R, page, [40, 20, 33], DEV, seed=3)
+    bad_bt = bt.clone()
+    bad_bt[0, 1], bad_bt[1, 0] = 10_000, -5
+    bad_cl = torch.tensor([10_000, 0, 33], dtype=torch.int32, device=DEV)
+    monkeypatch.setattr(checks, "is_capturing", lambda t: True)
+    out, lse = lowering.mla_decode(q, kv, bad_bt, bad_cl, SCALE, backend="triton", head_dim_v=L)
+    monkeypatch.setattr(checks, "is_capturing", lambda t: False)
+    good_bt = bad_bt.clamp(0, kv.shape[0] - 1)
+    good_cl = bad_cl.clamp(1, bt.shape[1] * page)
+    want, want_lse = lowering.mla_decode(q, kv, good_bt, good_cl, SCALE, backend="triton",
+                                         head_dim_v=L)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert torch.equal(out[2], run_triton(q, kv, bt, cl, L)[0][2])   # the valid row untouched
