@@ -101,7 +101,7 @@ def host_time(step, dev, mark, n=20):
     return host
 
 
-def profile_step(step, mark, title, steps=3, top=12):
+def profile_step(step, mark, title, steps=3, top=12, timeline=False):
     """Top GPU kernels over `steps` steps, per step."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -118,6 +118,23 @@ def profile_step(step, mark, title, steps=3, top=12):
           f"({launches:.0f} kernels)", flush=True)
     for e in rows[:top]:
         print(f"    {e.self_device_time_total / steps / 1e3:8.3f} ms  x{e.count // steps:<3d} {e.key[:90]}",
+              flush=True)
+    if timeline:
+        print_timeline(prof, steps)
+
+
+def print_timeline(prof, steps):
+    """The last step's GPU kernels in launch order: start gap, duration (µs), name."""
+    from torch.autograd import DeviceType
+    ev = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    per = len(ev) // steps
+    last, prev_end = ev[-per:], None
+    print(f"  timeline of one step ({per} kernels): gap before / duration µs", flush=True)
+    for e in last:
+        gap = 0.0 if prev_end is None else e.time_range.start - prev_end
+        prev_end = e.time_range.end
+        print(f"    {gap:6.1f} {e.time_range.end - e.time_range.start:7.1f}  {e.name[:100]}",
               flush=True)
 
 
@@ -143,6 +160,8 @@ def main():
     ap.add_argument("--top", type=int, default=12, help="kernels listed by --profile")
     ap.add_argument("--profile", action="store_true",
                     help="print the top GPU kernels of one compiled step per mode")
+    ap.add_argument("--timeline", action="store_true",
+                    help="with --profile: also list one step's kernels in launch order")
     args = ap.parse_args()
 
     import lowering
@@ -231,7 +250,7 @@ def main():
             res[mode] = sec * 1e3 / nl
             if args.profile and on_cuda:
                 profile_step(run, mark and mode.endswith("compile"), f"{mode} B={B} S={S}",
-                             top=args.top)
+                             top=args.top, timeline=args.timeline)
             served = dict(lowering.backend_choices) if mode.startswith("ours") else {}
             skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
             if mode.endswith("compile") and mark and skips:
