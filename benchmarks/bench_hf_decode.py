@@ -154,6 +154,8 @@ def main():
     ap.add_argument("--per-layer-schedule", action="store_true",
                     help="ours: let every layer's FlashMLA call compute its own scheduler "
                          "metadata (the default computes it once per step in the plan)")
+    ap.add_argument("--no-split-k", action="store_true",
+                    help="ours: run the decode GEMM kernel without split-K (the best unsplit configs)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=None, help="append results here as JSON lines")
@@ -165,6 +167,13 @@ def main():
     args = ap.parse_args()
 
     import lowering
+    if args.no_split_k:       # the best configs without split-K (measured before it existed)
+        from lowering import linear
+        linear.CONFIGS.update({(1, 2112, 7168, True): (16, 512, 4, 4),
+                               (1, 2112, 7168, False): (16, 256, 4, 4)})
+        for key, cfg in list(linear.CONFIGS.items()):
+            if cfg is not None:
+                linear.CONFIGS[key] = cfg[:4]
     dev = torch.device(args.device)
     dtype = torch.bfloat16
     on_cuda = dev.type == "cuda"

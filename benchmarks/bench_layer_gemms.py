@@ -42,6 +42,14 @@ SWEEP = [
     (128, 64, 8, 4),
 ]
 
+# split-K variants (fifth entry: K splits), tried for modes 0 and 1; timed without the sum
+# of the partials, which a converted model leaves to Inductor to fuse into the consumer
+SPLIT_SWEEP = [
+    (16, 256, 4, 4, 2), (16, 256, 4, 4, 4), (16, 128, 4, 4, 4), (16, 128, 4, 6, 7),
+    (32, 256, 4, 4, 2), (32, 256, 4, 4, 4), (32, 128, 4, 4, 7), (16, 512, 4, 3, 2),
+    (64, 128, 4, 4, 2), (64, 128, 4, 4, 4), (16, 256, 4, 4, 7), (32, 128, 4, 6, 4),
+]
+
 
 def copy_ceiling(nbytes=1 << 30):
     from triton.testing import do_bench
@@ -72,16 +80,24 @@ def best_triton(mode, x, ws, ref):
     y2 = torch.empty(M, ws[1].shape[0], device=x.device, dtype=x.dtype) if mode == 1 else None
     w2 = ws[1] if len(ws) > 1 else None
     best = (float("inf"), None)
-    for cfg in SWEEP:
+    N = sum(w.shape[0] for w in ws) if mode == 1 else ws[0].shape[0]
+    for cfg in SWEEP + (SPLIT_SWEEP if mode != 2 else []):
+        S = linear.split_k_of(cfg)
+        parts = torch.empty(S, M, N, device=x.device, dtype=torch.float32) if S > 1 else None
+        o1, o2 = (y1, y2) if S == 1 else (parts[..., :ws[0].shape[0]], parts[..., ws[0].shape[0]:])
+
         def run():
-            linear.launch(x, ws[0], w2, mode, y1, y2, cfg, wrap=False)
+            linear.launch(x, ws[0], w2, mode, o1, o2 if mode == 1 else None, cfg, wrap=False)
         try:
             run()
             torch.cuda.synchronize()
         except Exception as e:       # e.g. out of shared memory
             print(f"    {cfg}: {type(e).__name__}", flush=True)
             continue
-        got = torch.cat([y1, y2], -1) if mode == 1 else y1
+        if S > 1:
+            got = parts.sum(0)
+        else:
+            got = torch.cat([y1, y2], -1) if mode == 1 else y1
         err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
         if err > 2e-2:
             print(f"    {cfg}: wrong (rel err {err:.2e})", flush=True)
@@ -93,6 +109,7 @@ def best_triton(mode, x, ws, ref):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,32")
+    ap.add_argument("--gemms", default=None, help="indices into GEMMS to time, e.g. 0,2 (default: all)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     ceil = copy_ceiling()
@@ -103,7 +120,8 @@ def main():
         print(f"\nM = {M}\n| GEMM | weight MB | cuBLAS µs (of ceiling) | Triton µs (of ceiling) | "
               "config |\n|---|---|---|---|---|", flush=True)
         tot_c = tot_t = tot_b = 0.0
-        for name, mode, ns, k in GEMMS:
+        chosen = GEMMS if args.gemms is None else [GEMMS[int(i)] for i in args.gemms.split(",")]
+        for name, mode, ns, k in chosen:
             ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for n in ns]
             x = torch.randn(M, k, device=dev, dtype=torch.bfloat16)
             ref, cublas = reference(mode, x, ws)

@@ -5,6 +5,9 @@
         -> (x @ w1.T [*, N1], x @ w2.T [*, N2])                            one launch
     mla::decode_gate_up(x [*, K], w_gate [N, K], w_up [N, K])
         -> silu(x @ w_gate.T) * (x @ w_up.T)                               [*, N], one launch
+    mla::decode_linear_pair_partials(x, w1, w2, split_k)
+        -> fp32 [split_k, *, N1 + N2] partial sums over split_k ranges of K (split-K for a
+           small weight pair; the caller sums them: pair_split_k says when CONFIGS asks)
 
 At most MAX_ROWS rows of x on CUDA in bf16 / fp16 run the weight-streaming kernel of
 linear_kernel.py (a decode step: each weight byte read once); anything else (prefill, CPU,
@@ -28,16 +31,16 @@ MAX_ROWS = 64
 # "auto": the kernel where it serves; "torch": always the torch path (to compare against)
 IMPL = os.environ.get("MLA_LINEAR_IMPL", "auto")
 
-# (mode, N, K, rows <= 16) -> (BLOCK_N, BLOCK_K, num_warps, num_stages), or None where
-# cuBLAS (the torch path) was faster; measured on an H200 with
+# (mode, N, K, rows <= 16) -> (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]), or None
+# where cuBLAS (the torch path) was faster; measured on an H200 with
 # benchmarks/bench_layer_gemms.py (DeepSeek-V3 layer shapes). N is N1 + N2 for mode 1.
 CONFIGS: dict[tuple, Optional[tuple[int, int, int, int]]] = {
-    (1, 2112, 7168, True): (16, 512, 4, 4),      # q_a + kv_a      19.6 µs (cuBLAS 22.7)
+    (1, 2112, 7168, True): (64, 128, 4, 4, 4),   # q_a + kv_a, split-K (unsplit 19.6 µs; cuBLAS 22.7)
     (0, 24576, 1536, True): (64, 128, 4, 5),     # q_b             29.1 µs (30.3)
     (0, 7168, 16384, True): (64, 256, 4, 4),     # o_proj          66.2 µs (74.0)
     (2, 18432, 7168, True): (32, 256, 4, 4),     # gate + up       139.0 µs (144.4 + SiLU x up)
     (0, 7168, 18432, True): (64, 256, 4, 4),     # down_proj       72.7 µs (78.1)
-    (1, 2112, 7168, False): (16, 256, 4, 4),     # 32 rows: q_a + kv_a  21.4 µs (25.2)
+    (1, 2112, 7168, False): (64, 128, 4, 4, 4),  # 32 rows: q_a + kv_a, split-K 16.8 µs (25.9)
     (0, 24576, 1536, False): None,               # q_b             30.4 µs (30.0)
     (0, 7168, 16384, False): (64, 128, 4, 6),    # o_proj          67.6 µs (75.6)
     (2, 18432, 7168, False): None,               # gate + up       147.4 µs (138.2 + SiLU x up)
@@ -71,25 +74,41 @@ def triton_ok(x: torch.Tensor, *ws: torch.Tensor) -> bool:
                     and w.device == x.device for w in ws))
 
 
+def split_k_of(config) -> int:
+    """K splits of a config: its optional fifth entry (1 when absent)."""
+    return config[4] if config is not None and len(config) > 4 else 1
+
+
 def launch(x2: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor], mode: int,
-           y1: torch.Tensor, y2: Optional[torch.Tensor], config: tuple[int, int, int, int], *,
-           wrap=True) -> None:
-    """Run decode_linear_kernel with config (BLOCK_N, BLOCK_K, num_warps, num_stages):
-    x2 [M, K] (K contiguous), w1/w2 [N, K] contiguous."""
+           y1: torch.Tensor, y2: Optional[torch.Tensor], config: tuple, *, wrap=True,
+           y2_col0: int = 0) -> None:
+    """Run decode_linear_kernel with config (BLOCK_N, BLOCK_K, num_warps, num_stages[,
+    SPLIT_K]): x2 [M, K] (K contiguous), w1/w2 [N, K] contiguous; y1/y2 [M, N], or with
+    SPLIT_K > 1 fp32 partials [SPLIT_K, M, N]. Mode 1 with y2=None and y2_col0 > 0
+    writes x @ w2.T into y1 from column y2_col0 on: one output tensor (Inductor would copy
+    views of one buffer passed as two outputs, or lose one of them)."""
     M, K = x2.shape
     N1 = w1.shape[0]
     N2 = w2.shape[0] if w2 is not None else 0
-    block_n, block_k, warps, stages = config
+    block_n, block_k, warps, stages = config[:4]
+    split_k = split_k_of(config)
+    if split_k > 1 and (mode == 2 or y1.dim() != 3 or y1.shape[0] != split_k):
+        raise ValueError(f"SPLIT_K={split_k} needs mode 0 or 1 and y of [{split_k}, M, N]")
+    if mode == 1 and y2 is None and not (0 < y2_col0 and y2_col0 + N2 <= y1.shape[-1]):
+        raise ValueError(f"mode 1 without y2 needs y2_col0 > 0 and y1 of y2_col0 + {N2} "
+                         f"columns; got y2_col0={y2_col0}, y1 {tuple(y1.shape)}")
     n1_blocks = triton.cdiv(N1, block_n)
-    grid = (n1_blocks + (triton.cdiv(N2, block_n) if mode == 1 else 0),)
+    grid = (n1_blocks + (triton.cdiv(N2, block_n) if mode == 1 else 0), split_k)
     kernel = torch.library.wrap_triton(decode_linear_kernel) if wrap else decode_linear_kernel
     w2_ = w2 if w2 is not None else w1
-    y2_ = y2 if y2 is not None else y1
+    y2_ = y2 if y2 is not None else x2     # unused then; x2 is never written
     kernel[grid](
         x2, w1, w2_, y1, y2_, M, N1, N2, K,
-        x2.stride(0), w1.stride(0), w2_.stride(0), y1.stride(0), y2_.stride(0), n1_blocks,
+        x2.stride(0), w1.stride(0), w2_.stride(0), y1.stride(-2), y2_.stride(-2),
+        y1.stride(0) if split_k > 1 else 0, n1_blocks,
         MODE=mode, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=K % block_k == 0, DOT_F32=not x2.is_cuda,
+        BLOCK_K=block_k, EVEN_K=K % (block_k * split_k) == 0, DOT_F32=not x2.is_cuda,
+        SPLIT_K=split_k, Y2_COL0=y2_col0 if (mode == 1 and y2 is None) else 0,
         num_warps=warps, num_stages=stages)
 
 
@@ -115,7 +134,7 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w)
     x2 = _rows(x, K)
     y = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)   # [M, N]
-    launch(x2, w, None, 0, y, None, cfg)
+    launch(x2, w, None, 0, y, None, cfg[:4])
     return y.view(*x.shape[:-1], w.shape[0])
 
 
@@ -130,9 +149,39 @@ def decode_linear_pair(x: torch.Tensor, w1: torch.Tensor,
     M = x2.shape[0]
     y1 = torch.empty((M, w1.shape[0]), dtype=x.dtype, device=x.device)        # [M, N1]
     y2 = torch.empty((M, w2.shape[0]), dtype=x.dtype, device=x.device)        # [M, N2]
-    launch(x2, w1, w2, 1, y1, y2, cfg)
+    launch(x2, w1, w2, 1, y1, y2, cfg[:4])   # whole K (the partials op serves split-K)
     lead = x.shape[:-1]
     return y1.view(*lead, w1.shape[0]), y2.view(*lead, w2.shape[0])
+
+
+def pair_split_k(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> int:
+    """K splits the kernel uses for decode_linear_pair's shapes (1: none). Shapes, dtypes
+    and devices only, so traced code can branch on it."""
+    if x.dim() < 1 or w1.dim() != 2 or w2.dim() != 2 or w1.shape[1] != x.shape[-1]:
+        return 1
+    return split_k_of(_config(1, x, w1, w2))
+
+
+@torch.library.triton_op("mla::decode_linear_pair_partials", mutates_args={})
+def decode_linear_pair_partials(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                                split_k: int) -> torch.Tensor:
+    """fp32 partial sums [split_k, *lead, N1 + N2] whose sum over dim 0 is
+    [x @ w1.T | x @ w2.T]: decode_linear_pair with split-K, the sum left to the caller
+    (in a graph, Inductor fuses it into what reads the result)."""
+    K = _check(x, w1, w2)
+    lead, N1, N2 = x.shape[:-1], w1.shape[0], w2.shape[0]
+    if not isinstance(split_k, int) or split_k < 1:
+        raise ValueError(f"split_k must be a positive int, got {split_k!r}")
+    cfg = _config(1, x, w1, w2)
+    if cfg is None:                       # torch: the whole sum in partial 0, zeros after
+        out = x.new_zeros((split_k, *lead, N1 + N2), dtype=torch.float32)
+        out[0] = torch.cat([F.linear(x, w1), F.linear(x, w2)], dim=-1)
+        return out
+    x2 = _rows(x, K)
+    M = x2.shape[0]
+    out = torch.empty((split_k, M, N1 + N2), dtype=torch.float32, device=x.device)   # [S, M, N1+N2]
+    launch(x2, w1, w2, 1, out, None, (*cfg[:4], split_k), y2_col0=N1)
+    return out.view(split_k, *lead, N1 + N2)
 
 
 @torch.library.triton_op("mla::decode_gate_up", mutates_args={})

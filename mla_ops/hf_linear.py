@@ -33,10 +33,21 @@ def linear(mod, x: torch.Tensor) -> torch.Tensor:
 
 
 def linear_pair(m1, m2, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(m1(x), m2(x)) in one launch when both are plain nn.Linear."""
-    if _use_ops(m1, m2):
-        return torch.ops.mla.decode_linear_pair(x, m1.weight, m2.weight)
-    return m1(x), m2(x)
+    """(m1(x), m2(x)) in one launch when both are plain nn.Linear.
+
+    Where the kernel's config splits K, the op returns fp32 partial sums and the sum is
+    taken here, in the traced graph, so Inductor fuses it into the ops that read the
+    result (the q_a / kv_a norms) instead of launching a reduce kernel.
+    """
+    if not _use_ops(m1, m2):
+        return m1(x), m2(x)
+    w1, w2 = m1.weight, m2.weight
+    split_k = _ops.pair_split_k(x, w1, w2)
+    if split_k > 1:
+        parts = torch.ops.mla.decode_linear_pair_partials(x, w1, w2, split_k)  # [S, ..., N1+N2] fp32
+        p1, p2 = parts.split([w1.shape[0], w2.shape[0]], dim=-1)
+        return p1.sum(0).to(x.dtype), p2.sum(0).to(x.dtype)     # one sum per consumer
+    return torch.ops.mla.decode_linear_pair(x, w1, w2)
 
 
 # ------------------------------------------------------------------------- MLP

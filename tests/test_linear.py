@@ -51,6 +51,42 @@ def test_kernel_modes_vs_fp64(M, N1, N2, K, cfg):
     assert _rel(y.cpu(), ref) < 3 * tol
 
 
+@pytest.mark.parametrize("M,K,cfg", [
+    (1, 300, (32, 64, 4, 2, 3)),      # K tiles split unevenly, the last split partly empty
+    (5, 512, (16, 128, 4, 2, 4)),     # even: each split exactly one tile
+    (3, 100, (16, 64, 4, 2, 5)),      # more splits than K tiles: empty splits add zeros
+])
+def test_kernel_split_k_partials_vs_fp64(M, K, cfg):
+    g = torch.Generator().manual_seed(M * 7 + K)
+    x, w1, w2 = _randn(M, K, g=g), _randn(70, K, g=g), _randn(9, K, g=g)
+    dt, tol = (torch.bfloat16, 1e-2) if DEV == "cuda" else (torch.float32, 1e-5)
+    xs, w1s, w2s = (t.to(DEV, dt) for t in (x, w1, w2))
+    x, w1, w2 = (t.to(dt).double() for t in (x, w1, w2))
+    S = cfg[4]
+    parts = torch.full((S, M, 70), float("nan"), device=DEV)          # every entry written
+    linear.launch(xs, w1s, None, 0, parts, None, cfg, wrap=False)
+    assert _rel(parts.sum(0).cpu(), x @ w1.T) < tol
+    parts = torch.full((S, M, 79), float("nan"), device=DEV)
+    linear.launch(xs, w1s, w2s, 1, parts, None, cfg, wrap=False, y2_col0=70)    # one buffer
+    assert _rel(parts.sum(0).cpu(), torch.cat([x @ w1.T, x @ w2.T], -1)) < tol
+    assert (parts[1:].abs().sum() > 0) and (parts[0].abs().sum() > 0)   # K really split
+    with pytest.raises(ValueError, match="SPLIT_K=.* needs mode 0 or 1"):
+        linear.launch(xs, w1s, w1s, 2, parts[..., :70], None, cfg, wrap=False)
+
+
+def test_pair_partials_op_torch_path_sums_to_the_modules():
+    """Off the kernel path the partials op puts the whole F.linear result in partial 0."""
+    g = torch.Generator().manual_seed(9)
+    x = _randn(2, 3, 48, g=g).float()
+    w1, w2 = _randn(32, 48, g=g).float(), _randn(16, 48, g=g).float()
+    parts = torch.ops.mla.decode_linear_pair_partials(x, w1, w2, 3)
+    assert parts.shape == (3, 2, 3, 48) and parts.dtype == torch.float32
+    assert torch.equal(parts.sum(0), torch.cat([F.linear(x, w1), F.linear(x, w2)], -1))
+    with pytest.raises(ValueError, match="split_k must be a positive int"):
+        torch.ops.mla.decode_linear_pair_partials(x, w1, w2, 0)
+    assert linear.pair_split_k(x, w1, w2) == 1                          # CPU: no kernel
+
+
 def test_gate_up_kernel_reads_both_weights():
     """Mode 2 must read both weights: swapping gate and up changes the result."""
     g = torch.Generator().manual_seed(3)
@@ -123,6 +159,40 @@ def test_ops_on_gpu_vs_fp64_eager_and_compiled(rows):
     assert ("decode_linear_kernel" in "".join(codes)) == (rows <= 64)
 
 
+@pytest.mark.skipif(DEV != "cuda", reason="the Triton path of the ops runs on CUDA")
+@pytest.mark.parametrize("rows,N1,N2,K", [(1, 150, 50, 512), (9, 150, 50, 512),
+                                           (1, 1536, 576, 7168), (32, 1536, 576, 7168)])
+def test_split_k_pair_on_gpu_eager_and_compiled(monkeypatch, rows, N1, N2, K):
+    """Where CONFIGS splits K, linear_pair sums the partials in the traced graph: same
+    results as float64 eager and compiled, the kernel in the compiled code. Small shapes
+    with a config set here; DeepSeek-V3's q_a + kv_a with the measured one."""
+    from torch._inductor.utils import run_and_get_code
+    from mla_ops.hf_linear import linear_pair
+    if K == 512:
+        monkeypatch.setitem(linear.CONFIGS, (1, 200, 512, rows <= 16), (16, 64, 4, 2, 3))
+    g = torch.Generator().manual_seed(rows)
+    m1, m2 = torch.nn.Linear(K, N1, bias=False), torch.nn.Linear(K, N2, bias=False)
+    for m in (m1, m2):
+        m.weight.data = _randn(*m.weight.shape, g=g).div(K ** 0.5).float()
+        m.to(DEV, torch.bfloat16)
+    x = _randn(rows, 1, K, g=g).to(DEV, torch.bfloat16)
+    assert linear.pair_split_k(x, m1.weight, m2.weight) > 1
+
+    def f(x):
+        a, b = linear_pair(m1, m2, x)
+        return a * 2, b + 1                     # consumers the sum can fuse into
+    xd = x.double()
+    refs = (2 * (xd @ m1.weight.double().T), xd @ m2.weight.double().T + 1)
+    with torch.no_grad():                       # inference ops (no autograd formula)
+        compiled, codes = run_and_get_code(torch.compile(f, fullgraph=True), x)
+        eager = f(x)
+    for out in (eager, compiled):
+        for o, r in zip(out, refs):
+            assert o.shape == r.shape and o.dtype == torch.bfloat16
+            assert _rel(o, r) < 2e-2
+    assert "decode_linear_kernel" in "".join(codes)
+
+
 def test_converted_hf_layer_uses_the_ops():
     """convert() routes q_a + kv_a, o_proj and the SiLU MLPs (dense and shared experts)
     through the ops; fuse_mlp=False leaves the MLPs to HF; a biased MLP stays HF's."""
@@ -174,5 +244,6 @@ def test_opcheck_decode_gemm_ops():
     w1, w2 = torch.randn(32, 48), torch.randn(32, 48)
     for op, args in ((torch.ops.mla.decode_linear.default, (x, w1)),
                      (torch.ops.mla.decode_linear_pair.default, (x, w1, w2[:16])),
+                     (torch.ops.mla.decode_linear_pair_partials.default, (x, w1, w2[:16], 2)),
                      (torch.ops.mla.decode_gate_up.default, (x, w1, w2))):
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
