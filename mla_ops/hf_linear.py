@@ -5,7 +5,8 @@ copies: q_a_proj + kv_a_proj_with_mqa share their input and run as one launch, g
 up_proj + SiLU x up as one launch (the dense MLPs and shared experts), o_proj and down_proj
 as single launches. The ops take the HF modules' own weights (no copies); at more rows,
 on CPU or in fp32 they run exactly what the modules would (F.linear, F.silu). A module that
-is not a plain bias-free nn.Linear (FP8 / quantized linears, biases) keeps its own call.
+is not a plain bias-free nn.Linear (FP8 / quantized linears, biases) keeps its own call, and
+so does every module while autograd would need its weight's gradient.
 """
 from __future__ import annotations
 
@@ -19,10 +20,16 @@ def _plain(*mods) -> bool:
     return all(type(m) is nn.Linear and m.bias is None for m in mods)
 
 
+def _needs_grad(*mods) -> bool:
+    return torch.is_grad_enabled() and any(m.weight.requires_grad for m in mods)
+
+
 def _use_ops(*mods) -> bool:
     # MLA_LINEAR_IMPL=torch keeps the modules' own calls; deciding here, in the traced
-    # Python, makes the choice part of the compiled graph (and of its cache key)
-    return _ops.IMPL != "torch" and _plain(*mods)
+    # Python, makes the choice part of the compiled graph (and of its cache key). The ops
+    # are for inference (no autograd formulas): with grad enabled for the weights, the
+    # modules' own differentiable calls run instead (same numerics off the GPU kernel path).
+    return _ops.IMPL != "torch" and _plain(*mods) and not _needs_grad(*mods)
 
 
 def linear(mod, x: torch.Tensor) -> torch.Tensor:
@@ -75,7 +82,7 @@ def fusable_mlp(m) -> bool:
 
 def _mlp_forward(self, x):
     """down_proj(silu(gate_proj(x)) * up_proj(x)): x [..., H] -> [..., H]."""
-    if _ops.IMPL == "torch":
+    if _ops.IMPL == "torch" or _needs_grad(self.gate_proj, self.up_proj, self.down_proj):
         return self._hf_forward(x)
     h = torch.ops.mla.decode_gate_up(x, self.gate_proj.weight, self.up_proj.weight)   # [..., I]
     return torch.ops.mla.decode_linear(h, self.down_proj.weight)

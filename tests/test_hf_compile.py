@@ -151,3 +151,21 @@ def test_generate_bf16_cuda_graphs_flashmla_first_call_compiled():
     assert max(errs) <= 3e-2, max(errs)
     assert torch.equal(out.sequences, eager.sequences)
     assert torch.isfinite(torch.stack(out.logits)).all()
+
+
+def test_compiled_forward_with_grad_enabled():
+    """Users call model(...) without no_grad: the compiled converted forward still runs
+    (its GEMMs then take the modules' own differentiable calls) and matches HF."""
+    cfg = tiny_config("v3")
+    ref, model = build_pair(cfg, seed=4)
+    ref, model = ref.to(DEVICE), H.convert(model).to(DEVICE)
+    ids, mask = (t.to(DEVICE) for t in left_padded([7, 5], seed=6))
+    cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=32, block_size=8,
+                            device=DEVICE)
+    fwd = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=counting_backend)
+    got = fwd(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
+    assert got.requires_grad
+    with torch.no_grad():
+        exp = ref(input_ids=ids, attention_mask=mask).logits
+    assert logit_err(got.detach()[mask.bool()], exp[mask.bool()]) <= TOL
+    assert graph_breaks() == 0
