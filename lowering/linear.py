@@ -34,7 +34,7 @@ IMPL = os.environ.get("MLA_LINEAR_IMPL", "auto")
 # (mode, N, K, rows <= 16) -> (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]), or None
 # where cuBLAS (the torch path) was faster; measured on an H200 with
 # benchmarks/bench_layer_gemms.py (DeepSeek-V3 layer shapes). N is N1 + N2 for mode 1.
-CONFIGS: dict[tuple, Optional[tuple[int, int, int, int]]] = {
+CONFIGS: dict[tuple, Optional[tuple[int, ...]]] = {
     (1, 2112, 7168, True): (64, 128, 4, 4, 4),   # q_a + kv_a, split-K (unsplit 19.6 µs; cuBLAS 22.7)
     (0, 24576, 1536, True): (64, 128, 4, 5),     # q_b             29.1 µs (30.3)
     (0, 7168, 16384, True): (64, 256, 4, 4),     # o_proj          66.2 µs (74.0)
@@ -49,7 +49,7 @@ CONFIGS: dict[tuple, Optional[tuple[int, int, int, int]]] = {
 DEFAULT_CONFIG = (32, 256, 4, 4)
 
 
-def pick_config(mode: int, N: int, K: int, M: int) -> Optional[tuple[int, int, int, int]]:
+def pick_config(mode: int, N: int, K: int, M: int) -> Optional[tuple[int, ...]]:
     return CONFIGS.get((mode, N, K, M <= 16), DEFAULT_CONFIG)
 
 
