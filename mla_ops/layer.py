@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from . import ops, quant_ops  # noqa: F401  (register torch.ops.mla.*)
+from . import no_backward, ops, quant_ops  # noqa: F401  (register torch.ops.mla.*)
 from .attention import build_decode_query
 from .metadata import MLAMetadata
 from .quant import FP8, dequantize_block_fp8
@@ -126,4 +126,4 @@ class MLAAttention(nn.Module):
             meta.seq_lens, meta.query_start_loc, meta.num_decode_tokens, self.softmax_scale,
             kind, k_scale, dep, out, None, None, self.workspace_rows, self.backend,
             decode_q, decode_q_scale, *(sched if sched is not None else ()))
-        return out
+        return no_backward.guard(out, q, kv_c_normed, k_pe)   # autograd: a clear error

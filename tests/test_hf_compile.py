@@ -155,7 +155,8 @@ def test_generate_bf16_cuda_graphs_flashmla_first_call_compiled():
 
 def test_compiled_forward_with_grad_enabled():
     """Users call model(...) without no_grad: the compiled converted forward still runs
-    (its GEMMs then take the modules' own differentiable calls) and matches HF."""
+    (its GEMMs then take the modules' own differentiable calls) and matches HF; a
+    backward pass through it is a clear error."""
     cfg = tiny_config("v3")
     ref, model = build_pair(cfg, seed=4)
     ref, model = ref.to(DEVICE), H.convert(model).to(DEVICE)
@@ -169,3 +170,7 @@ def test_compiled_forward_with_grad_enabled():
         exp = ref(input_ids=ids, attention_mask=mask).logits
     assert logit_err(got.detach()[mask.bool()], exp[mask.bool()]) <= TOL
     assert graph_breaks() == 0
+    # the attention has no backward: a backward pass says so instead of silently
+    # leaving every weight before it without gradients
+    with pytest.raises(RuntimeError, match="has no backward"):
+        got.sum().backward()

@@ -127,3 +127,24 @@ def test_absorb_dequantizes_block_fp8_kv_b_proj():
         split_kv_b_proj(w8, N, P, V)
     with pytest.raises(ValueError, match="kv_b_proj weight"):
         split_kv_b_proj(w[:-1], N, P, V)
+
+
+def test_backward_through_the_layer_is_a_clear_error():
+    """The attention has no backward: with grad enabled the forward runs and is unchanged,
+    and a backward pass that reaches it raises instead of leaving q / kv without
+    gradients; without grad the output is the op's own tensor (nothing added)."""
+    from mla_ops.no_backward import MESSAGE
+    layer, kv_b = make_layer(D, torch.float32)
+    step = Step(D, [5, 0], [1, 4], block_size=4)
+    q, kv_c, k_pe = step.inputs()
+    q.requires_grad_(True)
+    with torch.no_grad():
+        plain = layer(q, kv_c, k_pe, step.cache.kv[0], step.cache.k_scale, step.meta)
+    assert not plain.requires_grad
+    step = Step(D, [5, 0], [1, 4], block_size=4)
+    out = layer(q, kv_c, k_pe, step.cache.kv[0], step.cache.k_scale, step.meta)
+    assert out.requires_grad and torch.equal(out.detach(), plain)
+    with pytest.raises(RuntimeError, match="has no backward"):
+        out.sum().backward()
+    assert q.grad is None
+    assert "torch.no_grad()" in MESSAGE
