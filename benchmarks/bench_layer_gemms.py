@@ -84,10 +84,13 @@ def best_triton(mode, x, ws, ref):
     for cfg in SWEEP + (SPLIT_SWEEP if mode != 2 else []):
         S = linear.split_k_of(cfg)
         parts = torch.empty(S, M, N, device=x.device, dtype=torch.float32) if S > 1 else None
-        o1, o2 = (y1, y2) if S == 1 else (parts[..., :ws[0].shape[0]], parts[..., ws[0].shape[0]:])
 
-        def run():
-            linear.launch(x, ws[0], w2, mode, o1, o2 if mode == 1 else None, cfg, wrap=False)
+        def run():            # split-K as the partials op launches it: one output tensor
+            if S > 1:
+                linear.launch(x, ws[0], w2, mode, parts, None, cfg, wrap=False,
+                              y2_col0=ws[0].shape[0] if mode == 1 else 0)
+            else:
+                linear.launch(x, ws[0], w2, mode, y1, y2, cfg, wrap=False)
         try:
             run()
             torch.cuda.synchronize()

@@ -12,10 +12,10 @@ of a row were measured slower on an H200 at every batch size). The splits are re
 SPLIT_BLOCK at a time as one [SPLIT_BLOCK, L] tile, so a request cut into many splits
 costs a few dependent memory round trips, not one per split (at one request of 128
 heads and 34 splits: 6.4 µs, split by split 7.2). The reduction order is fixed by
-SPLIT_BLOCK alone: chunks are added in split order,
-and inside a chunk the tile sum has one fixed shape. Empty splits and the padding
-past num_splits add exact zeros, so a request's result does not depend on how many
-splits the launch had beyond its own (the batch-invariant mode relies on this).
+SPLIT_BLOCK alone: chunks are added in split order, and inside a chunk the tile sum
+has one fixed shape. Empty splits and the padding past num_splits add exact zeros, so
+a request's result does not depend on how many splits the launch had beyond its own
+(the batch-invariant mode relies on this).
 
     grid = (s_q * H, B)
 """
