@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 import lowering
+from lowering.head_gemm import absorb_output, absorb_query
 from lowering.checks import FLOAT_DTYPES, check_kv_cache_dtype_pair, check_tensor, is_capturing
 from .prefill import prefill_attention
 from .quant import FP8, quant_fp8_group, quant_fp8_static, group_scales
@@ -147,9 +148,7 @@ def decode_output(out_latent, W_UV, dst, output_scale, block_scale) -> None:
                           block_scale=block_scale)
                 return
     if output_scale is None and block_scale is None and dst.dtype == out_latent.dtype:
-        N, V = W_UV.shape[0], W_UV.shape[2]
-        with torch.no_grad():   # straight into dst viewed [N, t, V] (strided batch): no copy
-            torch.bmm(out_latent.transpose(0, 1), W_UV, out=dst.view(t, N, V).transpose(0, 1))
+        absorb_output(out_latent, W_UV, dst)
         return
     out = torch.bmm(out_latent.transpose(0, 1), W_UV)                    # [N, t, V]
     _write_output(out.transpose(0, 1).reshape(t, -1), dst, output_scale, block_scale)
@@ -192,20 +191,6 @@ def build_decode_query(q, W_UK_T):
     return torch.cat([ql_nope.transpose(0, 1), q_pe], dim=-1)            # [t, N, L + R]
 
 
-def _decode_query_into(q, W_UK_T):
-    """build_decode_query for the op's own (eager) body: the GEMM writes its [N, t, L]
-    result straight into the first L columns of the [t, N, L + R] query (a strided batch
-    cuBLAS takes as is), so there is no temporary and no concat."""
-    t, N, PR = q.shape
-    P, L = W_UK_T.shape[1:]
-    q_nope, q_pe = q.split([P, PR - P], dim=-1)
-    out = q.new_empty((t, N, L + PR - P))                                # [t, N, L + R]
-    with torch.no_grad():   # inference only; out= refuses inputs that require grad
-        torch.bmm(q_nope.transpose(0, 1), W_UK_T, out=out.transpose(0, 1)[..., :L])
-        out[..., L:] = q_pe
-    return out
-
-
 def _fp8_query_decode(q8, q_scale, kv_cache, block_table, lens, softmax_scale, kind, k_scale,
                       backend, L, out_dtype):
     """Decode with an fp8 query: the fp8 x fp8 Triton kernel where it serves the call,
@@ -243,7 +228,7 @@ def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_sta
     """
     t, N, _ = q.shape
     P, L = W_UK_T.shape[1:]
-    q_mqa = _decode_query_into(q, W_UK_T) if decode_q is None else decode_q
+    q_mqa = absorb_query(q, W_UK_T) if decode_q is None else decode_q           # [t, N, L+R]
     if one_token_per_request:
         bt, lens = block_table, seq_lens
     else:

@@ -1,0 +1,110 @@
+"""MLA's absorbed per-head GEMMs of a decode step: cuBLAS against lowering/head_gemm.py.
+
+    query:  [q_nope @ W_UK_T | q_pe]  q [t, N, 192] -> [t, N, 576]   (W_UK_T [N, 128, 512])
+    output: o [t, N, 512] @ W_UV -> [t, N*128]                         (W_UV [N, 512, 128])
+
+cuBLAS is what the attention op ran before the kernel (a strided-batch bmm into the
+destination, plus the q_pe copy for the query); the kernel is timed for each config of
+SWEEP, checked against fp32 first. CUDA-graph replays with the L2 flushed (a decode step
+reads these weights once per layer, never from L2). Prints the best configs as the
+`lowering.head_gemm.CONFIGS` entries they are.
+
+    python benchmarks/bench_head_gemm.py            # H200: V3 dims, 128 heads, t = 1, 32
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from timing import graph_time_us  # noqa: E402
+from bench_layer_gemms import copy_ceiling  # noqa: E402
+from lowering import head_gemm  # noqa: E402
+
+# (BLOCK_J, BLOCK_K, num_warps, num_stages) swept
+SWEEP = [
+    (32, 64, 4, 2), (32, 128, 4, 2), (32, 128, 4, 3), (64, 32, 4, 4), (64, 64, 4, 3),
+    (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 8, 3), (128, 32, 4, 4), (128, 64, 4, 3),
+    (128, 64, 8, 3), (128, 128, 4, 2), (128, 128, 8, 2), (256, 32, 4, 3), (256, 64, 8, 2),
+    (32, 256, 4, 2), (64, 256, 4, 2), (16, 128, 4, 3), (16, 256, 4, 2),
+]
+
+
+def cases(t, N, P, R, L, V, dev):
+    """(name, K, J, copy, a, w, y, cublas closure, fp32 reference) for both GEMMs."""
+    dt = torch.bfloat16
+    q = torch.randn(t, N, P + R, device=dev, dtype=dt)
+    wk = torch.randn(N, P, L, device=dev, dtype=dt) / P ** 0.5
+    qm = torch.empty(t, N, L + R, device=dev, dtype=dt)
+    o = torch.randn(t, N, L, device=dev, dtype=dt)
+    wv = torch.randn(N, L, V, device=dev, dtype=dt) / L ** 0.5
+    out = torch.empty(t, N, V, device=dev, dtype=dt)
+
+    def cublas_query():
+        torch.bmm(q[..., :P].transpose(0, 1), wk, out=qm.transpose(0, 1)[..., :L])
+        qm[..., L:] = q[..., P:]
+
+    def cublas_output():
+        torch.bmm(o.transpose(0, 1), wv, out=out.transpose(0, 1))
+
+    ref_q = torch.cat([torch.einsum("tnp,npl->tnl", q[..., :P].float(), wk.float()),
+                       q[..., P:].float()], -1)
+    ref_o = torch.einsum("tnl,nlv->tnv", o.float(), wv.float())
+    return [("query: q_nope @ W_UK_T | q_pe", P, L, R, q, wk, qm, cublas_query, ref_q),
+            ("output: o @ W_UV", L, V, 0, o, wv, out, cublas_output, ref_o)]
+
+
+def best_kernel(a, w, y, copy, ref):
+    best = (float("inf"), None)
+    for cfg in SWEEP:
+        if cfg[0] > w.shape[2] or cfg[1] > w.shape[1]:
+            continue
+
+        def run():
+            head_gemm.launch(a, w, y, copy, cfg)
+        try:
+            y.fill_(float("nan"))
+            run()
+            torch.cuda.synchronize()
+        except Exception as e:        # e.g. out of shared memory
+            print(f"    {cfg}: {type(e).__name__}", flush=True)
+            continue
+        err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+        if not err < 2e-2:
+            print(f"    {cfg}: wrong (rel err {err:.2e})", flush=True)
+            continue
+        best = min(best, (graph_time_us(run), cfg))
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,32")
+    ap.add_argument("--heads", type=int, default=128)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    ceil = copy_ceiling()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy ceiling "
+          f"{ceil / 1e12:.2f} TB/s")
+    configs = {}
+    for t in (int(r) for r in args.rows.split(",")):
+        print(f"\nt = {t}, N = {args.heads}\n| GEMM | MB moved | cuBLAS µs (of ceiling) | "
+              "kernel µs (of ceiling) | config |\n|---|---|---|---|---|", flush=True)
+        for name, K, J, copy, a, w, y, cublas, ref in cases(t, args.heads, 128, 64, 512, 128, dev):
+            nbytes = (a.numel() + w.numel() + y.numel()) * 2
+            c_us = graph_time_us(cublas)
+            k_us, cfg = best_kernel(a, w, y, copy, ref)
+            configs[(K, J, t <= 16)] = cfg
+            print(f"| {name} | {nbytes / 1e6:.1f} | {c_us:.1f} ({nbytes / c_us / 1e6 / (ceil / 1e12):.2f}) | "
+                  f"{k_us:.1f} ({nbytes / k_us / 1e6 / (ceil / 1e12):.2f}) | {cfg} |", flush=True)
+    print("\nlowering.head_gemm.CONFIGS entries:")
+    for key, cfg in configs.items():
+        print(f"    {key}: {cfg},")
+
+
+if __name__ == "__main__":
+    main()
