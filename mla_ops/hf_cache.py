@@ -294,6 +294,13 @@ class PagedMLACache(Cache):
         real = (j[None] < q[:, None]) & (pos < self.max_cache_len) & (blk >= 0)
         slots = torch.where(real, blk * bs + pos % bs, -1).reshape(-1)       # [T]
         seq_lens = (lens_old + S).to(torch.int32)            # trailing pads count, never read
+        qsl = (torch.arange(B + 1, device=dev) * S).to(torch.int32)         # [B + 1]
+        # Views of one buffer: compiled, Inductor recomputes a small computed tensor for
+        # every custom op that reads it (a copy per call); views of a realized buffer are
+        # passed as they are, so the plan's metadata is computed once per step.
+        pack = torch.cat([table.reshape(-1), seq_lens, qsl])                 # [B*M + 2B + 1]
+        table = pack[:B * M].view(B, M)
+        seq_lens, qsl = pack[B * M:B * M + B], pack[B * M + B:]
         sched = None
         if S == 1 and backend in self._flashmla_backends:   # one scheduler kernel per step
             sched = lowering.decode_schedule(self.pool.kv[0], table, seq_lens,
@@ -302,7 +309,7 @@ class PagedMLACache(Cache):
             slot_mapping=slots,
             block_table=table,
             seq_lens=seq_lens,
-            query_start_loc=(torch.arange(B + 1, device=dev) * S).to(torch.int32),
+            query_start_loc=qsl,
             num_decode_tokens=B if S == 1 else 0,
             decode_schedule=sched)
         perm = inv = None

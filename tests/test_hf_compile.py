@@ -174,3 +174,42 @@ def test_compiled_forward_with_grad_enabled():
     # leaving every weight before it without gradients
     with pytest.raises(RuntimeError, match="has no backward"):
         got.sum().backward()
+
+
+def _op_args(code: str, op: str) -> list[list[str]]:
+    """The top-level argument strings of each call of op in generated code."""
+    calls = []
+    for part in code.split(op + "(")[1:]:
+        args, depth, cur = [], 0, ""
+        for ch in part:
+            if ch == ")" and depth == 0:
+                break
+            depth += (ch in "([") - (ch in ")]")
+            if ch == "," and depth == 0:
+                args.append(cur.strip())
+                cur = ""
+            else:
+                cur += ch
+        calls.append(args + [cur.strip()])
+    return calls
+
+
+def test_inductor_computes_the_step_plan_once():
+    """Compiled by inductor, every layer's attention reads the same block table, lengths
+    and query offsets (views of one buffer the plan writes once per step), not a copy
+    recomputed for each layer's call (a small kernel or two per layer on a GPU)."""
+    from torch._inductor.utils import run_and_get_code
+    cfg = tiny_config("v3", layers=3)
+    _, model = build_pair(cfg, seed=8)
+    model = H.convert(model).to(DEVICE)
+    ids, mask = (t.to(DEVICE) for t in left_padded([5, 3], seed=9))
+    cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=16, block_size=8,
+                            device=DEVICE)
+    with torch.no_grad():
+        tok = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
+        fwd = torch.compile(model.forward, fullgraph=True, dynamic=False, backend="inductor")
+        _, codes = run_and_get_code(fwd, input_ids=tok, past_key_values=cache)
+    calls = _op_args("\n".join(codes), "torch.ops.mla.attention_with_output.default")
+    assert len(calls) == 3
+    meta = {tuple(c[6:9]) for c in calls}      # block_table, seq_lens, query_start_loc
+    assert len(meta) == 1, meta
