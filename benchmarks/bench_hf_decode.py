@@ -88,6 +88,21 @@ def time_steps(step, dev, warmup, iters, mark):
     return statistics.median(times)
 
 
+def time_greedy(runner, ids, dev, steps):
+    """Seconds per step of runner.greedy(ids, steps): a generation loop's steps, each fed
+    the last one's tokens on the device and launched without waiting for it, so the
+    graph's launch latency overlaps the previous step (time_steps waits after every step
+    and so includes it)."""
+    runner.greedy(ids, 2)
+    sync(dev)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    runner.greedy(ids, steps)
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3 / steps
+
+
 def host_time(step, dev, mark, n=20):
     """Host seconds per step() call when the GPU never makes the host wait."""
     sync(dev)
@@ -99,6 +114,34 @@ def host_time(step, dev, mark, n=20):
     host = (time.perf_counter() - t) / n
     sync(dev)
     return host
+
+
+def ab_compare(args, run_a, model, cfg, B, S, extra, dev, dtype, backend, nl):
+    """--ab: a second DecodeGraph captured with MODULE.ATTR=VALUE, timed against run_a in
+    alternating rounds (args.iters steps each, after 2 warm-up steps)."""
+    import importlib
+    target, value = args.ab.split("=", 1)
+    mod_name, attr = target.rsplit(".", 1)
+    mod = importlib.import_module(mod_name)
+    old = getattr(mod, attr)
+    new = type(old)(value) if not isinstance(old, bool) else value.lower() in ("1", "true")
+    cache_b = fill_paged_cache(cfg, B, S, extra, dev, dtype)
+    setattr(mod, attr, new)
+    try:
+        runner_b = mla_ops.hf.DecodeGraph(model, cache_b, batch_size=B, backend=backend,
+                                          mode=args.graph_compile_mode)
+    finally:
+        setattr(mod, attr, old)
+    ta, tb = [], []
+    for _ in range(args.ab_rounds):
+        ta.append(time_steps(run_a, dev, 2, args.iters, False))
+        tb.append(time_steps(lambda: runner_b(torch.zeros(B, 1, dtype=torch.long, device=dev)),
+                             dev, 2, args.iters, False))
+    a, b = statistics.median(ta) * 1e3 / nl, statistics.median(tb) * 1e3 / nl
+    print(f"  A/B B={B} S={S}: as is {a:.3f}, with {args.ab} {b:.3f} ms/layer "
+          f"({b / a:.3f}x; {args.ab_rounds} alternating rounds of {args.iters} steps)",
+          flush=True)
+    return {"ab": args.ab, "ab-a": a, "ab-b": b}
 
 
 def profile_step(step, mark, title, steps=3, top=12, timeline=False):
@@ -162,6 +205,12 @@ def main():
     ap.add_argument("--top", type=int, default=12, help="kernels listed by --profile")
     ap.add_argument("--profile", action="store_true",
                     help="print the top GPU kernels of one compiled step per mode")
+    ap.add_argument("--ab", default=None, metavar="MODULE.ATTR=VALUE",
+                    help="ours-graph: also capture a second DecodeGraph with this module "
+                         "attribute set while it compiles and captures (e.g. "
+                         "lowering.head_gemm.IMPL=torch) and time the two alternately in one "
+                         "process (runs of the same code differ by up to 7%% between processes)")
+    ap.add_argument("--ab-rounds", type=int, default=10)
     ap.add_argument("--timeline", action="store_true",
                     help="with --profile: also list one step's kernels in launch order")
     args = ap.parse_args()
@@ -186,7 +235,9 @@ def main():
     mla_ops.hf.convert(model, backend=args.mla_backend)   # a StaticCache still runs HF's path
     nl = cfg.num_hidden_layers
     modes = args.modes.split(",")
-    extra = 2 * (args.warmup + args.iters) + 80      # every timed, warm-up or host-timed step adds a token
+    extra = 3 * (args.warmup + args.iters) + 80      # every timed, warm-up or host-timed step adds a token
+    if args.ab:
+        extra += args.ab_rounds * (args.iters + 2)
     print(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, "
           f"{torch.cuda.get_device_name() if on_cuda else 'cpu'}; compile backend {backend}, "
           f"mode {cmode}; mla backend {args.mla_backend}", flush=True)
@@ -252,11 +303,14 @@ def main():
                 mk = mark and mode.endswith("compile")
                 sec = time_steps(run, dev, args.warmup, args.iters, mk)
                 host = host_time(run, dev, mk)
+                loop = time_greedy(runner, ids, dev, args.iters) if graph else None
             except Exception as e:       # keep the other rows of the table
                 print(f"  {mode} B={B} S={S} failed: {type(e).__name__}: {e}"[:600], flush=True)
                 res[mode] = None
                 continue
             res[mode] = sec * 1e3 / nl
+            if loop is not None:
+                res[mode + "-loop"] = loop * 1e3 / nl
             if args.profile and on_cuda:
                 profile_step(run, mark and mode.endswith("compile"), f"{mode} B={B} S={S}",
                              top=args.top, timeline=args.timeline)
@@ -265,8 +319,11 @@ def main():
             if mode.endswith("compile") and mark and skips:
                 print(f"  {mode}: CUDA graphs skipped ({skips})", flush=True)
             res[mode + "-host"] = host * 1e3 / nl
-            print(f"  B={B} S={S} {mode}: {res[mode]:.3f} ms/layer, host {host * 1e3:.3f} ms/step "
-                  f"(first call {first:.1f} s)"
+            if args.ab and graph:
+                res.update(ab_compare(args, run, model, cfg, B, S, extra, dev, dtype, backend, nl))
+            print(f"  B={B} S={S} {mode}: {res[mode]:.3f} ms/layer"
+                  + (f" (in a greedy loop {res[mode + '-loop']:.3f})" if loop else "")
+                  + f", host {host * 1e3:.3f} ms/step (first call {first:.1f} s)"
                   + (f" decode kernel {served}" if served else ""), flush=True)
             del cache
             if on_cuda:
