@@ -244,7 +244,7 @@ def main():
     rows = []
     for shape in args.shapes.split(","):
         B, S = (int(x) for x in shape.split("x"))
-        res = {"B": B, "S": S}
+        res = {"B": B, "S": S, "layers": nl, "mla_backend": args.mla_backend}
         for mode in modes:
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
