@@ -121,8 +121,16 @@ def ab_compare(args, run_a, model, cfg, B, S, extra, dev, dtype, backend, nl):
     alternating rounds (args.iters steps each, after 2 warm-up steps)."""
     import importlib
     target, value = args.ab.split("=", 1)
-    mod_name, attr = target.rsplit(".", 1)
-    mod = importlib.import_module(mod_name)
+    parts = target.split(".")
+    for i in range(len(parts) - 1, 0, -1):     # longest importable prefix, then attributes
+        try:
+            mod = importlib.import_module(".".join(parts[:i]))
+            break
+        except ImportError:
+            continue
+    for name in parts[i:-1]:
+        mod = getattr(mod, name)
+    attr = parts[-1]
     old = getattr(mod, attr)
     new = type(old)(value) if not isinstance(old, bool) else value.lower() in ("1", "true")
     cache_b = fill_paged_cache(cfg, B, S, extra, dev, dtype)
@@ -208,7 +216,7 @@ def main():
     ap.add_argument("--ab", default=None, metavar="MODULE.ATTR=VALUE",
                     help="ours-graph: also capture a second DecodeGraph with this module "
                          "attribute set while it compiles and captures (e.g. "
-                         "lowering.head_gemm.IMPL=torch) and time the two alternately in one "
+                         "lowering.head_gemm.IMPL=torch, torch._inductor.config.triton.enable_pdl=1) and time the two alternately in one "
                          "process (runs of the same code differ by up to 7%% between processes)")
     ap.add_argument("--ab-rounds", type=int, default=10)
     ap.add_argument("--timeline", action="store_true",
