@@ -13,6 +13,7 @@ triton (the torch path then serves every call).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Optional
 
@@ -21,6 +22,7 @@ import torch
 MAX_ROWS = 64
 # "auto": the kernel where it serves; "torch": always torch.bmm (to compare against)
 IMPL = os.environ.get("MLA_HEAD_GEMM_IMPL", "auto")
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 # (K, J, rows <= 16) -> (BLOCK_J, BLOCK_K, num_warps, num_stages); DeepSeek's absorbed
 # query (K = P = 128, J = L = 512) and output (K = L = 512, J = V = 128) at 128 heads,
@@ -46,9 +48,7 @@ def unsupported(a: torch.Tensor, w: torch.Tensor, copy: int = 0) -> Optional[str
     t, K, J = a.shape[0], w.shape[1], w.shape[2]
     if IMPL == "torch":
         return "MLA_HEAD_GEMM_IMPL=torch"
-    try:
-        import triton  # noqa: F401  (only whether it imports)
-    except ImportError:
+    if not HAVE_TRITON:
         return "triton is not installed"
     if not a.is_cuda:
         return "not on CUDA (tests run launch() under TRITON_INTERPRET=1)"
