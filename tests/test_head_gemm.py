@@ -90,3 +90,18 @@ def test_unsupported_reasons():
         assert "rows" in head_gemm.unsupported(torch.empty(65, 4, 192, dtype=x.dtype, device=DEV), wc, 64)
         assert "power of two" in head_gemm.unsupported(xc, torch.empty(4, 128, 500, dtype=x.dtype, device=DEV), 64)
         assert "bf16/fp16" in head_gemm.unsupported(xc.float(), wc.float(), 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_head_gemm_kernel_16bit_inputs(dtype):
+    """16-bit operands and output (the GPU's case), query-like with the tail copy."""
+    g = torch.Generator().manual_seed(11)
+    t, N, K, J, copy = 2, 3, 32, 64, 16
+    a64 = torch.randn(t, N, K + copy, generator=g, dtype=torch.float64)
+    w64 = torch.randn(N, K, J, generator=g, dtype=torch.float64)
+    a, w = a64.to(DEV, dtype), w64.to(DEV, dtype)
+    y = torch.full((t, N, J + copy), float("nan"), device=DEV, dtype=dtype)
+    head_gemm.launch(a, w, y, copy, (32, 16, 4, 2))
+    ref = torch.einsum("tnk,nkj->tnj", a.double().cpu()[..., :K], w.double().cpu())
+    assert _rel(y[..., :J], ref) < 1e-2                       # 16-bit output rounding
+    assert torch.equal(y[..., J:].cpu(), a[..., K:].cpu())
