@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from timing import graph_time_us  # noqa: E402
+from timing import best_config, graph_time_us  # noqa: E402
 from lowering import linear  # noqa: E402
 
 # (name, mode, out_features (w1, w2), in_features) of V3's attention + dense MLP weights
@@ -79,9 +79,9 @@ def best_triton(mode, x, ws, ref):
     y1 = torch.empty(M, ws[0].shape[0], device=x.device, dtype=x.dtype)
     y2 = torch.empty(M, ws[1].shape[0], device=x.device, dtype=x.dtype) if mode == 1 else None
     w2 = ws[1] if len(ws) > 1 else None
-    best = (float("inf"), None)
     N = sum(w.shape[0] for w in ws) if mode == 1 else ws[0].shape[0]
-    for cfg in SWEEP + (SPLIT_SWEEP if mode != 2 else []):
+
+    def make_run(cfg):
         S = linear.split_k_of(cfg)
         parts = torch.empty(S, M, N, device=x.device, dtype=torch.float32) if S > 1 else None
 
@@ -91,22 +91,13 @@ def best_triton(mode, x, ws, ref):
                               y2_col0=ws[0].shape[0] if mode == 1 else 0)
             else:
                 linear.launch(x, ws[0], w2, mode, y1, y2, cfg, wrap=False)
-        try:
-            run()
-            torch.cuda.synchronize()
-        except Exception as e:       # e.g. out of shared memory
-            print(f"    {cfg}: {type(e).__name__}", flush=True)
-            continue
-        if S > 1:
-            got = parts.sum(0)
-        else:
-            got = torch.cat([y1, y2], -1) if mode == 1 else y1
-        err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
-        if err > 2e-2:
-            print(f"    {cfg}: wrong (rel err {err:.2e})", flush=True)
-            continue
-        best = min(best, (graph_time_us(run), cfg))
-    return best
+
+        def output():
+            if S > 1:
+                return parts.sum(0)
+            return torch.cat([y1, y2], -1) if mode == 1 else y1
+        return run, output
+    return best_config(SWEEP + (SPLIT_SWEEP if mode != 2 else []), make_run, ref)
 
 
 def main():

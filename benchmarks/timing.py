@@ -19,3 +19,27 @@ def graph_time_us(fn, warmup_calls: int = 3) -> float:
     with torch.cuda.graph(graph):
         fn()
     return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def best_config(configs, make_run, ref, tol=2e-2):
+    """(µs, config) of the fastest config whose output matches ref.
+
+    make_run(cfg) -> (run, output): run launches the config, output() returns what it
+    wrote. Each config runs once and is checked (relative max error < tol) before it is
+    timed; configs that fail to launch (e.g. out of shared memory) or are wrong are
+    reported and skipped."""
+    best = (float("inf"), None)
+    for cfg in configs:
+        run, output = make_run(cfg)
+        try:
+            run()
+            torch.cuda.synchronize()
+        except Exception as e:
+            print(f"    {cfg}: {type(e).__name__}", flush=True)
+            continue
+        err = ((output().float() - ref).abs().max() / ref.abs().max()).item()
+        if not err < tol:
+            print(f"    {cfg}: wrong (rel err {err:.2e})", flush=True)
+            continue
+        best = min(best, (graph_time_us(run), cfg))
+    return best
