@@ -10,6 +10,11 @@
         FlashMLA's per-step work split, computed once and shared by every layer's call
         (uses_flashmla() says whether the calls will read it).
 
+    bound_decode_inputs(kv_cache, block_table, cache_seqlens) -> (block_table, cache_seqlens)
+        Clamped to what a kernel may read. Under CUDA-graph capture (no host checks) every
+        call bounds its inputs unless its backend does so in-kernel; a caller that bounds
+        once per step passes mla_decode(..., bounded=True) and the calls skip it.
+
 With s_q > 1 and causal, query i sees cache positions [0, cache_seqlens - s_q + i].
 Backends are tried in the order of BACKEND_ORDER for backend="auto"; an explicit
 backend that cannot serve a call raises BackendUnavailable naming the unmet
@@ -22,10 +27,11 @@ from collections import Counter
 import torch
 
 from .backends import BACKENDS, BACKEND_ORDER, BackendUnavailable, unmet_condition
-from .checks import bound_for_capture, check_decode_args
+from .checks import bound_decode_inputs, bound_for_capture, check_decode_args
 
 __all__ = ["mla_decode", "BACKENDS", "BACKEND_ORDER", "BackendUnavailable",
-           "select_backend", "backend_choices", "decode_schedule", "uses_flashmla"]
+           "select_backend", "backend_choices", "decode_schedule", "uses_flashmla",
+           "bound_decode_inputs"]
 
 # backend name -> number of mla_decode calls it served (read by the inspection tool).
 backend_choices: Counter = Counter()
@@ -97,17 +103,19 @@ def decode_schedule(kv_cache, block_table, cache_seqlens, *, num_heads, s_q=1):
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, causal=True,
                kv_cache_dtype="auto", k_scale=None, backend="auto", head_dim_v=None,
-               schedule=None):
+               schedule=None, bounded=False):
     """Absorbed-MLA decode over a paged latent cache (see the module docstring).
 
     head_dim_v (default L+R-64) is the width of the latent value part, L.
     schedule: decode_schedule()'s result for these block_table / cache_seqlens (used by
     the flashmla backend, ignored by the others), or None.
+    bounded: the caller has passed block_table / cache_seqlens through
+    bound_decode_inputs(), so a captured call launches no clamp kernels of its own.
     """
     kind, head_dim_v = check_decode_args(q, kv_cache, block_table, cache_seqlens, softmax_scale,
                                          kv_cache_dtype, k_scale, head_dim_v)
     name = select_backend(q, kv_cache, kv_cache_dtype=kind, backend=backend)
-    if name not in BOUNDED_IN_KERNEL:
+    if name not in BOUNDED_IN_KERNEL and not bounded:
         block_table, cache_seqlens = bound_for_capture(q, kv_cache, block_table, cache_seqlens)
     backend_choices[name] += 1
     extra = {"schedule": schedule} if name == "flashmla" and schedule is not None else {}

@@ -114,6 +114,13 @@ def bound_for_capture(q, kv_cache, block_table, cache_seqlens):
     rows, never an out-of-bounds access. Outside capture the checks have run: no-op."""
     if not is_capturing(q):
         return block_table, cache_seqlens
+    return bound_decode_inputs(kv_cache, block_table, cache_seqlens)
+
+
+def bound_decode_inputs(kv_cache, block_table, cache_seqlens):
+    """(block_table clamped to [0, num_blocks - 1], cache_seqlens to [1, table width x
+    block_size]): what a decode kernel may read, whatever the values. A caller that
+    bounds once for many calls passes bounded=True to mla_decode."""
     nb, bs, _ = kv_cache.shape
     return (block_table.clamp(0, nb - 1),
             cache_seqlens.clamp(1, block_table.shape[1] * bs))

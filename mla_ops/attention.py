@@ -223,8 +223,10 @@ def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_sta
     decode_q_scale), built outside the op so graph passes can see and fuse it.
 
     schedule: lowering.decode_schedule() of (block_table, seq_lens), computed once per
-    step by the caller; it describes one query token per request, so other steps
-    (several tokens of a request) drop it and the kernel schedules itself.
+    step by the caller from inputs bounded with lowering.bound_decode_inputs (so the
+    decode launches no clamp kernels of its own); it describes one query token per
+    request, so other steps (several tokens of a request) drop it and the kernel
+    schedules itself.
     """
     t, N, _ = q.shape
     P, L = W_UK_T.shape[1:]
@@ -246,7 +248,7 @@ def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_sta
         out_latent, _ = lowering.mla_decode(
             q_mqa[:, None], kv_cache, bt, lens, softmax_scale, causal=True, kv_cache_dtype=kind,
             k_scale=k_scale, backend=backend, head_dim_v=L,
-            schedule=schedule)                                           # [t, 1, N, L]
+            schedule=schedule, bounded=schedule is not None)             # [t, 1, N, L]
     return out_latent[:, 0]                                              # [t, N, L]
 
 

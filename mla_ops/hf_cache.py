@@ -73,6 +73,7 @@ class _Step:
     inv: torch.Tensor | None       # [T] inverse of perm
     lens_new: torch.Tensor         # [B] real tokens per row after the step
     num_new_blocks: torch.Tensor   # [] blocks taken this step
+    table: torch.Tensor            # [B, M] block table after the step (-1: no block)
 
 
 class PagedMLACache(Cache):
@@ -298,17 +299,24 @@ class PagedMLACache(Cache):
         # Views of one buffer: compiled, Inductor recomputes a small computed tensor for
         # every custom op that reads it (a copy per call); views of a realized buffer are
         # passed as they are, so the plan's metadata is computed once per step.
-        pack = torch.cat([table.reshape(-1), seq_lens, qsl])                 # [B*M + 2B + 1]
+        parts = [table.reshape(-1), seq_lens, qsl]                           # [B*M + 2B + 1]
+        flashmla = S == 1 and backend in self._flashmla_backends
+        if flashmla:   # the decode calls' inputs bounded once per step, not once per call
+            parts += [t.reshape(-1) for t in
+                      lowering.bound_decode_inputs(self.pool.kv[0], table, seq_lens)]
+        pack = torch.cat(parts)
+        n = B * M + 2 * B + 1
         table = pack[:B * M].view(B, M)
-        seq_lens, qsl = pack[B * M:B * M + B], pack[B * M + B:]
-        sched = None
-        if S == 1 and backend in self._flashmla_backends:   # one scheduler kernel per step
-            sched = lowering.decode_schedule(self.pool.kv[0], table, seq_lens,
+        seq_lens, qsl = pack[B * M:B * M + B], pack[B * M + B:n]
+        attn_table, attn_lens, sched = table, seq_lens, None
+        if flashmla:                                         # one scheduler kernel per step
+            attn_table, attn_lens = pack[n:n + B * M].view(B, M), pack[n + B * M:]
+            sched = lowering.decode_schedule(self.pool.kv[0], attn_table, attn_lens,
                                              num_heads=self._num_heads)
         meta = MLAMetadata(
             slot_mapping=slots,
-            block_table=table,
-            seq_lens=seq_lens,
+            block_table=attn_table,
+            seq_lens=attn_lens,
             query_start_loc=qsl,
             num_decode_tokens=B if S == 1 else 0,
             decode_schedule=sched)
@@ -318,11 +326,11 @@ class PagedMLACache(Cache):
             order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)   # [B, S]
             perm = (order + rows * S).reshape(-1)                                 # [T]
             inv = torch.argsort(perm)
-        return _Step(meta, perm, inv, lens_old + q, need.sum())
+        return _Step(meta, perm, inv, lens_old + q, need.sum(), table)
 
     def _commit(self, step: _Step, B: int, S: int) -> None:
         """Write the step's block table, lengths and counters into the cache state in place."""
-        self.block_table[:B] = step.meta.block_table
+        self.block_table[:B] = step.table
         self.lens[:B] = step.lens_new.to(torch.int32)
         self.num_used.add_(step.num_new_blocks)
         self._seen.add_(S)

@@ -25,6 +25,8 @@ class MLAMetadata:
     # Optional FlashMLA work split for the decode requests (lowering.decode_schedule of
     # block_table and seq_lens when every request decodes one token): computed once per
     # step, read by every layer's attention call instead of one scheduler kernel each.
+    # With it, block_table and seq_lens must come from lowering.bound_decode_inputs (the
+    # calls then skip their own bounding under CUDA-graph capture).
     decode_schedule: Optional[tuple] = None
 
     @property

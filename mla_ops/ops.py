@@ -157,8 +157,10 @@ def attention_with_output(
         backend: str = "auto",
         decode_q: Optional[torch.Tensor] = None,        # [nd, N, L + R] prebuilt decode query
         decode_q_scale: Optional[torch.Tensor] = None,  # [1] fp32 when decode_q is fp8
-        decode_schedule: Optional[torch.Tensor] = None,  # FlashMLA table for this step's
-        decode_splits: Optional[torch.Tensor] = None,    # decode lengths (lowering.decode_schedule)
+        # FlashMLA's table for this step's decode lengths (lowering.decode_schedule, of
+        # block_table / seq_lens bounded with lowering.bound_decode_inputs)
+        decode_schedule: Optional[torch.Tensor] = None,
+        decode_splits: Optional[torch.Tensor] = None,
 ) -> None:
     from .attention import check_attention_args, check_decode_query, run_attention
     check_attention_args(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,

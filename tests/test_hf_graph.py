@@ -215,6 +215,63 @@ def test_flashmla_schedule_computed_once_per_step():
     assert torch.equal(once, per_layer)
 
 
+def test_plan_bounds_the_flashmla_decode_inputs_once(monkeypatch):
+    """With FlashMLA serving the layers, the step plan hands them a block table and lengths
+    already clamped into the cache (so no call launches clamp kernels under capture),
+    while the cache keeps its own table (-1 for no block)."""
+    import lowering
+    _, model, cache, ids, mask, first = prefilled([9, 3], max_cache_len=48, block_size=8, seed=6)
+    seen = []
+    monkeypatch.setattr(lowering, "decode_schedule",
+                        lambda kv, bt, lens, num_heads: seen.append((bt, lens)))
+    cache._flashmla_backends = frozenset({"auto"})
+    step = cache._prepare(0, 2, 1, None, cache.dtype, cache.device)
+    table = step.table
+    assert int(table.min()) == -1                         # the cache's view: unused columns
+    assert torch.equal(step.meta.block_table, table.clamp(0, cache.num_blocks - 1))
+    assert torch.equal(step.meta.seq_lens, torch.tensor([10, 4], dtype=torch.int32,
+                                                        device=cache.device))
+    assert seen and seen[0][0] is step.meta.block_table and seen[0][1] is step.meta.seq_lens
+    cache._commit(step, 2, 1)
+    assert torch.equal(cache.block_table[:2], table)      # committed unclamped
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="FlashMLA needs a GPU")
+def test_captured_flashmla_step_launches_no_clamp_kernels():
+    """Captured with FlashMLA, the step's decode calls read the plan's bounded inputs: no
+    eager clamp kernels in the replay, one scheduler kernel (on its side stream), and the
+    eager step's logits (bf16 tolerance: Inductor fuses the norms differently)."""
+    from torch.profiler import ProfilerActivity, profile
+    cfg = tiny_config("v3")
+    cfg.first_k_dense_replace = cfg.num_hidden_layers
+    _, model = build_pair(cfg, seed=9, dtype=torch.bfloat16)
+    model = H.convert(model).to(DEVICE)
+    cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=256, device=DEVICE,
+                            dtype=torch.bfloat16)
+    if cache._flashmla_backends != {"auto", "flashmla"}:
+        pytest.skip("the flashmla backend cannot serve this cache here")
+    ids, mask = (t.to(DEVICE) for t in left_padded([30, 100, 7], seed=9))
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                      past_key_values=cache).logits[:, -1:].argmax(-1)          # [B, 1]
+    runner = H.DecodeGraph(model, cache, backend=BACKEND)
+    saved = cache.snapshot()
+    with torch.no_grad():
+        eager = model(input_ids=first, position_ids=pos[:, -1:] + 1,
+                      past_key_values=cache).logits
+    cache.restore(saved)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        got = runner(first).clone()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    assert sum("flash_fwd_splitkv_mla" in k for k in kernels) == cfg.num_hidden_layers
+    assert sum("get_mla_metadata" in k for k in kernels) == 1
+    assert not [k for k in kernels if "launch_clamp" in k]
+    assert logit_err(got, eager) < 2e-2
+    assert cache.seq_lens() == [31, 101, 8]
+
+
 def test_batch_smaller_than_the_cache():
     cfg = tiny_config("v3")
     cfg.first_k_dense_replace = cfg.num_hidden_layers
