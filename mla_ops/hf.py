@@ -97,13 +97,15 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     k_rot = k_rot.reshape(B, 1, S, R)
     q_rot, k_rot = _rope(self, q_rot, k_rot, position_embeddings)
     q = torch.cat((q_pass, q_rot), dim=-1).transpose(1, 2).reshape(T, N, P + R)   # [T, N, P+R]
-    kv_c = kv_c.reshape(T, L)                                                # [T, L]
-    k_pe = k_rot.reshape(T, 1, R)                                            # [T, 1, R]
+    # This step's cache rows as one buffer, read by both ops through views: compiled,
+    # Inductor would otherwise materialize the normed latent once per op that reads it.
+    kv_row = torch.cat((kv_c.reshape(T, L), k_rot.reshape(T, R)), dim=-1)   # [T, L+R]
 
     step = cache._prepare(self.layer_idx, B, S, attention_mask, q.dtype, q.device,
                           backend=mla.backend)
     if step.perm is not None:
-        q, kv_c, k_pe = q[step.perm], kv_c[step.perm], k_pe[step.perm]
+        q, kv_row = q[step.perm], kv_row[step.perm]
+    kv_c, k_pe = kv_row[:, :L], kv_row[:, None, L:]                          # [T, L], [T, 1, R]
     out = mla(q, kv_c, k_pe, cache.pool.kv[self.layer_idx], cache.k_scale, step.meta,
               kv_cache_dtype=cache.kv_cache_dtype)                          # [T, N*V]
     if step.inv is not None:

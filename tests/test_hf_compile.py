@@ -6,6 +6,7 @@ inductor, without the C++ build time) and inductor on CUDA; MLA_HF_COMPILE_BACKE
 overrides it.
 """
 import os
+import re
 
 import pytest
 import torch
@@ -197,7 +198,9 @@ def _op_args(code: str, op: str) -> list[list[str]]:
 def test_inductor_computes_the_step_plan_once():
     """Compiled by inductor, every layer's attention reads the same block table, lengths
     and query offsets (views of one buffer the plan writes once per step), not a copy
-    recomputed for each layer's call (a small kernel or two per layer on a GPU)."""
+    recomputed for each layer's call (a small kernel or two per layer on a GPU); and a
+    layer's cache write and attention read the same normed latent and k_pe (views of the
+    layer's cache-row buffer), not one materialization each."""
     from torch._inductor.utils import run_and_get_code
     cfg = tiny_config("v3", layers=3)
     _, model = build_pair(cfg, seed=8)
@@ -213,3 +216,8 @@ def test_inductor_computes_the_step_plan_once():
     assert len(calls) == 3
     meta = {tuple(c[6:9]) for c in calls}      # block_table, seq_lens, query_start_loc
     assert len(meta) == 1, meta
+    writes = _op_args("\n".join(codes), "torch.ops.mla.kv_cache_update.default")
+    assert len(writes) == 3
+    for w, c in zip(writes, calls):            # (kv_c_normed, k_pe) of each layer
+        assert w[:2] == c[1:3], (w[:2], c[1:3])
+    assert len({re.search(r"buf\d+", w[0]).group() for w in writes}) == 3   # one per layer
