@@ -116,40 +116,76 @@ def host_time(step, dev, mark, n=20):
     return host
 
 
-def ab_compare(args, run_a, model, cfg, B, S, extra, dev, dtype, backend, nl):
-    """--ab: a second DecodeGraph captured with MODULE.ATTR=VALUE, timed against run_a in
-    alternating rounds (args.iters steps each, after 2 warm-up steps)."""
+def _setting(spec):
+    """(object, key, old value, new value) for 'MODULE.ATTR=VALUE' or 'MODULE.ATTR[KEY]=VALUE'
+    (KEY and VALUE as Python literals, else VALUE converted to the old value's type)."""
+    import ast
     import importlib
-    target, value = args.ab.split("=", 1)
+    target, value = spec.split("=", 1)
+    key = None
+    if target.endswith("]"):
+        target, key = target[:-1].split("[", 1)
+        key = ast.literal_eval(key)
     parts = target.split(".")
     for i in range(len(parts) - 1, 0, -1):     # longest importable prefix, then attributes
         try:
-            mod = importlib.import_module(".".join(parts[:i]))
+            obj = importlib.import_module(".".join(parts[:i]))
             break
         except ImportError:
             continue
     for name in parts[i:-1]:
-        mod = getattr(mod, name)
-    attr = parts[-1]
-    old = getattr(mod, attr)
-    new = type(old)(value) if not isinstance(old, bool) else value.lower() in ("1", "true")
-    cache_b = fill_paged_cache(cfg, B, S, extra, dev, dtype)
-    setattr(mod, attr, new)
-    try:
-        runner_b = mla_ops.hf.DecodeGraph(model, cache_b, batch_size=B, backend=backend,
-                                          mode=args.graph_compile_mode)
-    finally:
-        setattr(mod, attr, old)
-    ta, tb = [], []
+        obj = getattr(obj, name)
+    if key is not None:
+        obj, key = getattr(obj, parts[-1]), key
+        old = obj.get(key)
+    else:
+        key = parts[-1]
+        old = getattr(obj, key)
+    if isinstance(old, bool):
+        new = value.lower() in ("1", "true")
+    else:
+        try:
+            new = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            new = type(old)(value)
+    return obj, key, old, new
+
+
+def _assign(obj, key, value):
+    if isinstance(obj, dict):
+        obj[key] = value
+    else:
+        setattr(obj, key, value)
+
+
+def ab_compare(args, run_a, model, cfg, B, S, extra, dev, dtype, backend, nl):
+    """--ab: one more DecodeGraph per ';'-separated setting, each captured with that
+    setting in force, all timed against run_a in alternating rounds (args.iters steps
+    each, after 2 warm-up steps)."""
+    runners = []
+    for spec in args.ab.split(";"):
+        obj, key, old, new = _setting(spec)
+        cache_b = fill_paged_cache(cfg, B, S, extra, dev, dtype)
+        _assign(obj, key, new)
+        try:
+            runners.append((spec, mla_ops.hf.DecodeGraph(model, cache_b, batch_size=B,
+                                                         backend=backend,
+                                                         mode=args.graph_compile_mode)))
+        finally:
+            _assign(obj, key, old)
+    ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
+    times = {"as is": []} | {spec: [] for spec, _ in runners}
     for _ in range(args.ab_rounds):
-        ta.append(time_steps(run_a, dev, 2, args.iters, False))
-        tb.append(time_steps(lambda: runner_b(torch.zeros(B, 1, dtype=torch.long, device=dev)),
-                             dev, 2, args.iters, False))
-    a, b = statistics.median(ta) * 1e3 / nl, statistics.median(tb) * 1e3 / nl
-    print(f"  A/B B={B} S={S}: as is {a:.3f}, with {args.ab} {b:.3f} ms/layer "
-          f"({b / a:.3f}x; {args.ab_rounds} alternating rounds of {args.iters} steps)",
-          flush=True)
-    return {"ab": args.ab, "ab-a": a, "ab-b": b}
+        times["as is"].append(time_steps(run_a, dev, 2, args.iters, False))
+        for spec, r in runners:
+            times[spec].append(time_steps(lambda: r(ids), dev, 2, args.iters, False))
+    ms = {k: statistics.median(v) * 1e3 / nl for k, v in times.items()}
+    a = ms["as is"]
+    print(f"  A/B B={B} S={S} ({args.ab_rounds} alternating rounds of {args.iters} steps), "
+          f"ms/layer: as is {a:.3f}", flush=True)
+    for spec, _ in runners:
+        print(f"    with {spec}: {ms[spec]:.3f} ({ms[spec] / a:.3f}x)", flush=True)
+    return {"ab": args.ab, "ab-ms": ms}
 
 
 def profile_step(step, mark, title, steps=3, top=12, timeline=False):
@@ -213,11 +249,14 @@ def main():
     ap.add_argument("--top", type=int, default=12, help="kernels listed by --profile")
     ap.add_argument("--profile", action="store_true",
                     help="print the top GPU kernels of one compiled step per mode")
-    ap.add_argument("--ab", default=None, metavar="MODULE.ATTR=VALUE",
-                    help="ours-graph: also capture a second DecodeGraph with this module "
-                         "attribute set while it compiles and captures (e.g. "
-                         "lowering.head_gemm.IMPL=torch, torch._inductor.config.triton.enable_pdl=1) and time the two alternately in one "
-                         "process (runs of the same code differ by up to 7%% between processes)")
+    ap.add_argument("--ab", default=None, metavar="MODULE.ATTR=VALUE[;...]",
+                    help="ours-graph: also capture one more DecodeGraph per ';'-separated "
+                         "setting, with that module attribute or dict entry set while it "
+                         "compiles and captures (e.g. lowering.head_gemm.IMPL=torch, "
+                         "torch._inductor.config.triton.enable_pdl=1, "
+                         "'lowering.linear.CONFIGS[(2, 18432, 7168, False)]=(32, 256, 4, 4)'), "
+                         "and time them alternately in one process (runs of the same code "
+                         "differ by up to 7%% between processes)")
     ap.add_argument("--ab-rounds", type=int, default=10)
     ap.add_argument("--timeline", action="store_true",
                     help="with --profile: also list one step's kernels in launch order")
@@ -245,7 +284,7 @@ def main():
     modes = args.modes.split(",")
     extra = 3 * (args.warmup + args.iters) + 80      # every timed, warm-up or host-timed step adds a token
     if args.ab:
-        extra += args.ab_rounds * (args.iters + 2)
+        extra += args.ab_rounds * (args.iters + 2) * (1 + args.ab.count(";"))
     print(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, "
           f"{torch.cuda.get_device_name() if on_cuda else 'cpu'}; compile backend {backend}, "
           f"mode {cmode}; mla backend {args.mla_backend}", flush=True)
