@@ -13,9 +13,10 @@ one-token step (decode) needs no mask: every row's token is real, as in generate
 Pads take no cache room, so row b's positions count its real tokens only, which is
 what HF's position_ids (cumsum of the mask) already assume.
 
-The first layer derives the step's plan (slots, block table, lengths, and FlashMLA's
-schedule where the layers use it) from the cache state as it was before the step, the
-others reuse it; the last layer writes the new state back. Decode-step shapes depend
+The first layer derives the step's plan (slots, block table, lengths, and where the
+layers use FlashMLA, its schedule and the block table and lengths bounded once for all
+layers' calls) from the cache state as it was before the step, the others reuse it; the
+last layer writes the new state back. Decode-step shapes depend
 only on B, so a fixed batch compiles once and replays in a CUDA graph.
 """
 from __future__ import annotations
