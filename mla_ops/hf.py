@@ -97,8 +97,8 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     k_rot = k_rot.reshape(B, 1, S, R)
     q_rot, k_rot = _rope(self, q_rot, k_rot, position_embeddings)
     q = torch.cat((q_pass, q_rot), dim=-1).transpose(1, 2).reshape(T, N, P + R)   # [T, N, P+R]
-    # This step's cache rows as one buffer, read by both ops through views: compiled,
-    # Inductor would otherwise materialize the normed latent once per op that reads it.
+    # This step's cache rows as one buffer that both ops read through views (compiled,
+    # Inductor otherwise writes the normed latent into a separate buffer for each op).
     kv_row = torch.cat((kv_c.reshape(T, L), k_rot.reshape(T, R)), dim=-1)   # [T, L+R]
 
     step = cache._prepare(self.layer_idx, B, S, attention_mask, q.dtype, q.device,
