@@ -90,13 +90,15 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     else:                                      # q_a and kv_a in one launch
         q_a, kv = linear_pair(self.q_a_proj, self.kv_a_proj_with_mqa, hidden_states)
         q = linear(self.q_b_proj, self.q_a_layernorm(q_a))
-    q = q.view(B, S, N, P + R).transpose(1, 2)                               # [B, N, S, P+R]
-    q_pass, q_rot = torch.split(q, [P, R], dim=-1)
+    q = q.view(B, S, N, P + R)                                               # [B, S, N, P+R]
     kv_c, k_rot = torch.split(kv, [L, R], dim=-1)                            # kv [B, S, L+R]
     kv_c = self.kv_a_layernorm(kv_c)                                         # [B, S, L]
     k_rot = k_rot.reshape(B, 1, S, R)
-    q_rot, k_rot = _rope(self, q_rot, k_rot, position_embeddings)
-    q = torch.cat((q_pass, q_rot), dim=-1).transpose(1, 2).reshape(T, N, P + R)   # [T, N, P+R]
+    q_rot, k_rot = _rope(self, q[..., P:].transpose(1, 2), k_rot, position_embeddings)
+    # RoPE written back in place: q_pass stays where the GEMM put it (a cat would copy all
+    # P + R columns into a new buffer).
+    q[..., P:] = q_rot.transpose(1, 2)
+    q = q.view(T, N, P + R)                                                  # [T, N, P+R]
     # This step's cache rows as one buffer that both ops read through views (compiled,
     # Inductor otherwise writes the normed latent into a separate buffer for each op).
     kv_row = torch.cat((kv_c.reshape(T, L), k_rot.reshape(T, R)), dim=-1)   # [T, L+R]
