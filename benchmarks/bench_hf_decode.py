@@ -135,12 +135,11 @@ def _setting(spec):
             continue
     for name in parts[i:-1]:
         obj = getattr(obj, name)
-    if key is not None:
-        obj, key = getattr(obj, parts[-1]), key
-        old = obj.get(key)
+    if key is None:
+        key, old = parts[-1], getattr(obj, parts[-1])
     else:
-        key = parts[-1]
-        old = getattr(obj, key)
+        obj = getattr(obj, parts[-1])              # the dict whose entry is set
+        old = obj.get(key)
     if isinstance(old, bool):
         new = value.lower() in ("1", "true")
     else:
