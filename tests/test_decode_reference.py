@@ -120,3 +120,25 @@ def test_bound_for_capture_keeps_reads_inside_the_cache(monkeypatch):
     monkeypatch.setattr(checks, "is_capturing", lambda t: False)
     bt2, lens2 = checks.bound_for_capture(q, cache, table, seqlens)
     assert bt2 is table and lens2 is seqlens
+
+
+def test_bounded_inputs_skip_the_per_call_clamps(monkeypatch):
+    """bound_decode_inputs clamps always (not only under capture); a captured call told
+    its inputs are bounded (bounded=True) launches no clamps of its own, same result."""
+    import lowering.checks as checks
+    q, cache, table, seqlens, _, _ = paged_problem(2, 1, 2, 32, 16, [5, 3], 4)
+    bt, lens = lowering.bound_decode_inputs(cache, table - 100, seqlens + 1000)
+    assert int(bt.min()) == 0 and int(bt.max()) < cache.shape[0]
+    assert int(lens.max()) == table.shape[1] * cache.shape[1]
+    assert int(table.min()) == -1                     # no block past row 1's first
+    bt, lens = lowering.bound_decode_inputs(cache, table, seqlens)
+    assert torch.equal(lens, seqlens) and int(bt.min()) == 0
+    monkeypatch.setattr(checks, "is_capturing", lambda t: True)
+    want = lowering.mla_decode(q, cache, bt, lens, 0.2, backend="reference", head_dim_v=32)
+    monkeypatch.setattr(lowering, "bound_for_capture",
+                        lambda *a: pytest.fail("a bounded call clamped its inputs again"))
+    got = lowering.mla_decode(q, cache, bt, lens, 0.2, backend="reference", bounded=True,
+                             head_dim_v=32)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(pytest.fail.Exception, match="clamped"):
+        lowering.mla_decode(q, cache, bt, lens, 0.2, backend="reference", head_dim_v=32)
