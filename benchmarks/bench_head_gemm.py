@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from timing import best_config, graph_time_us  # noqa: E402
-from bench_layer_gemms import copy_ceiling  # noqa: E402
+from timing import (announce_ceiling, best_config, gemm_row, graph_time_us,  # noqa: E402
+                    print_configs)
 from lowering import head_gemm  # noqa: E402
 
 # (BLOCK_J, BLOCK_K, num_warps, num_stages) swept
@@ -72,9 +72,7 @@ def main():
     ap.add_argument("--heads", type=int, default=128)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    ceil = copy_ceiling()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy ceiling "
-          f"{ceil / 1e12:.2f} TB/s")
+    ceil = announce_ceiling()
     configs = {}
     for t in (int(r) for r in args.rows.split(",")):
         print(f"\nt = {t}, N = {args.heads}\n| GEMM | MB moved | cuBLAS µs (of ceiling) | "
@@ -84,11 +82,8 @@ def main():
             c_us = graph_time_us(cublas)
             k_us, cfg = best_kernel(a, w, y, copy, ref)
             configs[(K, J, t <= 16)] = cfg
-            print(f"| {name} | {nbytes / 1e6:.1f} | {c_us:.1f} ({nbytes / c_us / 1e6 / (ceil / 1e12):.2f}) | "
-                  f"{k_us:.1f} ({nbytes / k_us / 1e6 / (ceil / 1e12):.2f}) | {cfg} |", flush=True)
-    print("\nlowering.head_gemm.CONFIGS entries:")
-    for key, cfg in configs.items():
-        print(f"    {key}: {cfg},")
+            print(gemm_row(name, f"{nbytes / 1e6:.1f}", nbytes, c_us, k_us, ceil, cfg), flush=True)
+    print_configs("lowering.head_gemm.CONFIGS", configs)
 
 
 if __name__ == "__main__":

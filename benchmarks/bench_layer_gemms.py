@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from timing import best_config, graph_time_us  # noqa: E402
+from timing import (announce_ceiling, best_config, gemm_row, graph_time_us,  # noqa: E402
+                    print_configs)
 from lowering import linear  # noqa: E402
 
 # (name, mode, out_features (w1, w2), in_features) of V3's attention + dense MLP weights
@@ -49,14 +50,6 @@ SPLIT_SWEEP = [
     (32, 256, 4, 4, 2), (32, 256, 4, 4, 4), (32, 128, 4, 4, 7), (16, 512, 4, 3, 2),
     (64, 128, 4, 4, 2), (64, 128, 4, 4, 4), (16, 256, 4, 4, 7), (32, 128, 4, 6, 4),
 ]
-
-
-def copy_ceiling(nbytes=1 << 30):
-    from triton.testing import do_bench
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    ms = do_bench(lambda: b.copy_(a), warmup=50, rep=200)
-    return 2 * nbytes / (ms * 1e-3)
 
 
 def reference(mode, x, ws):
@@ -106,9 +99,7 @@ def main():
     ap.add_argument("--gemms", default=None, help="indices into GEMMS to time, e.g. 0,2 (default: all)")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    ceil = copy_ceiling()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy ceiling "
-          f"{ceil / 1e12:.2f} TB/s")
+    ceil = announce_ceiling()
     configs = {}
     for M in (int(m) for m in args.rows.split(",")):
         print(f"\nM = {M}\n| GEMM | weight MB | cuBLAS µs (of ceiling) | Triton µs (of ceiling) | "
@@ -124,14 +115,10 @@ def main():
             t_us, cfg = best_triton(mode, x, ws, ref)
             tot_c, tot_t, tot_b = tot_c + c_us, tot_t + t_us, tot_b + nbytes
             configs[(mode, sum(ns) if mode == 1 else ns[0], k, M <= 16)] = cfg
-            print(f"| {name} | {nbytes / 1e6:.1f} | {c_us:.1f} ({nbytes / c_us / 1e6 / (ceil / 1e12):.2f}) | "
-                  f"{t_us:.1f} ({nbytes / t_us / 1e6 / (ceil / 1e12):.2f}) | {cfg} |", flush=True)
+            print(gemm_row(name, f"{nbytes / 1e6:.1f}", nbytes, c_us, t_us, ceil, cfg), flush=True)
             del ws
-        print(f"| all | {tot_b / 1e6:.0f} | {tot_c:.1f} ({tot_b / tot_c / 1e6 / (ceil / 1e12):.2f}) | "
-              f"{tot_t:.1f} ({tot_b / tot_t / 1e6 / (ceil / 1e12):.2f}) | |", flush=True)
-    print("\nlowering.linear.CONFIGS entries:")
-    for key, cfg in configs.items():
-        print(f"    {key}: {cfg},")
+        print(gemm_row("all", f"{tot_b / 1e6:.0f}", tot_b, tot_c, tot_t, ceil), flush=True)
+    print_configs("lowering.linear.CONFIGS", configs)
 
 
 if __name__ == "__main__":

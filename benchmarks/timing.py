@@ -43,3 +43,32 @@ def best_config(configs, make_run, ref, tol=2e-2):
             continue
         best = min(best, (graph_time_us(run), cfg))
     return best
+
+
+def copy_ceiling(nbytes=1 << 30):
+    """Device copy bandwidth, bytes read + written per second (do_bench median)."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=50, rep=200)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def announce_ceiling():
+    """Print the GPU, torch version and measured copy ceiling; return the ceiling (B/s)."""
+    ceil = copy_ceiling()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy ceiling "
+          f"{ceil / 1e12:.2f} TB/s")
+    return ceil
+
+
+def gemm_row(name, mb, nbytes, a_us, b_us, ceil, cfg=""):
+    """One markdown row: name | MB | a µs (of ceiling) | b µs (of ceiling) | cfg."""
+    def cell(us):
+        return f"{us:.1f} ({nbytes / us / 1e6 / (ceil / 1e12):.2f})"
+    return f"| {name} | {mb} | {cell(a_us)} | {cell(b_us)} | {cfg} |"
+
+
+def print_configs(where, configs):
+    print(f"\n{where} entries:")
+    for key, cfg in configs.items():
+        print(f"    {key}: {cfg},")

@@ -177,12 +177,10 @@ def test_bf16_page64_replays_match_compiled_generate(kv_cache_dtype):
     assert torch.equal(got, exp[:, ids.shape[1]:])
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="FlashMLA needs a GPU")
-def test_flashmla_schedule_computed_once_per_step():
-    """bf16 cache with block 64 on an SM90 GPU with flash_mla: a decode step runs FlashMLA's
-    scheduler kernel once (the step plan's), not once per layer, and gives the same logits
-    bit for bit as the step where every layer schedules itself."""
-    from torch.profiler import ProfilerActivity, profile
+def _flashmla_prefilled():
+    """A bf16 tiny V3 (dense layers) converted on the GPU, its block-64 cache prefilled
+    with three left-padded prompts: (cfg, model, cache, pos [B, S], next ids [B, 1]).
+    Skips where the flashmla backend cannot serve the cache."""
     cfg = tiny_config("v3")
     cfg.first_k_dense_replace = cfg.num_hidden_layers
     _, model = build_pair(cfg, seed=9, dtype=torch.bfloat16)
@@ -191,12 +189,22 @@ def test_flashmla_schedule_computed_once_per_step():
                             dtype=torch.bfloat16)
     if cache._flashmla_backends != {"auto", "flashmla"}:
         pytest.skip("the flashmla backend cannot serve this cache here")
-    assert cfg.num_hidden_layers >= 2
     ids, mask = (t.to(DEVICE) for t in left_padded([30, 100, 7], seed=9))
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         nxt = model(input_ids=ids, attention_mask=mask, position_ids=pos,
                     past_key_values=cache).logits[:, -1:].argmax(-1)          # [B, 1]
+    return cfg, model, cache, pos, nxt
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="FlashMLA needs a GPU")
+def test_flashmla_schedule_computed_once_per_step():
+    """bf16 cache with block 64 on an SM90 GPU with flash_mla: a decode step runs FlashMLA's
+    scheduler kernel once (the step plan's), not once per layer, and gives the same logits
+    bit for bit as the step where every layer schedules itself."""
+    from torch.profiler import ProfilerActivity, profile
+    cfg, model, cache, pos, nxt = _flashmla_prefilled()
+    assert cfg.num_hidden_layers >= 2
     saved = cache.snapshot()
 
     def step():
@@ -242,19 +250,7 @@ def test_captured_flashmla_step_launches_no_clamp_kernels():
     eager clamp kernels in the replay, one scheduler kernel (on its side stream), and the
     eager step's logits (bf16 tolerance: Inductor fuses the norms differently)."""
     from torch.profiler import ProfilerActivity, profile
-    cfg = tiny_config("v3")
-    cfg.first_k_dense_replace = cfg.num_hidden_layers
-    _, model = build_pair(cfg, seed=9, dtype=torch.bfloat16)
-    model = H.convert(model).to(DEVICE)
-    cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=256, device=DEVICE,
-                            dtype=torch.bfloat16)
-    if cache._flashmla_backends != {"auto", "flashmla"}:
-        pytest.skip("the flashmla backend cannot serve this cache here")
-    ids, mask = (t.to(DEVICE) for t in left_padded([30, 100, 7], seed=9))
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                      past_key_values=cache).logits[:, -1:].argmax(-1)          # [B, 1]
+    cfg, model, cache, pos, first = _flashmla_prefilled()
     runner = H.DecodeGraph(model, cache, backend=BACKEND)
     saved = cache.snapshot()
     with torch.no_grad():
