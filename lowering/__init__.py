@@ -84,17 +84,9 @@ def decode_schedule(kv_cache, block_table, cache_seqlens, *, num_heads, s_q=1):
     recomputed whenever the lengths change (a graph op: captured graphs recompute it on
     every replay).
     """
-    from .checks import check_tensor
+    from .checks import check_table_and_lengths
     from .flashmla import flashmla_schedule
-    check_tensor("kv_cache", kv_cache, ndim=3)
-    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,))
-    check_tensor("cache_seqlens", cache_seqlens, ndim=1, dtypes=(torch.int32,))
-    if cache_seqlens.shape[0] != block_table.shape[0]:
-        raise ValueError(f"cache_seqlens has {cache_seqlens.shape[0]} entries, block_table "
-                         f"{block_table.shape[0]} rows")
-    for name, t in (("block_table", block_table), ("cache_seqlens", cache_seqlens)):
-        if t.device != kv_cache.device:
-            raise ValueError(f"{name} is on {t.device}, kv_cache on {kv_cache.device}")
+    check_table_and_lengths(kv_cache, block_table, cache_seqlens)
     for name, v in (("num_heads", num_heads), ("s_q", s_q)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")

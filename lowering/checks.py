@@ -117,10 +117,25 @@ def bound_for_capture(q, kv_cache, block_table, cache_seqlens):
     return bound_decode_inputs(kv_cache, block_table, cache_seqlens)
 
 
+def check_table_and_lengths(kv_cache, block_table, cache_seqlens) -> None:
+    """A paged cache [num_blocks, block_size, D], block_table [B, M] int32 and
+    cache_seqlens [B] int32 on the cache's device (shapes and types only, no host sync)."""
+    check_tensor("kv_cache", kv_cache, ndim=3)
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,))
+    check_tensor("cache_seqlens", cache_seqlens, ndim=1, dtypes=(torch.int32,))
+    if cache_seqlens.shape[0] != block_table.shape[0]:
+        raise ValueError(f"cache_seqlens has {cache_seqlens.shape[0]} entries, block_table "
+                         f"{block_table.shape[0]} rows")
+    for name, t in (("block_table", block_table), ("cache_seqlens", cache_seqlens)):
+        if t.device != kv_cache.device:
+            raise ValueError(f"{name} is on {t.device}, kv_cache on {kv_cache.device}")
+
+
 def bound_decode_inputs(kv_cache, block_table, cache_seqlens):
     """(block_table clamped to [0, num_blocks - 1], cache_seqlens to [1, table width x
     block_size]): what a decode kernel may read, whatever the values. A caller that
     bounds once for many calls passes bounded=True to mla_decode."""
+    check_table_and_lengths(kv_cache, block_table, cache_seqlens)
     nb, bs, _ = kv_cache.shape
     return (block_table.clamp(0, nb - 1),
             cache_seqlens.clamp(1, block_table.shape[1] * bs))

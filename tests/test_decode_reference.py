@@ -142,3 +142,12 @@ def test_bounded_inputs_skip_the_per_call_clamps(monkeypatch):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     with pytest.raises(pytest.fail.Exception, match="clamped"):
         lowering.mla_decode(q, cache, bt, lens, 0.2, backend="reference", head_dim_v=32)
+    bound = lowering.bound_decode_inputs
+    for fn, exc, match in [
+        (lambda: bound(cache, table.long(), seqlens), TypeError, "block_table"),
+        (lambda: bound(cache, table, seqlens[:1]), ValueError, "cache_seqlens"),
+        (lambda: bound(cache[0], table, seqlens), ValueError, "kv_cache"),
+        (lambda: bound(cache, table, seqlens.tolist()), TypeError, "cache_seqlens"),
+    ]:
+        with pytest.raises(exc, match=match):
+            fn()
