@@ -5,9 +5,11 @@
         -> (x @ w1.T [*, N1], x @ w2.T [*, N2])                            one launch
     mla::decode_gate_up(x [*, K], w_gate [N, K], w_up [N, K])
         -> silu(x @ w_gate.T) * (x @ w_up.T)                               [*, N], one launch
+    mla::decode_linear_partials(x, w, split_k)
+        -> fp32 [split_k, *, N] partial sums over split_k ranges of K (split-K for a small
+           weight; the caller sums them: linear_split_k says when CONFIGS asks)
     mla::decode_linear_pair_partials(x, w1, w2, split_k)
-        -> fp32 [split_k, *, N1 + N2] partial sums over split_k ranges of K (split-K for a
-           small weight pair; the caller sums them: pair_split_k says when CONFIGS asks)
+        -> fp32 [split_k, *, N1 + N2], the same for a pair (pair_split_k)
 
 At most MAX_ROWS rows of x on CUDA in bf16 / fp16 run the weight-streaming kernel of
 linear_kernel.py (a decode step: each weight byte read once); anything else (prefill, CPU,
@@ -45,6 +47,11 @@ CONFIGS: dict[tuple, Optional[tuple[int, ...]]] = {
     (0, 7168, 16384, False): (64, 128, 4, 6),    # o_proj          67.6 µs (75.6)
     (2, 18432, 7168, False): None,               # gate + up       147.4 µs (138.2 + SiLU x up)
     (0, 7168, 18432, False): (64, 128, 4, 6),    # down_proj       74.2 µs (82.0)
+    # the output head (lm_head): V3's vocabulary, and a 2048-token one (split-K)
+    (0, 129280, 7168, True): (64, 128, 4, 6),    # 1 row:          414.2 µs (428.4)
+    (0, 129280, 7168, False): (64, 128, 4, 2),   # 32 rows:        434.4 µs (467.4)
+    (0, 2048, 7168, True): (64, 128, 4, 4, 4),   # 1 row, split-K  15.1 µs (18.0)
+    (0, 2048, 7168, False): (64, 128, 4, 4, 4),  # 32 rows, split-K 15.5 µs (18.5)
 }
 DEFAULT_CONFIG = (32, 256, 4, 4)
 
@@ -154,34 +161,55 @@ def decode_linear_pair(x: torch.Tensor, w1: torch.Tensor,
     return y1.view(*lead, w1.shape[0]), y2.view(*lead, w2.shape[0])
 
 
+def _shapes_ok(x: torch.Tensor, *ws: torch.Tensor) -> bool:
+    return x.dim() >= 1 and all(w.dim() == 2 and w.shape[1] == x.shape[-1] for w in ws)
+
+
+def linear_split_k(x: torch.Tensor, w: torch.Tensor) -> int:
+    """K splits the kernel uses for decode_linear's shapes (1: none). Shapes, dtypes and
+    devices only, so traced code can branch on it."""
+    return split_k_of(_config(0, x, w)) if _shapes_ok(x, w) else 1
+
+
 def pair_split_k(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> int:
-    """K splits the kernel uses for decode_linear_pair's shapes (1: none). Shapes, dtypes
-    and devices only, so traced code can branch on it."""
-    if x.dim() < 1 or w1.dim() != 2 or w2.dim() != 2 or w1.shape[1] != x.shape[-1]:
-        return 1
-    return split_k_of(_config(1, x, w1, w2))
+    """K splits the kernel uses for decode_linear_pair's shapes (1: none)."""
+    return split_k_of(_config(1, x, w1, w2)) if _shapes_ok(x, w1, w2) else 1
+
+
+def _partials(x: torch.Tensor, ws: tuple, split_k: int) -> torch.Tensor:
+    """fp32 [split_k, *lead, sum of N] partial sums of x @ [w.T for w in ws] (one or two
+    weights, one launch); off the kernel path the whole product in partial 0."""
+    K = _check(x, *ws)
+    if not isinstance(split_k, int) or split_k < 1:
+        raise ValueError(f"split_k must be a positive int, got {split_k!r}")
+    lead, Ns = x.shape[:-1], [w.shape[0] for w in ws]
+    mode = len(ws) - 1                                   # 0: one weight, 1: a pair
+    cfg = _config(mode, x, *ws)
+    if cfg is None:                       # torch: the whole sum in partial 0, zeros after
+        out = x.new_zeros((split_k, *lead, sum(Ns)), dtype=torch.float32)
+        out[0] = torch.cat([F.linear(x, w) for w in ws], dim=-1)
+        return out
+    x2 = _rows(x, K)
+    out = torch.empty((split_k, x2.shape[0], sum(Ns)), dtype=torch.float32, device=x.device)
+    w2 = ws[1] if mode == 1 else None                    # [S, M, sum(Ns)]
+    launch(x2, ws[0], w2, mode, out, None, (*cfg[:4], split_k), y2_col0=Ns[0] if mode else 0)
+    return out.view(split_k, *lead, sum(Ns))
+
+
+@torch.library.triton_op("mla::decode_linear_partials", mutates_args={})
+def decode_linear_partials(x: torch.Tensor, w: torch.Tensor, split_k: int) -> torch.Tensor:
+    """fp32 partial sums [split_k, *lead, N] whose sum over dim 0 is x @ w.T:
+    decode_linear with split-K, the sum left to the caller (in a graph, Inductor fuses it
+    into what reads the result)."""
+    return _partials(x, (w,), split_k)
 
 
 @torch.library.triton_op("mla::decode_linear_pair_partials", mutates_args={})
 def decode_linear_pair_partials(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                                 split_k: int) -> torch.Tensor:
     """fp32 partial sums [split_k, *lead, N1 + N2] whose sum over dim 0 is
-    [x @ w1.T | x @ w2.T]: decode_linear_pair with split-K, the sum left to the caller
-    (in a graph, Inductor fuses it into what reads the result)."""
-    K = _check(x, w1, w2)
-    lead, N1, N2 = x.shape[:-1], w1.shape[0], w2.shape[0]
-    if not isinstance(split_k, int) or split_k < 1:
-        raise ValueError(f"split_k must be a positive int, got {split_k!r}")
-    cfg = _config(1, x, w1, w2)
-    if cfg is None:                       # torch: the whole sum in partial 0, zeros after
-        out = x.new_zeros((split_k, *lead, N1 + N2), dtype=torch.float32)
-        out[0] = torch.cat([F.linear(x, w1), F.linear(x, w2)], dim=-1)
-        return out
-    x2 = _rows(x, K)
-    M = x2.shape[0]
-    out = torch.empty((split_k, M, N1 + N2), dtype=torch.float32, device=x.device)   # [S, M, N1+N2]
-    launch(x2, w1, w2, 1, out, None, (*cfg[:4], split_k), y2_col0=N1)
-    return out.view(split_k, *lead, N1 + N2)
+    [x @ w1.T | x @ w2.T]: decode_linear_pair with split-K."""
+    return _partials(x, (w1, w2), split_k)
 
 
 @torch.library.triton_op("mla::decode_gate_up", mutates_args={})

@@ -10,8 +10,9 @@ for a subclass whose forward computes q / kv_c_normed / k_pe exactly as HF does,
 then calls mla::kv_cache_update and mla::attention_with_output with the absorbed
 weights W_UK_T [N, P, L] and W_UV [N, L, V] (the only new tensors; non-persistent
 buffers, so state_dict is unchanged). With any other cache (or none) the layer runs
-HF's own forward. The layer's projections, and the SiLU MLPs (fuse_mlp), run on the
-decode GEMM ops of mla_ops/hf_linear.py with the modules' own weights.
+HF's own forward. The layer's projections, the SiLU MLPs (fuse_mlp) and the output head
+(decode_head) run on the decode GEMM ops of mla_ops/hf_linear.py with the modules' own
+weights.
 
 PagedMLACache (mla_ops/hf_cache.py) is a real transformers Cache over the paged latent
 cache; the converted layers ask it for each step's plan. DecodeGraph (mla_ops/hf_graph.py)
@@ -25,7 +26,8 @@ import torch
 
 from .cache import CacheFullError  # noqa: F401  (raised by PagedMLACache and DecodeGraph)
 from .hf_cache import PagedMLACache
-from .hf_linear import fusable_mlp, fused_mlp_class, linear, linear_pair
+from .hf_linear import (convertible_head, decode_head_class, fusable_mlp, fused_mlp_class,
+                        linear, linear_pair)
 from .layer import MLAAttention
 
 __all__ = ["convert", "PagedMLACache", "DecodeGraph", "is_converted"]
@@ -131,7 +133,8 @@ def _paged_class(cls, family: str):
 
 
 def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
-            fp8_decode_query: float | None = None, fuse_mlp: bool = True):
+            fp8_decode_query: float | None = None, fuse_mlp: bool = True,
+            decode_head: bool = True):
     """Route every DeepSeek V2/V3 attention layer of `model` through the MLA ops (in place).
 
     The attention's own projections run as decode GEMM ops (q_a + kv_a in one launch; see
@@ -140,6 +143,9 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     weights and compute what the modules do; they differ from cuBLAS only on CUDA at
     decode sizes (<= 64 rows, bf16 / fp16: the weight-streaming Triton kernel, fp32
     accumulation like cuBLAS, in another order).
+
+    With decode_head, the output head (lm_head, when a plain bias-free nn.Linear) runs on
+    the decode GEMM op too, with the same numerics rule.
 
     fp8_decode_query=q_scale builds each decode step's 576-wide query in the graph and
     quantizes it to fp8 with that static scale (fp8 x fp8 decode; the cache must then be
@@ -188,11 +194,14 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
         plans.append((m, mla, fam))
     mlps = [m for m in model.modules() if fuse_mlp and fusable_mlp(m)
             and not getattr(m, "_mla_converted", False)]
+    head = convertible_head(model) if decode_head else None
     for m, mla, fam in plans:          # nothing below can fail
         m.add_module("mla_attn", mla)
         m.__class__ = _paged_class(type(m), fam)
     for m in mlps:
         m.__class__ = fused_mlp_class(type(m))
+    if head is not None:
+        head.__class__ = decode_head_class(type(head))
     return model
 
 

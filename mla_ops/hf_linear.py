@@ -3,10 +3,11 @@
 A decode step reads each weight once for a few rows, so the layer's GEMMs are weight
 copies: q_a_proj + kv_a_proj_with_mqa share their input and run as one launch, gate_proj +
 up_proj + SiLU x up as one launch (the dense MLPs and shared experts), o_proj and down_proj
-as single launches. The ops take the HF modules' own weights (no copies); at more rows,
-on CPU or in fp32 they run exactly what the modules would (F.linear, F.silu). A module that
-is not a plain bias-free nn.Linear (FP8 / quantized linears, biases) keeps its own call, and
-so does every module while autograd would need its weight's gradient.
+as single launches, and so does the model's output head (lm_head). The ops take the HF
+modules' own weights (no copies); at more rows, on CPU or in fp32 they run exactly what the
+modules would (F.linear, F.silu). A module that is not a plain bias-free nn.Linear (FP8 /
+quantized linears, biases) keeps its own call, and so does every module while autograd
+would need its weight's gradient.
 """
 from __future__ import annotations
 
@@ -32,10 +33,19 @@ def _use_ops(*mods) -> bool:
     return _ops.IMPL != "torch" and _plain(*mods) and not _needs_grad(*mods)
 
 
+def _decode_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T on the decode GEMM op; where the kernel's config splits K, the fp32 partial
+    sums are added here, in the traced graph (Inductor fuses the sum into the consumer)."""
+    split_k = _ops.linear_split_k(x, w)
+    if split_k > 1:
+        return torch.ops.mla.decode_linear_partials(x, w, split_k).sum(0).to(x.dtype)
+    return torch.ops.mla.decode_linear(x, w)
+
+
 def linear(mod, x: torch.Tensor) -> torch.Tensor:
     """mod(x) for an HF linear module; mla::decode_linear when it is a plain nn.Linear."""
     if _use_ops(mod):
-        return torch.ops.mla.decode_linear(x, mod.weight)
+        return _decode_linear(x, mod.weight)
     return mod(x)
 
 
@@ -97,3 +107,33 @@ def fused_mlp_class(cls):
             "forward": _mlp_forward, "_hf_forward": cls.forward, "_mla_converted": True,
             "__module__": __name__})
     return _MLP_CLASSES[cls]
+
+
+# ------------------------------------------------------------------------- output head
+
+
+def _head_forward(self, x):
+    """lm_head(x): [..., H] -> [..., vocab] on the decode GEMM op (the module's own
+    F.linear with grad enabled or MLA_LINEAR_IMPL=torch)."""
+    if _ops.IMPL == "torch" or _needs_grad(self):
+        return self._hf_forward(x)
+    return _decode_linear(x, self.weight)
+
+
+_HEAD_CLASSES: dict = {}
+
+
+def decode_head_class(cls):
+    """A subclass of the (plain nn.Linear) output head whose forward runs the decode op."""
+    if cls not in _HEAD_CLASSES:
+        _HEAD_CLASSES[cls] = type(f"Decode{cls.__name__}", (cls,), {
+            "forward": _head_forward, "_hf_forward": cls.forward, "_mla_converted": True,
+            "__module__": __name__})
+    return _HEAD_CLASSES[cls]
+
+
+def convertible_head(model):
+    """The model's output head when it is a plain bias-free nn.Linear, else None."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if head is not None and _plain(head) else None

@@ -87,6 +87,19 @@ def test_pair_partials_op_torch_path_sums_to_the_modules():
     assert linear.pair_split_k(x, w1, w2) == 1                          # CPU: no kernel
 
 
+def test_linear_partials_op_torch_path_sums_to_the_module():
+    g = torch.Generator().manual_seed(10)
+    x, w = _randn(2, 3, 48, g=g).float(), _randn(40, 48, g=g).float()
+    parts = torch.ops.mla.decode_linear_partials(x, w, 4)
+    assert parts.shape == (4, 2, 3, 40) and parts.dtype == torch.float32
+    assert torch.equal(parts.sum(0), F.linear(x, w))
+    with pytest.raises(ValueError, match="split_k must be a positive int"):
+        torch.ops.mla.decode_linear_partials(x, w, -1)
+    with pytest.raises(ValueError, match=r"weight 0 must be \[N, 48\]"):
+        torch.ops.mla.decode_linear_partials(x, w[:, :47], 2)
+    assert linear.linear_split_k(x, w) == 1                             # CPU: no kernel
+
+
 def test_gate_up_kernel_reads_both_weights():
     """Mode 2 must read both weights: swapping gate and up changes the result."""
     g = torch.Generator().manual_seed(3)
@@ -193,6 +206,36 @@ def test_split_k_pair_on_gpu_eager_and_compiled(monkeypatch, rows, N1, N2, K):
     assert "decode_linear_kernel" in "".join(codes)
 
 
+@pytest.mark.skipif(DEV != "cuda", reason="the Triton path of the ops runs on CUDA")
+@pytest.mark.parametrize("rows,N,K", [(1, 150, 512), (9, 150, 512), (1, 2048, 7168),
+                                      (32, 2048, 7168)])
+def test_split_k_linear_on_gpu_eager_and_compiled(monkeypatch, rows, N, K):
+    """A single weight whose config splits K (the 2048-row output head has a measured
+    one): hf_linear.linear sums the partials in the traced graph, eager and compiled
+    match float64, and the kernel is in the compiled code."""
+    from torch._inductor.utils import run_and_get_code
+    from mla_ops.hf_linear import linear as hf_linear
+    if K == 512:
+        monkeypatch.setitem(linear.CONFIGS, (0, N, K, rows <= 16), (16, 64, 4, 2, 3))
+    g = torch.Generator().manual_seed(rows + N)
+    m = torch.nn.Linear(K, N, bias=False)
+    m.weight.data = _randn(N, K, g=g).div(K ** 0.5).float()
+    m.to(DEV, torch.bfloat16)
+    x = _randn(rows, 1, K, g=g).to(DEV, torch.bfloat16)
+    assert linear.linear_split_k(x, m.weight) > 1
+
+    def f(x):
+        return hf_linear(m, x) * 2              # a consumer the sum can fuse into
+    ref = 2 * (x.double() @ m.weight.double().T)
+    with torch.no_grad():
+        compiled, codes = run_and_get_code(torch.compile(f, fullgraph=True), x)
+        eager = f(x)
+    for out in (eager, compiled):
+        assert out.shape == ref.shape and out.dtype == torch.bfloat16
+        assert _rel(out, ref) < 2e-2
+    assert "decode_linear_kernel" in "".join(codes)
+
+
 def test_converted_hf_layer_uses_the_ops():
     """convert() routes q_a + kv_a, o_proj and the SiLU MLPs (dense and shared experts)
     through the ops; fuse_mlp=False leaves the MLPs to HF; a biased MLP stays HF's."""
@@ -203,9 +246,17 @@ def test_converted_hf_layer_uses_the_ops():
     H.convert(model)
     fused = [n for n, m in model.named_modules() if type(m).__name__.startswith("FusedDeepseek")]
     assert fused == ["model.layers.0.mlp", "model.layers.1.mlp.shared_experts"]
+    assert type(model.lm_head).__name__ == "DecodeLinear"             # the output head too
+    x = torch.randn(2, 1, 256)
+    with torch.no_grad():
+        assert torch.equal(model.lm_head(x), F.linear(x, model.lm_head.weight))
+    keys = set(model.state_dict())
+    H.convert(model)                                                   # twice: a no-op
+    assert type(model.lm_head).__name__ == "DecodeLinear" and set(model.state_dict()) == keys
     _, model = build_pair(tiny_config("v3"))
-    H.convert(model, fuse_mlp=False)
+    H.convert(model, fuse_mlp=False, decode_head=False)
     assert not any(type(m).__name__.startswith("Fused") for m in model.modules())
+    assert type(model.lm_head) is torch.nn.Linear
     cfg = tiny_config("v2")
     cfg.mlp_bias = True
     _, model = build_pair(cfg)
@@ -244,6 +295,7 @@ def test_opcheck_decode_gemm_ops():
     w1, w2 = torch.randn(32, 48), torch.randn(32, 48)
     for op, args in ((torch.ops.mla.decode_linear.default, (x, w1)),
                      (torch.ops.mla.decode_linear_pair.default, (x, w1, w2[:16])),
+                     (torch.ops.mla.decode_linear_partials.default, (x, w1, 3)),
                      (torch.ops.mla.decode_linear_pair_partials.default, (x, w1, w2[:16], 2)),
                      (torch.ops.mla.decode_gate_up.default, (x, w1, w2))):
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
