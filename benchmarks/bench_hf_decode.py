@@ -2,8 +2,8 @@
 
 Model: DeepseekV3ForCausalLM with V3's attention (128 heads, q_lora 1536, L 512, R 64,
 P 128, V 128), hidden 7168, intermediate 18432, 2 dense layers, vocab 2048 (so the head
-is negligible), bf16, random weights. Each (B, S) times one decode step with S tokens of
-context per row:
+is negligible; --vocab 129280 for V3's), bf16, random weights. Each (B, S) times one
+decode step with S tokens of context per row:
 
   hf-eager     HF forward, StaticCache(max_cache_len=S+n), no compile
   hf-compile   torch.compile(model.forward, fullgraph, mode) with the same StaticCache
@@ -244,6 +244,9 @@ def main():
                          "metadata (the default computes it once per step in the plan)")
     ap.add_argument("--no-split-k", action="store_true",
                     help="ours: run the decode GEMM kernel without split-K (the best unsplit configs)")
+    ap.add_argument("--vocab", type=int, default=None,
+                    help="vocabulary size (default: the config's; 129280 is DeepSeek-V3's, "
+                         "whose output head then weighs more than a layer)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=None, help="append results here as JSON lines")
@@ -278,6 +281,8 @@ def main():
     cmode = args.compile_mode or ("reduce-overhead" if on_cuda and backend == "inductor" else None)
     mark = cmode == "reduce-overhead"
     cfg = make_config(args.config, args.layers)
+    if args.vocab:
+        cfg.vocab_size = args.vocab
     cfg._attn_implementation = "sdpa"
     model = build_model(cfg, dev, dtype)
     mla_ops.hf.convert(model, backend=args.mla_backend)   # a StaticCache still runs HF's path
