@@ -98,15 +98,21 @@ def _mlp_forward(self, x):
     return torch.ops.mla.decode_linear(h, self.down_proj.weight)
 
 
-_MLP_CLASSES: dict = {}
+_CLASSES: dict = {}
+
+
+def _converted_class(cls, prefix: str, forward):
+    """The subclass of cls whose forward is `forward` (HF's kept as _hf_forward), made once."""
+    key = (cls, prefix)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"{prefix}{cls.__name__}", (cls,), {
+            "forward": forward, "_hf_forward": cls.forward, "_mla_converted": True,
+            "__module__": __name__})
+    return _CLASSES[key]
 
 
 def fused_mlp_class(cls):
-    if cls not in _MLP_CLASSES:
-        _MLP_CLASSES[cls] = type(f"Fused{cls.__name__}", (cls,), {
-            "forward": _mlp_forward, "_hf_forward": cls.forward, "_mla_converted": True,
-            "__module__": __name__})
-    return _MLP_CLASSES[cls]
+    return _converted_class(cls, "Fused", _mlp_forward)
 
 
 # ------------------------------------------------------------------------- output head
@@ -120,16 +126,9 @@ def _head_forward(self, x):
     return _decode_linear(x, self.weight)
 
 
-_HEAD_CLASSES: dict = {}
-
-
 def decode_head_class(cls):
     """A subclass of the (plain nn.Linear) output head whose forward runs the decode op."""
-    if cls not in _HEAD_CLASSES:
-        _HEAD_CLASSES[cls] = type(f"Decode{cls.__name__}", (cls,), {
-            "forward": _head_forward, "_hf_forward": cls.forward, "_mla_converted": True,
-            "__module__": __name__})
-    return _HEAD_CLASSES[cls]
+    return _converted_class(cls, "Decode", _head_forward)
 
 
 def convertible_head(model):
