@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from timing import (announce_ceiling, best_config, gemm_row, graph_time_us,  # noqa: E402
-                    print_configs)
+from timing import (announce_ceiling, best_config, gemm_header, gemm_row,  # noqa: E402
+                    graph_time_us, print_configs)
 from lowering import head_gemm  # noqa: E402
 
 # (BLOCK_J, BLOCK_K, num_warps, num_stages) swept
@@ -75,8 +75,7 @@ def main():
     ceil = announce_ceiling()
     configs = {}
     for t in (int(r) for r in args.rows.split(",")):
-        print(f"\nt = {t}, N = {args.heads}\n| GEMM | MB moved | cuBLAS µs (of ceiling) | "
-              "kernel µs (of ceiling) | config |\n|---|---|---|---|---|", flush=True)
+        gemm_header(f"t = {t}, N = {args.heads}", "MB moved", "kernel")
         for name, K, J, copy, a, w, y, cublas, ref in cases(t, args.heads, 128, 64, 512, 128, dev):
             nbytes = (a.numel() + w.numel() + y.numel()) * 2
             c_us = graph_time_us(cublas)

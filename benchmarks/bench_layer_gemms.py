@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from timing import (announce_ceiling, best_config, gemm_row, graph_time_us,  # noqa: E402
-                    print_configs)
+from timing import (announce_ceiling, best_config, gemm_header, gemm_row,  # noqa: E402
+                    graph_time_us, print_configs)
 from lowering import linear  # noqa: E402
 
 # (name, mode, out_features (w1, w2), in_features) of V3's attention + dense MLP weights
@@ -107,8 +107,7 @@ def main():
     ceil = announce_ceiling()
     configs = {}
     for M in (int(m) for m in args.rows.split(",")):
-        print(f"\nM = {M}\n| GEMM | weight MB | cuBLAS µs (of ceiling) | Triton µs (of ceiling) | "
-              "config |\n|---|---|---|---|---|", flush=True)
+        gemm_header(f"M = {M}", "weight MB", "Triton")
         tot_c = tot_t = tot_b = 0.0
         chosen = GEMMS if args.gemms is None else [GEMMS[int(i)] for i in args.gemms.split(",")]
         for name, mode, ns, k in chosen:

@@ -61,6 +61,12 @@ def announce_ceiling():
     return ceil
 
 
+def gemm_header(title, mb_col, b_col):
+    """The markdown header gemm_row's rows go under, after a blank line and the title."""
+    print(f"\n{title}\n| GEMM | {mb_col} | cuBLAS µs (of ceiling) | {b_col} µs (of ceiling) | "
+          "config |\n|---|---|---|---|---|", flush=True)
+
+
 def gemm_row(name, mb, nbytes, a_us, b_us, ceil, cfg=""):
     """One markdown row: name | MB | a µs (of ceiling) | b µs (of ceiling) | cfg."""
     def cell(us):
