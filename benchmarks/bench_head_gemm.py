@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from timing import (announce_ceiling, best_config, gemm_header, gemm_row,  # noqa: E402
-                    graph_time_us, print_configs)
+                    graph_time_us, kernel_time_us, print_configs)
 from lowering import head_gemm  # noqa: E402
 
 # (BLOCK_J, BLOCK_K, num_warps, num_stages) swept
@@ -58,19 +58,24 @@ def cases(t, N, P, R, L, V, dev):
             ("output: o @ W_UV", L, V, 0, o, wv, out, cublas_output, ref_o)]
 
 
-def best_kernel(a, w, y, copy, ref):
+def best_kernel(a, w, y, copy, ref, timer, show):
     def make_run(cfg):
         y.fill_(float("nan"))
         return (lambda: head_gemm.launch(a, w, y, copy, cfg)), (lambda: y)
     fits = [c for c in SWEEP if c[0] <= w.shape[2] and c[1] <= w.shape[1]]
-    return best_config(fits, make_run, ref)
+    return best_config(fits, make_run, ref, timer=timer, show=show)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,32")
     ap.add_argument("--heads", type=int, default=128)
+    ap.add_argument("--timer", choices=["graph", "kernel"], default="graph",
+                    help="graph: do_bench over graph replays; kernel: the profiler's kernel "
+                         "span (what the kernels take inside a model step)")
+    ap.add_argument("--show", action="store_true", help="print every config's time")
     args = ap.parse_args()
+    timer = kernel_time_us if args.timer == "kernel" else graph_time_us
     dev = torch.device("cuda")
     ceil = announce_ceiling()
     configs = {}
@@ -78,8 +83,8 @@ def main():
         gemm_header(f"t = {t}, N = {args.heads}", "MB moved", "kernel")
         for name, K, J, copy, a, w, y, cublas, ref in cases(t, args.heads, 128, 64, 512, 128, dev):
             nbytes = (a.numel() + w.numel() + y.numel()) * 2
-            c_us = graph_time_us(cublas)
-            k_us, cfg = best_kernel(a, w, y, copy, ref)
+            c_us = timer(cublas)
+            k_us, cfg = best_kernel(a, w, y, copy, ref, timer, args.show)
             configs[(K, J, t <= 16)] = cfg
             print(gemm_row(name, f"{nbytes / 1e6:.1f}", nbytes, c_us, k_us, ceil, cfg), flush=True)
     print_configs("lowering.head_gemm.CONFIGS", configs)

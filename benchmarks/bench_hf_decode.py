@@ -157,34 +157,34 @@ def _assign(obj, key, value):
         setattr(obj, key, value)
 
 
-def ab_compare(args, run_a, model, cfg, B, S, extra, dev, dtype, backend, nl):
-    """--ab: one more DecodeGraph per ';'-separated setting, each captured with that
-    setting in force, all timed against run_a in rounds (args.iters steps each, after 2
-    warm-up steps), each round starting with the next variant. A setting equal to the
-    default measures the harness's own spread (the first timed of a round ran ~1 %
-    slower when the order was fixed)."""
-    runners = []
+def ab_compare(args, runner_a, model, cfg, B, S, extra, dev, dtype, backend, nl):
+    """--ab: one more DecodeGraph per ';'-separated setting, each compiled (dynamo reset
+    first, so nothing compiled earlier is reused) and captured with that setting in force,
+    all timed against runner_a in rounds of greedy loops (args.iters steps each), each
+    round starting with the next variant. A setting equal to the default measures the
+    harness's own spread."""
+    runners = [("as is", runner_a)]
     for spec in args.ab.split(";"):
         obj, key, old, new = _setting(spec)
         cache_b = fill_paged_cache(cfg, B, S, extra, dev, dtype)
         _assign(obj, key, new)
         try:
+            torch._dynamo.reset()
             runners.append((spec, mla_ops.hf.DecodeGraph(model, cache_b, batch_size=B,
                                                          backend=backend,
                                                          mode=args.graph_compile_mode)))
         finally:
             _assign(obj, key, old)
     ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
-    steps = [("as is", run_a)] + [(spec, lambda r=r: r(ids)) for spec, r in runners]
-    times = {name: [] for name, _ in steps}
+    times = {name: [] for name, _ in runners}
     for i in range(args.ab_rounds):          # each round starts with the next variant
-        for name, fn in steps[i % len(steps):] + steps[:i % len(steps)]:
-            times[name].append(time_steps(fn, dev, 2, args.iters, False))
+        for name, r in runners[i % len(runners):] + runners[:i % len(runners)]:
+            times[name].append(time_greedy(r, ids, dev, args.iters))
     ms = {k: statistics.median(v) * 1e3 / nl for k, v in times.items()}
     a = ms["as is"]
-    print(f"  A/B B={B} S={S} ({args.ab_rounds} alternating rounds of {args.iters} steps), "
-          f"ms/layer: as is {a:.3f}", flush=True)
-    for spec, _ in runners:
+    print(f"  A/B B={B} S={S} ({args.ab_rounds} alternating rounds of {args.iters}-step "
+          f"greedy loops), ms/layer: as is {a:.3f}", flush=True)
+    for spec, _ in runners[1:]:
         print(f"    with {spec}: {ms[spec]:.3f} ({ms[spec] / a:.3f}x)", flush=True)
     return {"ab": args.ab, "ab-ms": ms}
 
@@ -373,7 +373,7 @@ def main():
                 print(f"  {mode}: CUDA graphs skipped ({skips})", flush=True)
             res[mode + "-host"] = host * 1e3 / nl
             if args.ab and graph:
-                res.update(ab_compare(args, run, model, cfg, B, S, extra, dev, dtype, backend, nl))
+                res.update(ab_compare(args, runner, model, cfg, B, S, extra, dev, dtype, backend, nl))
             print(f"  B={B} S={S} {mode}: {res[mode]:.3f} ms/layer"
                   + (f" (in a greedy loop {res[mode + '-loop']:.3f})" if loop else "")
                   + f", host {host * 1e3:.3f} ms/step (first call {first:.1f} s)"

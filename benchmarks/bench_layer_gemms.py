@@ -23,7 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from timing import (announce_ceiling, best_config, gemm_header, gemm_row,  # noqa: E402
-                    graph_time_us, print_configs)
+                    graph_time_us, kernel_time_us, print_configs)
 from lowering import linear  # noqa: E402
 
 # (name, mode, out_features (w1, w2), in_features) of V3's attention + dense MLP weights
@@ -71,7 +71,7 @@ def reference(mode, x, ws):
     return ref, cublas
 
 
-def best_triton(mode, x, ws, ref):
+def best_triton(mode, x, ws, ref, timer=None, show=False):
     """(µs, config) of the fastest correct config."""
     M = x.shape[0]
     y1 = torch.empty(M, ws[0].shape[0], device=x.device, dtype=x.dtype)
@@ -95,14 +95,20 @@ def best_triton(mode, x, ws, ref):
                 return parts.sum(0)
             return torch.cat([y1, y2], -1) if mode == 1 else y1
         return run, output
-    return best_config(SWEEP + (SPLIT_SWEEP if mode != 2 else []), make_run, ref)
+    return best_config(SWEEP + (SPLIT_SWEEP if mode != 2 else []), make_run, ref, timer=timer,
+                       show=show)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,32")
     ap.add_argument("--gemms", default=None, help="indices into GEMMS to time, e.g. 0,2 (default: all)")
+    ap.add_argument("--timer", choices=["graph", "kernel"], default="graph",
+                    help="graph: do_bench over graph replays; kernel: the profiler's kernel "
+                         "span (what the kernels take inside a model step)")
+    ap.add_argument("--show", action="store_true", help="print every config's time")
     args = ap.parse_args()
+    timer = kernel_time_us if args.timer == "kernel" else graph_time_us
     dev = torch.device("cuda")
     ceil = announce_ceiling()
     configs = {}
@@ -115,8 +121,8 @@ def main():
             x = torch.randn(M, k, device=dev, dtype=torch.bfloat16)
             ref, cublas = reference(mode, x, ws)
             nbytes = sum(w.numel() * 2 for w in ws) + x.numel() * 2 + M * sum(ns) * 2
-            c_us = graph_time_us(cublas)
-            t_us, cfg = best_triton(mode, x, ws, ref)
+            c_us = timer(cublas)
+            t_us, cfg = best_triton(mode, x, ws, ref, timer, args.show)
             if not name.startswith("lm_head"):           # "the layer" counts its own GEMMs
                 tot_c, tot_t, tot_b = tot_c + c_us, tot_t + t_us, tot_b + nbytes
             configs[(mode, sum(ns) if mode == 1 else ns[0], k, M <= 16)] = cfg

@@ -21,13 +21,48 @@ def graph_time_us(fn, warmup_calls: int = 3) -> float:
     return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
 
 
-def best_config(configs, make_run, ref, tol=2e-2):
+def kernel_time_us(fn, reps: int = 30) -> float:
+    """Median µs from the start of fn's first GPU kernel to the end of its last, each
+    call after an L2 flush, from the profiler's kernel records: no event or launch
+    overhead, which dominates do_bench's numbers for kernels of a few µs."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+
+    def gpu_events(prof):
+        return sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                      key=lambda e: e.time_range.start)
+    for _ in range(3):
+        fn()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        flush.zero_()
+        torch.cuda.synchronize()
+    flush_names = {e.name for e in gpu_events(prof)}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    spans, cur = [], []
+    for e in gpu_events(prof) + [None]:
+        if e is None or e.name in flush_names:
+            if cur:
+                spans.append(max(x.time_range.end for x in cur) - cur[0].time_range.start)
+            cur = []
+        else:
+            cur.append(e)
+    spans.sort()
+    return float(spans[len(spans) // 2])
+
+
+def best_config(configs, make_run, ref, tol=2e-2, timer=None, show=False):
     """(µs, config) of the fastest config whose output matches ref.
 
     make_run(cfg) -> (run, output): run launches the config, output() returns what it
     wrote. Each config runs once and is checked (relative max error < tol) before it is
     timed; configs that fail to launch (e.g. out of shared memory) or are wrong are
-    reported and skipped."""
+    reported and skipped. timer: graph_time_us (default) or kernel_time_us; show: print
+    every config's time."""
     best = (float("inf"), None)
     for cfg in configs:
         run, output = make_run(cfg)
@@ -41,7 +76,10 @@ def best_config(configs, make_run, ref, tol=2e-2):
         if not err < tol:
             print(f"    {cfg}: wrong (rel err {err:.2e})", flush=True)
             continue
-        best = min(best, (graph_time_us(run), cfg))
+        us = (timer or graph_time_us)(run)
+        if show:
+            print(f"    {cfg}: {us:.1f} µs", flush=True)
+        best = min(best, (us, cfg))
     return best
 
 
