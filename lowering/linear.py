@@ -35,17 +35,22 @@ IMPL = os.environ.get("MLA_LINEAR_IMPL", "auto")
 
 # (mode, N, K, rows <= 16) -> (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]), or None
 # where cuBLAS (the torch path) was faster; measured on an H200 with
-# benchmarks/bench_layer_gemms.py (DeepSeek-V3 layer shapes). N is N1 + N2 for mode 1.
+# benchmarks/bench_layer_gemms.py (DeepSeek-V3 layer shapes, alone, L2 flushed; cuBLAS in
+# brackets). N is N1 + N2 for mode 1. Gate + up was then chosen inside the model's decode
+# step (captured steps A/B in one process, bench_hf_decode.py): alone and in the step
+# rank configs differently there.
 CONFIGS: dict[tuple, Optional[tuple[int, ...]]] = {
     (1, 2112, 7168, True): (64, 128, 4, 4, 4),   # q_a + kv_a, split-K (unsplit 19.6 µs; cuBLAS 22.7)
     (0, 24576, 1536, True): (64, 128, 4, 5),     # q_b             29.1 µs (30.3)
     (0, 7168, 16384, True): (64, 256, 4, 4),     # o_proj          66.2 µs (74.0)
-    (2, 18432, 7168, True): (32, 256, 4, 4),     # gate + up       139.0 µs (144.4 + SiLU x up)
+    (2, 18432, 7168, True): (64, 64, 4, 3),      # gate + up       129.2 µs (145.4 + SiLU x up),
+    #                                             kernel timer; in the step 0.98x of (32, 256, 4, 4)
     (0, 7168, 18432, True): (64, 256, 4, 4),     # down_proj       72.7 µs (78.1)
     (1, 2112, 7168, False): (64, 128, 4, 4, 4),  # 32 rows: q_a + kv_a, split-K 16.8 µs (25.9)
     (0, 24576, 1536, False): None,               # q_b             30.4 µs (30.0)
     (0, 7168, 16384, False): (64, 128, 4, 6),    # o_proj          67.6 µs (75.6)
-    (2, 18432, 7168, False): None,               # gate + up       147.4 µs (138.2 + SiLU x up)
+    (2, 18432, 7168, False): (64, 64, 8, 3),     # gate + up       132.1 µs (145.4 + SiLU x up),
+    #                                             kernel timer; in the step 0.97x of cuBLAS + SiLU
     (0, 7168, 18432, False): (64, 128, 4, 6),    # down_proj       74.2 µs (82.0)
     # the output head (lm_head): V3's vocabulary, and a 2048-token one (split-K)
     (0, 129280, 7168, True): (64, 128, 4, 6),    # 1 row:          414.2 µs (428.4)

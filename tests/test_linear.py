@@ -26,6 +26,7 @@ CASES = [
     (1, 100, 37, 300, (32, 128, 4, 2)),
     (5, 64, 64, 512, (16, 256, 4, 2)),
     (33, 50, 7, 200, (64, 64, 4, 2)),
+    (32, 130, 20, 384, (64, 64, 8, 3)),   # 8 warps, as the 32-row gate + up config
 ]
 
 
@@ -140,8 +141,8 @@ def test_ops_reject_mismatched_weights():
 
 def test_pick_config_falls_back_to_default_and_torch():
     assert linear.pick_config(0, 123, 456, 1) == linear.DEFAULT_CONFIG
-    assert linear.pick_config(2, 18432, 7168, 32) is None           # cuBLAS measured faster
-    assert linear.pick_config(2, 18432, 7168, 1) is not None
+    assert linear.pick_config(0, 24576, 1536, 32) is None           # cuBLAS measured faster
+    assert linear.pick_config(2, 18432, 7168, 32) is not None
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the Triton path of the ops runs on CUDA")
@@ -234,6 +235,35 @@ def test_split_k_linear_on_gpu_eager_and_compiled(monkeypatch, rows, N, K):
         assert out.shape == ref.shape and out.dtype == torch.bfloat16
         assert _rel(out, ref) < 2e-2
     assert "decode_linear_kernel" in "".join(codes)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the Triton path of the ops runs on CUDA")
+@pytest.mark.parametrize("key", [k for k, v in linear.CONFIGS.items() if v is not None], ids=str)
+def test_measured_configs_at_their_shapes_vs_fp64(key):
+    """Each measured CONFIGS entry at its own DeepSeek-V3 shape and 1 or 32 rows: the
+    config a converted model runs computes its GEMM (the pair is q_a + kv_a, N2 = 576)."""
+    mode, N, K, small = key
+    cfg, M = linear.CONFIGS[key], (1 if small else 32)
+    g = torch.Generator(device=DEV).manual_seed(N + K + M)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=DEV) * scale).to(torch.bfloat16)
+    x = rnd(M, K)
+    Ns = (N - 576, 576) if mode == 1 else (N, N) if mode == 2 else (N,)
+    ws = [rnd(n, K, scale=K ** -0.5) for n in Ns]
+    prods = [x.double() @ w.double().T for w in ws]
+    S = linear.split_k_of(cfg)
+    if mode == 2:
+        ref = F.silu(prods[0]) * prods[1]
+        y = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
+        linear.launch(x, ws[0], ws[1], 2, y, None, cfg, wrap=False)
+    else:
+        ref = torch.cat(prods, -1)
+        y = torch.full((S, M, sum(Ns)), float("nan"), device=DEV)          # fp32 partials
+        linear.launch(x, ws[0], ws[1] if mode else None, mode, y if S > 1 else y[0], None,
+                      cfg, wrap=False, y2_col0=Ns[0] if mode else 0)
+        y = y.sum(0)
+    assert _rel(y, ref) < 2e-2
 
 
 def test_converted_hf_layer_uses_the_ops():
