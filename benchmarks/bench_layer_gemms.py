@@ -23,7 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from timing import (announce_ceiling, best_config, gemm_header, gemm_row,  # noqa: E402
-                    graph_time_us, kernel_time_us, print_configs)
+                    add_timer_args, chosen_timer, print_configs)
 from lowering import linear  # noqa: E402
 
 # (name, mode, out_features (w1, w2), in_features) of V3's attention + dense MLP weights
@@ -103,12 +103,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,32")
     ap.add_argument("--gemms", default=None, help="indices into GEMMS to time, e.g. 0,2 (default: all)")
-    ap.add_argument("--timer", choices=["graph", "kernel"], default="graph",
-                    help="graph: do_bench over graph replays; kernel: the profiler's kernel "
-                         "span (what the kernels take inside a model step)")
-    ap.add_argument("--show", action="store_true", help="print every config's time")
+    add_timer_args(ap)
     args = ap.parse_args()
-    timer = kernel_time_us if args.timer == "kernel" else graph_time_us
+    timer = chosen_timer(args)
     dev = torch.device("cuda")
     ceil = announce_ceiling()
     configs = {}

@@ -55,6 +55,18 @@ def kernel_time_us(fn, reps: int = 30) -> float:
     return float(spans[len(spans) // 2])
 
 
+def add_timer_args(ap):
+    """The config sweeps' --timer and --show options (chosen_timer reads --timer)."""
+    ap.add_argument("--timer", choices=["graph", "kernel"], default="graph",
+                    help="graph: do_bench over graph replays; kernel: the profiler's kernel "
+                         "span (what the kernels take inside a model step)")
+    ap.add_argument("--show", action="store_true", help="print every config's time")
+
+
+def chosen_timer(args):
+    return kernel_time_us if args.timer == "kernel" else graph_time_us
+
+
 def best_config(configs, make_run, ref, tol=2e-2, timer=None, show=False):
     """(µs, config) of the fastest config whose output matches ref.
 
