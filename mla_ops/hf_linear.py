@@ -95,7 +95,7 @@ def _mlp_forward(self, x):
     if _ops.IMPL == "torch" or _needs_grad(self.gate_proj, self.up_proj, self.down_proj):
         return self._hf_forward(x)
     h = torch.ops.mla.decode_gate_up(x, self.gate_proj.weight, self.up_proj.weight)   # [..., I]
-    return torch.ops.mla.decode_linear(h, self.down_proj.weight)
+    return _decode_linear(h, self.down_proj.weight)                       # split-K per CONFIGS
 
 
 _CLASSES: dict = {}
