@@ -27,7 +27,7 @@ import torch
 from .cache import CacheFullError  # noqa: F401  (raised by PagedMLACache and DecodeGraph)
 from .hf_cache import PagedMLACache
 from .hf_linear import (convertible_head, decode_head_class, fusable_mlp, fused_mlp_class,
-                        linear, linear_pair)
+                        linear, linear_pair, qkv_a_prologue)
 from .layer import MLAAttention
 
 __all__ = ["convert", "PagedMLACache", "DecodeGraph", "is_converted"]
@@ -87,23 +87,33 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     N, P, R, V, L = (mla.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
                      mla.kv_lora_rank)
     T = B * S
-    if self.q_lora_rank is None:
+    # decode (CUDA, split-K GEMM): both norms and the key's RoPE in one op after the GEMM
+    fused = qkv_a_prologue(self, hidden_states, position_embeddings)
+    if fused is not None:
+        q_a, kv_row = fused                                   # [B, S, q_lora], [B, S, L+R]
+        q = linear(self.q_b_proj, q_a)
+    elif self.q_lora_rank is None:
         q, kv = linear_pair(self.q_proj, self.kv_a_proj_with_mqa, hidden_states)
     else:                                      # q_a and kv_a in one launch
         q_a, kv = linear_pair(self.q_a_proj, self.kv_a_proj_with_mqa, hidden_states)
         q = linear(self.q_b_proj, self.q_a_layernorm(q_a))
     q = q.view(B, S, N, P + R)                                               # [B, S, N, P+R]
-    kv_c, k_rot = torch.split(kv, [L, R], dim=-1)                            # kv [B, S, L+R]
-    kv_c = self.kv_a_layernorm(kv_c)                                         # [B, S, L]
-    k_rot = k_rot.reshape(B, 1, S, R)
-    q_rot, k_rot = _rope(self, q[..., P:].transpose(1, 2), k_rot, position_embeddings)
-    # RoPE written back in place: q_pass stays where the GEMM put it (a cat would copy all
-    # P + R columns into a new buffer).
-    q[..., P:] = q_rot.transpose(1, 2)
+    if fused is None:
+        kv_c, k_rot = torch.split(kv, [L, R], dim=-1)                        # kv [B, S, L+R]
+        kv_c = self.kv_a_layernorm(kv_c)                                     # [B, S, L]
+        k_rot = k_rot.reshape(B, 1, S, R)
+        q_rot, k_rot = _rope(self, q[..., P:].transpose(1, 2), k_rot, position_embeddings)
+        # RoPE written back in place: q_pass stays where the GEMM put it (a cat would copy
+        # all P + R columns into a new buffer).
+        q[..., P:] = q_rot.transpose(1, 2)
+        # This step's cache rows as one buffer that both ops read through views (compiled,
+        # Inductor otherwise writes the normed latent into a separate buffer for each op).
+        kv_row = torch.cat((kv_c.reshape(T, L), k_rot.reshape(T, R)), dim=-1)   # [T, L+R]
+    else:                        # the query's RoPE as one op too (HF's numerics, V3 only)
+        cos, sin = position_embeddings                                       # [B, S, R]
+        q = torch.ops.mla.decode_q_rope(q, cos, sin, bool(self.config.rope_interleave))
+        kv_row = kv_row.reshape(T, L + R)
     q = q.view(T, N, P + R)                                                  # [T, N, P+R]
-    # This step's cache rows as one buffer that both ops read through views (compiled,
-    # Inductor otherwise writes the normed latent into a separate buffer for each op).
-    kv_row = torch.cat((kv_c.reshape(T, L), k_rot.reshape(T, R)), dim=-1)   # [T, L+R]
 
     step = cache._prepare(self.layer_idx, B, S, attention_mask, q.dtype, q.device,
                           backend=mla.backend)

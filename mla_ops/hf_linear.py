@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from lowering import linear as _ops  # registers the mla::decode_* ops
+import lowering.prologue  # noqa: F401  (registers mla::decode_qkv_prologue)
 
 
 def _plain(*mods) -> bool:
@@ -65,6 +66,41 @@ def linear_pair(m1, m2, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         p1, p2 = parts.split([w1.shape[0], w2.shape[0]], dim=-1)
         return p1.sum(0).to(x.dtype), p2.sum(0).to(x.dtype)     # one sum per consumer
     return torch.ops.mla.decode_linear_pair(x, w1, w2)
+
+
+# False: the attention keeps the modules' own norms and HF's RoPE functions even where
+# the fused prologue ops apply (to compare against)
+FUSE_PROLOGUE = True
+
+
+def _hf_rms_norm(m) -> bool:
+    """An HF DeepSeek-V3 RMSNorm module whose forward is HF's own (weight, variance_epsilon)."""
+    return (type(m).__name__ == "DeepseekV3RMSNorm" and type(m).__module__.startswith("transformers.")
+            and m.weight.dim() == 1)
+
+
+def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
+    """(q_a_layernorm(q_a), [kv_a_layernorm(kv_c) | RoPE(k_pe)]) of a DeepSeek-V3 attention
+    module for hidden states x [B, S, H]: the q_a + kv_a GEMM's split-K partials, then one
+    op (mla::decode_qkv_prologue) for both norms and the key's RoPE. None where that path
+    does not apply (no q_lora, V2's complex RoPE, other norms, or a pair config without
+    split-K: then the caller runs the modules)."""
+    m1, m2 = attn.q_a_proj, attn.kv_a_proj_with_mqa
+    if (not FUSE_PROLOGUE or attn._mla_family != "v3" or attn.q_lora_rank is None
+            or not _use_ops(m1, m2)
+            or not (_hf_rms_norm(attn.q_a_layernorm) and _hf_rms_norm(attn.kv_a_layernorm))
+            or not isinstance(position_embeddings, (tuple, list))):
+        return None
+    w1, w2 = m1.weight, m2.weight
+    split_k = _ops.pair_split_k(x, w1, w2)
+    if split_k <= 1:
+        return None
+    cos, sin = position_embeddings                                        # [B, S, R] each
+    parts = torch.ops.mla.decode_linear_pair_partials(x, w1, w2, split_k)  # [K, B, S, NQ+L+R]
+    nq, nkv = attn.q_a_layernorm, attn.kv_a_layernorm
+    return torch.ops.mla.decode_qkv_prologue(
+        parts, nq.weight, nkv.weight, cos, sin, float(nq.variance_epsilon),
+        float(nkv.variance_epsilon), bool(attn.config.rope_interleave))
 
 
 # ------------------------------------------------------------------------- MLP

@@ -1,0 +1,145 @@
+"""The attention prologue of a decode step as graph ops: after the q_a + kv_a GEMM's
+split-K partials, and the query's RoPE after q_b.
+
+    mla::decode_qkv_prologue(part [S, *lead, NQ + L + R] fp32, w_q [NQ], w_kv [L],
+                             cos [*lead, R], sin [*lead, R], eps_q, eps_kv, interleave)
+        -> (q_out [*lead, NQ], kv_row [*lead, L + R])   in w_q's dtype
+
+    q_out  = RMSNorm(sum(part)[..., :NQ]) * w_q                            (q_a_layernorm)
+    kv_row = [RMSNorm(sum(part)[..., NQ:NQ+L]) * w_kv | RoPE(sum(part)[..., NQ+L:])]
+
+    mla::decode_q_rope(q [*lead, N, P + R], cos [*lead, R], sin [*lead, R], interleave)
+        -> q with RoPE applied to its last R columns (a new tensor)
+
+On CUDA one Triton launch each (at most MAX_ROWS tokens; roundings in
+prologue_kernel.py); elsewhere HF's own steps in torch ops, bit for bit what its modules
+and RoPE functions compute. Defined with torch.library.triton_op, so Inductor sees the
+kernels in the graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .prologue_kernel import qkv_prologue_kernel
+from .q_rope_kernel import q_rope_kernel
+
+MAX_ROWS = 64
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's DeepseekV3RMSNorm.forward on x in w's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """HF's RoPE of the key rows k [..., R] with cos / sin [..., R] (cat(freqs, freqs))."""
+    H = k.shape[-1] // 2
+    if interleave:
+        k1, k2, c2, s2 = k[..., 0::2], k[..., 1::2], cos[..., :H], sin[..., :H]
+    else:
+        k1, k2, c2, s2 = k[..., :H], k[..., H:], cos[..., H:], sin[..., H:]
+    return torch.cat([k1 * cos[..., :H] - k2 * sin[..., :H], k2 * c2 + k1 * s2], dim=-1)
+
+
+def _check(part, w_q, w_kv, cos, sin):
+    if part.dim() < 2 or part.dtype != torch.float32:
+        raise TypeError(f"part must be fp32 [split, *lead, NQ + L + R] partial sums, got "
+                        f"{part.dtype} {tuple(part.shape)}")
+    for name, w in (("w_q", w_q), ("w_kv", w_kv)):
+        if w.dim() != 1 or w.dtype != w_q.dtype or w.device != part.device:
+            raise ValueError(f"{name} must be 1-D, of w_q's dtype, on {part.device}; got "
+                             f"{w.dtype} {tuple(w.shape)} on {w.device}")
+    NQ, L = w_q.shape[0], w_kv.shape[0]
+    R = part.shape[-1] - NQ - L
+    if R <= 0 or R % 2:
+        raise ValueError(f"part's last dim {part.shape[-1]} must be NQ={NQ} + L={L} + an even R")
+    want = (*part.shape[1:-1], R)
+    for name, c in (("cos", cos), ("sin", sin)):
+        if tuple(c.shape) != want or c.device != part.device:
+            raise ValueError(f"{name} must be {want} on {part.device} (one row per token), got "
+                             f"{tuple(c.shape)} on {c.device}")
+    return NQ, L, R
+
+
+def kernel_serves(part: torch.Tensor, w_q: torch.Tensor) -> bool:
+    """Whether the Triton kernel runs this call (else the torch steps do)."""
+    rows = part[0].numel() // max(1, part.shape[-1])
+    return (part.is_cuda and w_q.dtype in (torch.bfloat16, torch.float16)
+            and 0 < rows <= MAX_ROWS)
+
+
+def launch(part, w_q, w_kv, cos, sin, eps_q, eps_kv, interleave, q_out, kv_out, *, wrap=True):
+    """Run qkv_prologue_kernel: part [S, T, NQ + L + R] fp32 contiguous, cos / sin [T, R]
+    (last dim contiguous), q_out [T, NQ], kv_out [T, L + R] contiguous."""
+    S, T, _ = part.shape
+    NQ, L = w_q.shape[0], w_kv.shape[0]
+    R = part.shape[-1] - NQ - L
+    kernel = torch.library.wrap_triton(qkv_prologue_kernel) if wrap else qkv_prologue_kernel
+    kernel[(T, 2)](
+        part, w_q, w_kv, cos, sin, q_out, kv_out,
+        part.stride(0), cos.stride(0), eps_q, eps_kv,
+        SPLIT=S, NQ=NQ, L=L, R=R, BLOCK_Q=triton.next_power_of_2(NQ),
+        BLOCK_L=triton.next_power_of_2(L), BLOCK_H=triton.next_power_of_2(R // 2),
+        INTERLEAVE=interleave, num_warps=4)
+
+
+@torch.library.triton_op("mla::decode_qkv_prologue", mutates_args={})
+def decode_qkv_prologue(part: torch.Tensor, w_q: torch.Tensor, w_kv: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor, eps_q: float, eps_kv: float,
+                        interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    NQ, L, R = _check(part, w_q, w_kv, cos, sin)
+    lead = part.shape[1:-1]
+    if not kernel_serves(part, w_q):
+        x = part.sum(0).to(w_q.dtype)                                     # [*lead, NQ+L+R]
+        q, kv, k = x.split([NQ, L, R], dim=-1)
+        kv_row = torch.cat([_norm(kv, w_kv, eps_kv),
+                            _rope(k, cos.to(x.dtype), sin.to(x.dtype), interleave)], dim=-1)
+        return _norm(q, w_q, eps_q), kv_row
+    p = part.reshape(part.shape[0], -1, part.shape[-1]).contiguous()      # [S, T, NQ+L+R]
+    T = p.shape[1]
+    c, s = (a.reshape(T, R).to(w_q.dtype) for a in (cos, sin))
+    c, s = (a if a.stride(-1) == 1 else a.contiguous() for a in (c, s))
+    q_out = torch.empty((T, NQ), dtype=w_q.dtype, device=part.device)
+    kv_out = torch.empty((T, L + R), dtype=w_q.dtype, device=part.device)
+    launch(p, w_q, w_kv, c, s, float(eps_q), float(eps_kv), bool(interleave), q_out, kv_out)
+    return q_out.view(*lead, NQ), kv_out.view(*lead, L + R)
+
+
+def launch_q_rope(q, cos, sin, interleave, y, *, wrap=True, block_rows=16):
+    """Run q_rope_kernel: q, y [T, N, P + R] contiguous, cos / sin [T, R] (last dim
+    contiguous)."""
+    T, N, W = q.shape
+    R = cos.shape[-1]
+    kernel = torch.library.wrap_triton(q_rope_kernel) if wrap else q_rope_kernel
+    kernel[(triton.cdiv(T * N, block_rows),)](
+        q, y, cos, sin, T * N, N, cos.stride(0), P=W - R, R=R, BLOCK_ROWS=block_rows,
+        BLOCK_P=triton.next_power_of_2(W - R), BLOCK_H=triton.next_power_of_2(R // 2),
+        INTERLEAVE=interleave, num_warps=4)
+
+
+@torch.library.triton_op("mla::decode_q_rope", mutates_args={})
+def decode_q_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  interleave: bool) -> torch.Tensor:
+    if q.dim() < 2 or cos.shape != sin.shape or tuple(cos.shape) != (*q.shape[:-2], cos.shape[-1]):
+        raise ValueError(f"cos and sin must be [*lead, R] for q [*lead, N, P + R]; got q "
+                         f"{tuple(q.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+    R = cos.shape[-1]
+    if R % 2 or not 0 < R < q.shape[-1]:
+        raise ValueError(f"the RoPE width R={R} (cos's last dim) must be even and below q's "
+                         f"head size {q.shape[-1]}")
+    if cos.device != q.device or sin.device != q.device:
+        raise ValueError(f"cos / sin must be on q's device {q.device}")
+    tokens = q.numel() // max(1, q.shape[-1] * q.shape[-2])
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and 0 < tokens <= MAX_ROWS):
+        c, s = cos.to(q.dtype)[..., None, :], sin.to(q.dtype)[..., None, :]   # [*lead, 1, R]
+        return torch.cat([q[..., :-R], _rope(q[..., -R:], c, s, interleave)], dim=-1)
+    q3 = q.reshape(tokens, q.shape[-2], q.shape[-1]).contiguous()         # [T, N, P + R]
+    c, s = (a.reshape(tokens, R).to(q.dtype) for a in (cos, sin))
+    c, s = (a if a.stride(-1) == 1 else a.contiguous() for a in (c, s))
+    y = torch.empty_like(q3)
+    launch_q_rope(q3, c, s, bool(interleave), y)
+    return y.view(q.shape)

@@ -1,0 +1,220 @@
+"""The attention prologue ops (lowering/prologue.py): split-K partial sums -> q_a norm,
+kv_c norm and the key's RoPE; the query's RoPE. The kernels vs float64 (CPU: the Triton
+interpreter in fp32; GPU: bf16), the ops' torch paths bit for bit against HF's own modules
+and RoPE functions, bad input, and on a GPU the converted DeepSeek-V3 attention's use of
+them at V3's shapes."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytest.importorskip("transformers")
+
+from lowering import prologue  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _inputs(S, T, NQ, L, R, g, dtype):
+    part = torch.randn(S, T, NQ + L + R, generator=g, dtype=torch.float64) * 3
+    w_q = 1 + 0.5 * torch.randn(NQ, generator=g, dtype=torch.float64)
+    w_kv = 1 + 0.5 * torch.randn(L, generator=g, dtype=torch.float64)
+    pos = torch.randint(0, 5000, (T, 1), generator=g).double()
+    freqs = pos / 10000 ** (torch.arange(0, R, 2, dtype=torch.float64) / R)   # [T, R/2]
+    emb = torch.cat([freqs, freqs], dim=-1) * 1.2                              # attention scaling
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    return part, w_q.to(dtype), w_kv.to(dtype), cos, sin
+
+
+def _reference(part, w_q, w_kv, cos, sin, eps, interleave):
+    """float64: the same steps on the rounded inputs, no intermediate rounding."""
+    NQ, L = w_q.shape[0], w_kv.shape[0]
+    x = part.sum(0)
+    q, kv, k = x[..., :NQ], x[..., NQ:NQ + L], x[..., NQ + L:]
+
+    def norm(v, w):
+        return v / torch.sqrt((v * v).mean(-1, keepdim=True) + eps) * w.double()
+    H = k.shape[-1] // 2
+    c, s = cos.double(), sin.double()
+    if interleave:
+        k1, k2, c1, s1, c2, s2 = k[..., 0::2], k[..., 1::2], c[..., :H], s[..., :H], c[..., :H], s[..., :H]
+    else:
+        k1, k2, c1, s1, c2, s2 = k[..., :H], k[..., H:], c[..., :H], s[..., :H], c[..., H:], s[..., H:]
+    rope = torch.cat([k1 * c1 - k2 * s1, k2 * c2 + k1 * s2], dim=-1)
+    return norm(q, w_q), torch.cat([norm(kv, w_kv), rope], dim=-1)
+
+
+def _rel(a, ref):
+    return ((a.double().cpu() - ref).abs().max() / ref.abs().max()).item()
+
+
+# split, tokens, NQ, L, R, interleave: one token, one split, widths and half-widths not
+# powers of two, V3's widths (NQ 1536, L 512, R 64) at 32 tokens and 4 splits
+CASES = [
+    (1, 1, 64, 32, 8, False),
+    (3, 5, 100, 40, 12, True),
+    (2, 3, 30, 20, 6, False),
+    (4, 32, 1536, 512, 64, True),
+]
+
+
+@pytest.mark.parametrize("S,T,NQ,L,R,interleave", CASES)
+def test_kernel_vs_fp64(S, T, NQ, L, R, interleave):
+    g = torch.Generator().manual_seed(S * 100 + T)
+    dt, tol = (torch.bfloat16, 2e-2) if DEV == "cuda" else (torch.float32, 1e-5)
+    part, w_q, w_kv, cos, sin = _inputs(S, T, NQ, L, R, g, dt)
+    ref_q, ref_kv = _reference(part, w_q, w_kv, cos, sin, 1e-6, interleave)
+    q_out = torch.empty(T, NQ, dtype=dt, device=DEV)
+    kv_out = torch.empty(T, L + R, dtype=dt, device=DEV)
+    prologue.launch(part.float().to(DEV), w_q.to(DEV), w_kv.to(DEV), cos.to(DEV), sin.to(DEV),
+                    1e-6, 1e-6, interleave, q_out, kv_out, wrap=False)
+    assert _rel(q_out, ref_q) < tol
+    assert _rel(kv_out[:, :L], ref_kv[:, :L]) < tol
+    assert _rel(kv_out[:, L:], ref_kv[:, L:]) < tol
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_path_equals_hf_modules(interleave, dtype):
+    """Off the kernel (CPU) the op computes what HF's RMSNorm modules and RoPE functions do,
+    bit for bit, in the activation dtype."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+    g = torch.Generator().manual_seed(7)
+    S, B, NQ, L, R = 3, 4, 96, 64, 16
+    part, w_q, w_kv, cos, sin = _inputs(S, B, NQ, L, R, g, dtype)
+    part = part.float()[:, :, None]                                        # [S, B, 1, W]
+    cos, sin = cos[:, None], sin[:, None]                                  # [B, 1, R]
+    nq, nkv = m.DeepseekV3RMSNorm(NQ, eps=1e-6), m.DeepseekV3RMSNorm(L, eps=1e-5)
+    with torch.no_grad():
+        nq.weight.copy_(w_q)
+        nkv.weight.copy_(w_kv)
+    nq, nkv = nq.to(dtype), nkv.to(dtype)
+    q_out, kv_row = torch.ops.mla.decode_qkv_prologue(part, nq.weight, nkv.weight, cos, sin,
+                                                       1e-6, 1e-5, interleave)
+    x = part.sum(0).to(dtype)
+    k = x[..., NQ + L:].reshape(B, 1, 1, R)
+    rope = m.apply_rotary_pos_emb_interleave if interleave else m.apply_rotary_pos_emb
+    _, k_hf = rope(k, k, cos, sin)
+    with torch.no_grad():
+        assert torch.equal(q_out, nq(x[..., :NQ]))
+        assert torch.equal(kv_row[..., :L], nkv(x[..., NQ:NQ + L]))
+    assert torch.equal(kv_row[..., L:], k_hf.reshape(B, 1, R))
+
+
+def _q_reference(q, cos, sin, interleave):
+    """float64 RoPE of q [T, N, P + R]'s last R columns, token t's angles for all heads."""
+    R = cos.shape[-1]
+    H = R // 2
+    x, c, s = q[..., -R:], cos.double()[:, None], sin.double()[:, None]
+    if interleave:
+        x1, x2, c2, s2 = x[..., 0::2], x[..., 1::2], c[..., :H], s[..., :H]
+    else:
+        x1, x2, c2, s2 = x[..., :H], x[..., H:], c[..., H:], s[..., H:]
+    rope = torch.cat([x1 * c[..., :H] - x2 * s[..., :H], x2 * c2 + x1 * s2], dim=-1)
+    return torch.cat([q[..., :-R], rope], dim=-1)
+
+
+# tokens, heads, P, R, interleave: one token, rows not a multiple of the 16-row block,
+# non-power-of-two widths, V3's head (P 128, R 64)
+Q_CASES = [
+    (1, 3, 20, 12, True),
+    (5, 4, 24, 10, False),
+    (32, 8, 128, 64, True),
+    (3, 7, 128, 64, False),
+]
+
+
+@pytest.mark.parametrize("T,N,P,R,interleave", Q_CASES)
+def test_q_rope_kernel_vs_fp64(T, N, P, R, interleave):
+    g = torch.Generator().manual_seed(T * 10 + N)
+    dt, tol = (torch.bfloat16, 1e-2) if DEV == "cuda" else (torch.float32, 1e-6)
+    _, _, _, cos, sin = _inputs(1, T, 1, 1, R, g, dt)
+    q = (torch.randn(T, N, P + R, generator=g, dtype=torch.float64) * 2).to(dt)
+    ref = _q_reference(q.double(), cos, sin, interleave)
+    y = torch.empty(T, N, P + R, dtype=dt, device=DEV)
+    prologue.launch_q_rope(q.to(DEV), cos.to(DEV), sin.to(DEV), interleave, y, wrap=False)
+    assert torch.equal(y[..., :P].cpu(), q[..., :P])              # q_nope copied as is
+    assert _rel(y[..., P:], ref[..., P:]) < tol
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_q_rope_torch_path_equals_hf(interleave):
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+    g = torch.Generator().manual_seed(11)
+    B, S, N, P, R = 2, 3, 4, 16, 8
+    _, _, _, cos, sin = _inputs(1, B * S, 1, 1, R, g, torch.bfloat16)
+    cos, sin = cos.view(B, S, R), sin.view(B, S, R)
+    q = torch.randn(B, S, N, P + R, generator=g).bfloat16()
+    y = torch.ops.mla.decode_q_rope(q, cos, sin, interleave)
+    rope = m.apply_rotary_pos_emb_interleave if interleave else m.apply_rotary_pos_emb
+    q_hf, _ = rope(q[..., P:].transpose(1, 2), q[..., P:].transpose(1, 2), cos, sin)
+    assert torch.equal(y[..., :P], q[..., :P])
+    assert torch.equal(y[..., P:], q_hf.transpose(1, 2))
+
+
+def test_bad_input_is_named():
+    part = torch.randn(2, 3, 10 + 8 + 4)
+    w_q, w_kv, cs = torch.ones(10), torch.ones(8), torch.ones(3, 4)
+    op = torch.ops.mla.decode_qkv_prologue
+    with pytest.raises(TypeError, match="part"):
+        op(part.bfloat16(), w_q, w_kv, cs, cs, 1e-6, 1e-6, True)
+    with pytest.raises(ValueError, match="even R"):
+        op(torch.randn(2, 3, 10 + 8 + 5), w_q, w_kv, torch.ones(3, 5), torch.ones(3, 5),
+           1e-6, 1e-6, True)
+    with pytest.raises(ValueError, match="cos"):
+        op(part, w_q, w_kv, torch.ones(3, 5), cs, 1e-6, 1e-6, True)
+    with pytest.raises(ValueError, match="w_kv"):
+        op(part, w_q, torch.ones(8).double(), cs, cs, 1e-6, 1e-6, True)
+    q = torch.randn(3, 2, 20)
+    with pytest.raises(ValueError, match="cos and sin"):
+        torch.ops.mla.decode_q_rope(q, torch.ones(3, 4), torch.ones(2, 4), True)
+    with pytest.raises(ValueError, match="even"):
+        torch.ops.mla.decode_q_rope(q, torch.ones(3, 5), torch.ones(3, 5), True)
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 32])
+def test_v3_attention_prologue_matches_hf_modules(rows):
+    """At DeepSeek-V3's attention shapes the converted layer takes the fused path (the pair
+    GEMM's config splits K) and matches HF's modules on the same hidden states."""
+    import mla_ops.hf
+    from mla_ops.hf_linear import qkv_a_prologue
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+    cfg = DeepseekV3Config(vocab_size=256, hidden_size=7168, intermediate_size=256,
+                           num_hidden_layers=1, num_attention_heads=128, num_key_value_heads=128,
+                           q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
+                           qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=1,
+                           rope_interleave=True, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        for mod in (attn.q_a_layernorm, attn.kv_a_layernorm):
+            mod.weight.normal_(1.0, 0.2)
+        for p in (attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight):
+            p.normal_(0.0, p.shape[-1] ** -0.5)
+    mla_ops.hf.convert(model)
+    x = torch.randn(rows, 1, 7168, device="cuda", dtype=torch.bfloat16)
+    pos = torch.randint(0, 8000, (rows, 1), device="cuda")
+    cos, sin = model.model.rotary_emb(x, pos)
+    with torch.no_grad():
+        fused = qkv_a_prologue(attn, x, (cos, sin))
+        assert fused is not None, "V3 shapes should take the fused prologue"
+        q_a, kv_row = fused
+        ref_q = attn.q_a_layernorm(attn.q_a_proj(x))
+        kv = attn.kv_a_proj_with_mqa(x)
+        k = kv[..., 512:].reshape(rows, 1, 1, 64)
+        _, k_ref = m.apply_rotary_pos_emb_interleave(k, k, cos, sin)
+        ref_kv = torch.cat([attn.kv_a_layernorm(kv[..., :512]), k_ref.reshape(rows, 1, 64)], -1)
+        q = attn.q_b_proj(q_a).view(rows, 1, 128, 192)
+        q_ours = torch.ops.mla.decode_q_rope(q, cos, sin, True)
+        q_hf, _ = m.apply_rotary_pos_emb_interleave(q[..., 128:].transpose(1, 2), k, cos, sin)
+    assert torch.equal(q_ours[..., :128], q[..., :128])
+    # RoPE in fp32, rounded once (HF eager rounds each product): within a bf16 step
+    assert _rel(q_ours[..., 128:], q_hf.transpose(1, 2).double().cpu()) < 1e-2
+    assert q_a.shape == ref_q.shape and kv_row.shape == ref_kv.shape
+    assert _rel(q_a, ref_q.double().cpu()) < 2e-2
+    assert _rel(kv_row[..., :512], ref_kv[..., :512].double().cpu()) < 2e-2
+    assert _rel(kv_row[..., 512:], ref_kv[..., 512:].double().cpu()) < 2e-2
