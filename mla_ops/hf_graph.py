@@ -78,7 +78,11 @@ class DecodeGraph:
         pos = c.lens[:self.batch_size, None].long()           # [B, 1] each row's next position
         logits = self.model.forward(input_ids=input_ids, position_ids=pos, past_key_values=c,
                                     use_cache=True, logits_to_keep=1).logits
-        return logits, logits[:, -1].argmax(-1)                # [B, 1, V], [B]
+        tokens = logits[:, -1].argmax(-1)                      # [B]
+        # the greedy next input, written by the step itself (every call sets its input
+        # first, so only greedy() relies on it: one copy kernel per step fewer)
+        input_ids.copy_(tokens[:, None])
+        return logits, tokens                                  # [B, 1, V], [B]
 
     def _step(self):
         with torch.no_grad():
@@ -187,6 +191,5 @@ class DecodeGraph:
         out = torch.empty(self.batch_size, steps, dtype=torch.long, device=self.device)
         for i in range(steps):
             self._run()
-            out[:, i] = self.next_tokens
-            self.input_ids.copy_(self.next_tokens[:, None])
+            out[:, i] = self.next_tokens      # the step already fed them to input_ids
         return out
