@@ -109,7 +109,7 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
         # This step's cache rows as one buffer that both ops read through views (compiled,
         # Inductor otherwise writes the normed latent into a separate buffer for each op).
         kv_row = torch.cat((kv_c.reshape(T, L), k_rot.reshape(T, R)), dim=-1)   # [T, L+R]
-    else:                        # the query's RoPE as one op too (HF's numerics, V3 only)
+    else:                        # the query's RoPE as one op too (V3 decode, CUDA)
         cos, sin = position_embeddings                                       # [B, S, R]
         q = torch.ops.mla.decode_q_rope(q, cos, sin, bool(self.config.rope_interleave))
         kv_row = kv_row.reshape(T, L + R)

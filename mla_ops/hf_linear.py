@@ -1,4 +1,5 @@
-"""A converted layer's weight GEMMs through the decode GEMM ops (lowering/linear.py).
+"""A converted layer's weight GEMMs through the decode GEMM ops (lowering/linear.py), and
+the attention prologue after the q_a + kv_a GEMM through lowering/prologue.py's ops.
 
 A decode step reads each weight once for a few rows, so the layer's GEMMs are weight
 copies: q_a_proj + kv_a_proj_with_mqa share their input and run as one launch, gate_proj +
@@ -75,8 +76,8 @@ FUSE_PROLOGUE = True
 
 def _hf_rms_norm(m) -> bool:
     """An HF DeepSeek-V3 RMSNorm module whose forward is HF's own (weight, variance_epsilon)."""
-    return (type(m).__name__ == "DeepseekV3RMSNorm" and type(m).__module__.startswith("transformers.")
-            and m.weight.dim() == 1)
+    return (type(m).__name__ == "DeepseekV3RMSNorm" and m.weight.dim() == 1
+            and type(m).__module__.startswith("transformers."))
 
 
 def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):

@@ -172,15 +172,11 @@ def test_bad_input_is_named():
         torch.ops.mla.decode_q_rope(q, torch.ones(3, 5), torch.ones(3, 5), True)
 
 
-@gpu
-@pytest.mark.parametrize("rows", [1, 32])
-def test_v3_attention_prologue_matches_hf_modules(rows):
-    """At DeepSeek-V3's attention shapes the converted layer takes the fused path (the pair
-    GEMM's config splits K) and matches HF's modules on the same hidden states."""
-    import mla_ops.hf
-    from mla_ops.hf_linear import qkv_a_prologue
+def _v3_attention_model():
+    """A one-layer DeepseekV3ForCausalLM with DeepSeek-V3's attention shapes (hidden 7168,
+    128 heads, q_lora 1536), a small dense MLP and vocabulary, bf16 on CUDA, weights
+    N(0, 1 / fan_in) so activations stay O(1)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
     cfg = DeepseekV3Config(vocab_size=256, hidden_size=7168, intermediate_size=256,
                            num_hidden_layers=1, num_attention_heads=128, num_key_value_heads=128,
                            q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
@@ -189,13 +185,25 @@ def test_v3_attention_prologue_matches_hf_modules(rows):
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).eval()
-    attn = model.model.layers[0].self_attn
     with torch.no_grad():
-        for mod in (attn.q_a_layernorm, attn.kv_a_layernorm):
-            mod.weight.normal_(1.0, 0.2)
-        for p in (attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight):
-            p.normal_(0.0, p.shape[-1] ** -0.5)
-    mla_ops.hf.convert(model)
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "embed" not in name:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+            elif "norm" in name:
+                p.normal_(1.0, 0.2)
+    return model
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 32])
+def test_v3_attention_prologue_matches_hf_modules(rows):
+    """At DeepSeek-V3's attention shapes the converted layer takes the fused path (the pair
+    GEMM's config splits K) and matches HF's modules on the same hidden states."""
+    import mla_ops.hf
+    from mla_ops.hf_linear import qkv_a_prologue
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+    model = mla_ops.hf.convert(_v3_attention_model())
+    attn = model.model.layers[0].self_attn
     x = torch.randn(rows, 1, 7168, device="cuda", dtype=torch.bfloat16)
     pos = torch.randint(0, 8000, (rows, 1), device="cuda")
     cos, sin = model.model.rotary_emb(x, pos)
@@ -211,10 +219,46 @@ def test_v3_attention_prologue_matches_hf_modules(rows):
         q = attn.q_b_proj(q_a).view(rows, 1, 128, 192)
         q_ours = torch.ops.mla.decode_q_rope(q, cos, sin, True)
         q_hf, _ = m.apply_rotary_pos_emb_interleave(q[..., 128:].transpose(1, 2), k, cos, sin)
-    assert torch.equal(q_ours[..., :128], q[..., :128])
-    # RoPE in fp32, rounded once (HF eager rounds each product): within a bf16 step
-    assert _rel(q_ours[..., 128:], q_hf.transpose(1, 2).double().cpu()) < 1e-2
     assert q_a.shape == ref_q.shape and kv_row.shape == ref_kv.shape
     assert _rel(q_a, ref_q.double().cpu()) < 2e-2
     assert _rel(kv_row[..., :512], ref_kv[..., :512].double().cpu()) < 2e-2
     assert _rel(kv_row[..., 512:], ref_kv[..., 512:].double().cpu()) < 2e-2
+    assert torch.equal(q_ours[..., :128], q[..., :128])
+    # RoPE in fp32, rounded once (HF eager rounds each product): within a bf16 step
+    assert _rel(q_ours[..., 128:], q_hf.transpose(1, 2).double().cpu()) < 1e-2
+
+
+@gpu
+def test_v3_shaped_decode_graph_logits_match_hf():
+    """End to end at V3's attention shapes: a prefill (24 rows, fused too) and captured
+    DecodeGraph steps, teacher-forced, against the unconverted model with a DynamicCache."""
+    import copy
+    import mla_ops.hf as H
+    from hf_models import logit_err
+    from mla_ops.hf_linear import qkv_a_prologue
+    from transformers import DynamicCache
+    ref = _v3_attention_model()
+    model = H.convert(copy.deepcopy(ref))
+    B, S0 = 4, 6
+    x = torch.zeros(B, 1, 7168, device="cuda", dtype=torch.bfloat16)
+    pe = model.model.rotary_emb(x, torch.zeros(B, 1, dtype=torch.long, device="cuda"))
+    with torch.no_grad():
+        assert qkv_a_prologue(model.model.layers[0].self_attn, x, pe) is not None
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 256, (B, S0), generator=g).cuda()
+    pos = torch.arange(S0, device="cuda").expand(B, S0)
+    cache = H.PagedMLACache(model.config, max_batch_size=B, max_cache_len=64, device="cuda",
+                            dtype=torch.bfloat16)
+    rcache = DynamicCache(config=ref.config)
+    with torch.no_grad():
+        first = model(input_ids=ids, position_ids=pos, past_key_values=cache).logits
+        exp = ref(input_ids=ids, position_ids=pos, past_key_values=rcache).logits
+        assert logit_err(first[:, -1], exp[:, -1]) < 3e-2
+        runner = H.DecodeGraph(model, cache)
+        tok, p = exp[:, -1:].argmax(-1), pos[:, -1:]
+        for step in range(4):
+            p = p + 1
+            exp = ref(input_ids=tok, position_ids=p, past_key_values=rcache).logits
+            got = runner(tok).clone()
+            assert logit_err(got, exp) < 3e-2, f"step {step}"
+            tok = exp[:, -1:].argmax(-1)
