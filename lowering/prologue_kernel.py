@@ -26,7 +26,7 @@ from .q_rope_kernel import rotate
 
 @triton.jit
 def _row_sum(ptr, offs, mask, stride_split, SPLIT: tl.constexpr):
-    """sum over the SPLIT partials of ptr[offs] (fp32), rounded to the caller's dtype later."""
+    """The fp32 sum over the SPLIT partials of ptr[offs] (0 where masked)."""
     acc = tl.load(ptr + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT):
         acc += tl.load(ptr + s * stride_split + offs, mask=mask, other=0.0)

@@ -26,6 +26,17 @@ def _inputs(S, T, NQ, L, R, g, dtype):
     return part, w_q.to(dtype), w_kv.to(dtype), cos, sin
 
 
+def _rope64(x, cos, sin, interleave):
+    """float64 RoPE of x [..., R] with cos / sin broadcastable to it (cat(freqs, freqs))."""
+    H = x.shape[-1] // 2
+    c, s = cos.double(), sin.double()
+    if interleave:          # pair j = (x[2j], x[2j+1]), angle j
+        x1, x2, c2, s2 = x[..., 0::2], x[..., 1::2], c[..., :H], s[..., :H]
+    else:                   # rotate_half: (x[j], x[H+j]), angles j and H + j
+        x1, x2, c2, s2 = x[..., :H], x[..., H:], c[..., H:], s[..., H:]
+    return torch.cat([x1 * c[..., :H] - x2 * s[..., :H], x2 * c2 + x1 * s2], dim=-1)
+
+
 def _reference(part, w_q, w_kv, cos, sin, eps, interleave):
     """float64: the same steps on the rounded inputs, no intermediate rounding."""
     NQ, L = w_q.shape[0], w_kv.shape[0]
@@ -34,14 +45,7 @@ def _reference(part, w_q, w_kv, cos, sin, eps, interleave):
 
     def norm(v, w):
         return v / torch.sqrt((v * v).mean(-1, keepdim=True) + eps) * w.double()
-    H = k.shape[-1] // 2
-    c, s = cos.double(), sin.double()
-    if interleave:
-        k1, k2, c1, s1, c2, s2 = k[..., 0::2], k[..., 1::2], c[..., :H], s[..., :H], c[..., :H], s[..., :H]
-    else:
-        k1, k2, c1, s1, c2, s2 = k[..., :H], k[..., H:], c[..., :H], s[..., :H], c[..., H:], s[..., H:]
-    rope = torch.cat([k1 * c1 - k2 * s1, k2 * c2 + k1 * s2], dim=-1)
-    return norm(q, w_q), torch.cat([norm(kv, w_kv), rope], dim=-1)
+    return norm(q, w_q), torch.cat([norm(kv, w_kv), _rope64(k, cos, sin, interleave)], dim=-1)
 
 
 def _rel(a, ref):
@@ -104,13 +108,7 @@ def test_torch_path_equals_hf_modules(interleave, dtype):
 def _q_reference(q, cos, sin, interleave):
     """float64 RoPE of q [T, N, P + R]'s last R columns, token t's angles for all heads."""
     R = cos.shape[-1]
-    H = R // 2
-    x, c, s = q[..., -R:], cos.double()[:, None], sin.double()[:, None]
-    if interleave:
-        x1, x2, c2, s2 = x[..., 0::2], x[..., 1::2], c[..., :H], s[..., :H]
-    else:
-        x1, x2, c2, s2 = x[..., :H], x[..., H:], c[..., H:], s[..., H:]
-    rope = torch.cat([x1 * c[..., :H] - x2 * s[..., :H], x2 * c2 + x1 * s2], dim=-1)
+    rope = _rope64(q[..., -R:], cos[:, None], sin[:, None], interleave)
     return torch.cat([q[..., :-R], rope], dim=-1)
 
 
