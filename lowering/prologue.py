@@ -64,11 +64,16 @@ def _check(part, w_q, w_kv, cos, sin):
     return NQ, L, R
 
 
-def kernel_serves(part: torch.Tensor, w_q: torch.Tensor) -> bool:
-    """Whether the Triton kernel runs this call (else the torch steps do)."""
-    rows = part[0].numel() // max(1, part.shape[-1])
-    return (part.is_cuda and w_q.dtype in (torch.bfloat16, torch.float16)
-            and 0 < rows <= MAX_ROWS)
+def kernel_serves(device: torch.device, dtype: torch.dtype, tokens: int) -> bool:
+    """Whether the Triton kernels run a call (else the torch steps do)."""
+    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and 0 < tokens <= MAX_ROWS)
+
+
+def _angle_rows(cos, sin, T: int, dtype):
+    """cos / sin [*lead, R] as [T, R] rows in dtype with a unit last stride, for a kernel."""
+    rows = (a.reshape(T, a.shape[-1]).to(dtype) for a in (cos, sin))
+    return tuple(a if a.stride(-1) == 1 else a.contiguous() for a in rows)
 
 
 def launch(part, w_q, w_kv, cos, sin, eps_q, eps_kv, interleave, q_out, kv_out, *, wrap=True):
@@ -92,7 +97,7 @@ def decode_qkv_prologue(part: torch.Tensor, w_q: torch.Tensor, w_kv: torch.Tenso
                         interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
     NQ, L, R = _check(part, w_q, w_kv, cos, sin)
     lead = part.shape[1:-1]
-    if not kernel_serves(part, w_q):
+    if not kernel_serves(part.device, w_q.dtype, part[0].numel() // part.shape[-1]):
         x = part.sum(0).to(w_q.dtype)                                     # [*lead, NQ+L+R]
         q, kv, k = x.split([NQ, L, R], dim=-1)
         kv_row = torch.cat([_norm(kv, w_kv, eps_kv),
@@ -100,8 +105,7 @@ def decode_qkv_prologue(part: torch.Tensor, w_q: torch.Tensor, w_kv: torch.Tenso
         return _norm(q, w_q, eps_q), kv_row
     p = part.reshape(part.shape[0], -1, part.shape[-1]).contiguous()      # [S, T, NQ+L+R]
     T = p.shape[1]
-    c, s = (a.reshape(T, R).to(w_q.dtype) for a in (cos, sin))
-    c, s = (a if a.stride(-1) == 1 else a.contiguous() for a in (c, s))
+    c, s = _angle_rows(cos, sin, T, w_q.dtype)
     q_out = torch.empty((T, NQ), dtype=w_q.dtype, device=part.device)
     kv_out = torch.empty((T, L + R), dtype=w_q.dtype, device=part.device)
     launch(p, w_q, w_kv, c, s, float(eps_q), float(eps_kv), bool(interleave), q_out, kv_out)
@@ -123,7 +127,7 @@ def launch_q_rope(q, cos, sin, interleave, y, *, wrap=True, block_rows=16):
 @torch.library.triton_op("mla::decode_q_rope", mutates_args={})
 def decode_q_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   interleave: bool) -> torch.Tensor:
-    if q.dim() < 2 or cos.shape != sin.shape or tuple(cos.shape) != (*q.shape[:-2], cos.shape[-1]):
+    if q.dim() < 2 or cos.shape != sin.shape or cos.shape[:-1] != q.shape[:-2]:
         raise ValueError(f"cos and sin must be [*lead, R] for q [*lead, N, P + R]; got q "
                          f"{tuple(q.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
     R = cos.shape[-1]
@@ -133,13 +137,11 @@ def decode_q_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if cos.device != q.device or sin.device != q.device:
         raise ValueError(f"cos / sin must be on q's device {q.device}")
     tokens = q.numel() // max(1, q.shape[-1] * q.shape[-2])
-    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-            and 0 < tokens <= MAX_ROWS):
+    if not kernel_serves(q.device, q.dtype, tokens):
         c, s = cos.to(q.dtype)[..., None, :], sin.to(q.dtype)[..., None, :]   # [*lead, 1, R]
         return torch.cat([q[..., :-R], _rope(q[..., -R:], c, s, interleave)], dim=-1)
     q3 = q.reshape(tokens, q.shape[-2], q.shape[-1]).contiguous()         # [T, N, P + R]
-    c, s = (a.reshape(tokens, R).to(q.dtype) for a in (cos, sin))
-    c, s = (a if a.stride(-1) == 1 else a.contiguous() for a in (c, s))
+    c, s = _angle_rows(cos, sin, tokens, q.dtype)
     y = torch.empty_like(q3)
     launch_q_rope(q3, c, s, bool(interleave), y)
     return y.view(q.shape)
