@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from lowering import linear as _ops  # registers the mla::decode_* ops
-import lowering.prologue  # noqa: F401  (registers mla::decode_qkv_prologue)
+import lowering.prologue  # noqa: F401  (registers mla::decode_qkv_prologue, decode_q_rope)
 
 
 def _plain(*mods) -> bool:
