@@ -44,7 +44,14 @@ def _rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: boo
     return torch.cat([k1 * cos[..., :H] - k2 * sin[..., :H], k2 * c2 + k1 * s2], dim=-1)
 
 
+def _check_angles(cos, sin):
+    for name, c in (("cos", cos), ("sin", sin)):
+        if not c.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor (HF's rotary rows), got {c.dtype}")
+
+
 def _check(part, w_q, w_kv, cos, sin):
+    _check_angles(cos, sin)
     if part.dim() < 2 or part.dtype != torch.float32:
         raise TypeError(f"part must be fp32 [split, *lead, NQ + L + R] partial sums, got "
                         f"{part.dtype} {tuple(part.shape)}")
@@ -127,6 +134,9 @@ def launch_q_rope(q, cos, sin, interleave, y, *, wrap=True, block_rows=16):
 @torch.library.triton_op("mla::decode_q_rope", mutates_args={})
 def decode_q_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   interleave: bool) -> torch.Tensor:
+    if not q.is_floating_point():
+        raise TypeError(f"q must be a floating tensor, got {q.dtype}")
+    _check_angles(cos, sin)
     if q.dim() < 2 or cos.shape != sin.shape or cos.shape[:-1] != q.shape[:-2]:
         raise ValueError(f"cos and sin must be [*lead, R] for q [*lead, N, P + R]; got q "
                          f"{tuple(q.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")

@@ -168,6 +168,12 @@ def test_bad_input_is_named():
         torch.ops.mla.decode_q_rope(q, torch.ones(3, 4), torch.ones(2, 4), True)
     with pytest.raises(ValueError, match="even"):
         torch.ops.mla.decode_q_rope(q, torch.ones(3, 5), torch.ones(3, 5), True)
+    with pytest.raises(TypeError, match="q must be a floating"):
+        torch.ops.mla.decode_q_rope(q.long(), torch.ones(3, 4), torch.ones(3, 4), True)
+    with pytest.raises(TypeError, match="sin must be a floating"):
+        torch.ops.mla.decode_q_rope(q, torch.ones(3, 4), torch.ones(3, 4).long(), True)
+    with pytest.raises(TypeError, match="cos must be a floating"):
+        op(part, w_q, w_kv, cs.long(), cs, 1e-6, 1e-6, True)
 
 
 def _v3_attention_model():
