@@ -11,6 +11,12 @@ split-K partials, and the query's RoPE after q_b.
     mla::decode_q_rope(q [*lead, N, P + R], cos [*lead, R], sin [*lead, R], interleave)
         -> q with RoPE applied to its last R columns (a new tensor)
 
+    mla::decode_q_absorb(q_a [*lead, Q], w [N * (P + R), Q], W_UK_T [N, P, L],
+                         cos [*lead, R], sin [*lead, R], interleave)
+        -> the absorbed decode query [T, N, L + R] = [q_nope @ W_UK_T | RoPE(q_pe)]
+           of q = q_a @ w.T (q_b_proj), T = prod(lead): q_b, the query's RoPE and the
+           absorption in one launch
+
 On CUDA one Triton launch each (at most MAX_ROWS tokens; roundings in
 prologue_kernel.py); elsewhere HF's own steps in torch ops, bit for bit what its modules
 and RoPE functions compute. Defined with torch.library.triton_op, so Inductor sees the
@@ -22,9 +28,12 @@ import torch
 import triton
 
 from .prologue_kernel import qkv_prologue_kernel
+from .q_absorb_kernel import q_absorb_kernel
 from .q_rope_kernel import q_rope_kernel
 
 MAX_ROWS = 64
+# q_absorb_kernel's launch: rows <= 16 -> (BLOCK_K, BLOCK_L, num_warps, num_stages)
+Q_ABSORB_CONFIGS = {True: (64, 128, 4, 4), False: (64, 128, 4, 4)}
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -155,3 +164,93 @@ def decode_q_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     y = torch.empty_like(q3)
     launch_q_rope(q3, c, s, bool(interleave), y)
     return y.view(q.shape)
+
+
+def _q_absorb_shape(q_a, w, W_UK_T, cos, sin):
+    """(Q, N, P, R, L) of a decode_q_absorb call, after its checks."""
+    for name, t in (("q_a", q_a), ("w", w), ("W_UK_T", W_UK_T)):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+    _check_angles(cos, sin)
+    if w.dtype != q_a.dtype or W_UK_T.dtype != q_a.dtype:
+        raise TypeError(f"w and W_UK_T must have q_a's dtype {q_a.dtype}, got {w.dtype} and "
+                        f"{W_UK_T.dtype}")
+    if q_a.dim() < 1 or w.dim() != 2 or W_UK_T.dim() != 3 or w.shape[1] != q_a.shape[-1]:
+        raise ValueError(f"need q_a [*lead, Q], w [N * (P + R), Q] and W_UK_T [N, P, L]; got "
+                         f"q_a {tuple(q_a.shape)}, w {tuple(w.shape)}, W_UK_T "
+                         f"{tuple(W_UK_T.shape)}")
+    Q = q_a.shape[-1]
+    N, P, L = W_UK_T.shape
+    R = cos.shape[-1] if cos.dim() else 0
+    if R <= 0 or R % 2 or w.shape[0] != N * (P + R):
+        raise ValueError(f"w must be [N * (P + R)={N} * ({P} + {R}), Q] with an even RoPE "
+                         f"width R (cos's last dim), got {tuple(w.shape)}")
+    want = (*q_a.shape[:-1], R)
+    for name, c in (("cos", cos), ("sin", sin)):
+        if tuple(c.shape) != want:
+            raise ValueError(f"{name} must be {want} (one row per token), got {tuple(c.shape)}")
+    for name, t in (("w", w), ("W_UK_T", W_UK_T), ("cos", cos), ("sin", sin)):
+        if t.device != q_a.device:
+            raise ValueError(f"{name} is on {t.device}, q_a on {q_a.device}")
+    return Q, N, P, R, L
+
+
+def _pow2(v: int) -> bool:
+    return v >= 16 and not v & (v - 1)
+
+
+def q_absorb_config(T: int, Q: int, L: int):
+    """(BLOCK_K, BLOCK_L, num_warps, num_stages) for T rows, fitted to Q and L."""
+    bk, bl, warps, stages = Q_ABSORB_CONFIGS[T <= 16]
+    while bk > 16 and Q % bk:
+        bk //= 2
+    while bl > 16 and L % bl:
+        bl //= 2
+    return bk, bl, warps, stages
+
+
+def q_absorb_serves(q_a, w, W_UK_T, R: int) -> bool:
+    """Whether q_absorb_kernel runs a decode_q_absorb call (else the torch steps do)."""
+    Q = q_a.shape[-1]
+    N, P, L = W_UK_T.shape
+    T = q_a.numel() // max(1, Q)
+    bk, bl = q_absorb_config(max(T, 1), Q, L)[:2]
+    return (kernel_serves(q_a.device, q_a.dtype, T) and _pow2(P) and _pow2(R // 2)
+            and Q % bk == 0 and Q >= 16 and L % bl == 0 and L >= 16
+            and w.is_contiguous() and W_UK_T.is_contiguous())
+
+
+def launch_q_absorb(q_a, w, W_UK_T, cos, sin, interleave, y, *, wrap=True, config=None):
+    """Run q_absorb_kernel: q_a [T, Q] (last dim contiguous), w [N * (P + R), Q] and
+    W_UK_T [N, P, L] contiguous, cos / sin [T, R] (last dim contiguous), y [T, N, L + R]
+    contiguous."""
+    T, Q = q_a.shape
+    N, P, L = W_UK_T.shape
+    R = cos.shape[-1]
+    bk, bl, warps, stages = config or q_absorb_config(T, Q, L)
+    block_t = max(16, triton.next_power_of_2(min(T, MAX_ROWS)))
+    kernel = torch.library.wrap_triton(q_absorb_kernel) if wrap else q_absorb_kernel
+    kernel[(N, triton.cdiv(T, block_t))](
+        q_a, w, W_UK_T, cos, sin, y, T, N, q_a.stride(0), cos.stride(0),
+        Q=Q, P=P, R=R, L=L, BLOCK_T=block_t, BLOCK_K=bk, BLOCK_L=bl,
+        INTERLEAVE=interleave, DOT_F32=not q_a.is_cuda, num_warps=warps, num_stages=stages)
+
+
+@torch.library.triton_op("mla::decode_q_absorb", mutates_args={})
+def decode_q_absorb(q_a: torch.Tensor, w: torch.Tensor, W_UK_T: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    Q, N, P, R, L = _q_absorb_shape(q_a, w, W_UK_T, cos, sin)
+    T = q_a.numel() // Q
+    if not q_absorb_serves(q_a, w, W_UK_T, R):
+        from .head_gemm import absorb_query
+        q = torch.nn.functional.linear(q_a, w).view(*q_a.shape[:-1], N, P + R)
+        c, s = cos.to(q.dtype)[..., None, :], sin.to(q.dtype)[..., None, :]   # [*lead, 1, R]
+        q = torch.cat([q[..., :P], _rope(q[..., P:], c, s, interleave)], dim=-1)
+        return absorb_query(q.reshape(T, N, P + R), W_UK_T)              # [T, N, L + R]
+    a = q_a.reshape(T, Q)
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    c, s = _angle_rows(cos, sin, T, q_a.dtype)
+    y = torch.empty((T, N, L + R), dtype=q_a.dtype, device=q_a.device)
+    launch_q_absorb(a, w, W_UK_T, c, s, bool(interleave), y)
+    return y

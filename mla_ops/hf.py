@@ -26,8 +26,8 @@ import torch
 
 from .cache import CacheFullError  # noqa: F401  (raised by PagedMLACache and DecodeGraph)
 from .hf_cache import PagedMLACache
-from .hf_linear import (convertible_head, decode_head_class, fusable_mlp, fused_mlp_class,
-                        linear, linear_pair, qkv_a_prologue)
+from .hf_linear import (absorbed_decode_query, convertible_head, decode_head_class,
+                        fusable_mlp, fused_mlp_class, linear, linear_pair, qkv_a_prologue)
 from .layer import MLAAttention
 
 __all__ = ["convert", "PagedMLACache", "DecodeGraph", "is_converted"]
@@ -87,18 +87,28 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     N, P, R, V, L = (mla.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
                      mla.kv_lora_rank)
     T = B * S
-    # decode (CUDA, split-K GEMM): both norms and the key's RoPE in one op after the GEMM
+    step = cache._prepare(self.layer_idx, B, S, attention_mask, hidden_states.dtype,
+                          hidden_states.device, backend=mla.backend)
+    # decode (CUDA, split-K GEMM): both norms and the key's RoPE in one op after the GEMM;
+    # for decode rows then q_b, the query's RoPE and its absorption in another
     fused = qkv_a_prologue(self, hidden_states, position_embeddings)
+    q = decode_q = None
     if fused is not None:
         q_a, kv_row = fused                                   # [B, S, q_lora], [B, S, L+R]
-        q = linear(self.q_b_proj, q_a)
-    elif self.q_lora_rank is None:
-        q, kv = linear_pair(self.q_proj, self.kv_a_proj_with_mqa, hidden_states)
-    else:                                      # q_a and kv_a in one launch
-        q_a, kv = linear_pair(self.q_a_proj, self.kv_a_proj_with_mqa, hidden_states)
-        q = linear(self.q_b_proj, self.q_a_layernorm(q_a))
-    q = q.view(B, S, N, P + R)                                               # [B, S, N, P+R]
-    if fused is None:
+        kv_row = kv_row.reshape(T, L + R)
+        if step.meta.num_decode_tokens == T:                  # (then step.perm is None)
+            decode_q = absorbed_decode_query(self, q_a, position_embeddings)   # [T, N, L+R]
+        if decode_q is None:
+            q = linear(self.q_b_proj, q_a).view(B, S, N, P + R)
+            cos, sin = position_embeddings                                   # [B, S, R]
+            q = torch.ops.mla.decode_q_rope(q, cos, sin, bool(self.config.rope_interleave))
+    else:
+        if self.q_lora_rank is None:
+            q, kv = linear_pair(self.q_proj, self.kv_a_proj_with_mqa, hidden_states)
+        else:                                  # q_a and kv_a in one launch
+            q_a, kv = linear_pair(self.q_a_proj, self.kv_a_proj_with_mqa, hidden_states)
+            q = linear(self.q_b_proj, self.q_a_layernorm(q_a))
+        q = q.view(B, S, N, P + R)                                           # [B, S, N, P+R]
         kv_c, k_rot = torch.split(kv, [L, R], dim=-1)                        # kv [B, S, L+R]
         kv_c = self.kv_a_layernorm(kv_c)                                     # [B, S, L]
         k_rot = k_rot.reshape(B, 1, S, R)
@@ -109,19 +119,15 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
         # This step's cache rows as one buffer that both ops read through views (compiled,
         # Inductor otherwise writes the normed latent into a separate buffer for each op).
         kv_row = torch.cat((kv_c.reshape(T, L), k_rot.reshape(T, R)), dim=-1)   # [T, L+R]
-    else:                        # the query's RoPE as one op too (V3 decode, CUDA)
-        cos, sin = position_embeddings                                       # [B, S, R]
-        q = torch.ops.mla.decode_q_rope(q, cos, sin, bool(self.config.rope_interleave))
-        kv_row = kv_row.reshape(T, L + R)
-    q = q.view(T, N, P + R)                                                  # [T, N, P+R]
-
-    step = cache._prepare(self.layer_idx, B, S, attention_mask, q.dtype, q.device,
-                          backend=mla.backend)
+    if q is not None:
+        q = q.view(T, N, P + R)                                              # [T, N, P+R]
+        if step.perm is not None:
+            q = q[step.perm]
     if step.perm is not None:
-        q, kv_row = q[step.perm], kv_row[step.perm]
+        kv_row = kv_row[step.perm]
     kv_c, k_pe = kv_row[:, :L], kv_row[:, None, L:]                          # [T, L], [T, 1, R]
     out = mla(q, kv_c, k_pe, cache.pool.kv[self.layer_idx], cache.k_scale, step.meta,
-              kv_cache_dtype=cache.kv_cache_dtype)                          # [T, N*V]
+              kv_cache_dtype=cache.kv_cache_dtype, decode_q=decode_q)       # [T, N*V]
     if step.inv is not None:
         out = out[step.inv]
     return linear(self.o_proj, out.view(B, S, N * V)), None

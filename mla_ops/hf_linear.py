@@ -1,5 +1,6 @@
 """A converted layer's weight GEMMs through the decode GEMM ops (lowering/linear.py), and
-the attention prologue after the q_a + kv_a GEMM through lowering/prologue.py's ops.
+the attention prologue after the q_a + kv_a GEMM through lowering/prologue.py's ops (for
+decode rows the query's q_b, RoPE and absorption as one of them).
 
 A decode step reads each weight once for a few rows, so the layer's GEMMs are weight
 copies: q_a_proj + kv_a_proj_with_mqa share their input and run as one launch, gate_proj +
@@ -16,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from lowering import linear as _ops  # registers the mla::decode_* ops
-import lowering.prologue  # noqa: F401  (registers mla::decode_qkv_prologue, decode_q_rope)
+import lowering.prologue  # registers mla::decode_qkv_prologue, decode_q_rope, decode_q_absorb
 
 
 def _plain(*mods) -> bool:
@@ -102,6 +103,28 @@ def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
     return torch.ops.mla.decode_qkv_prologue(
         parts, nq.weight, nkv.weight, cos, sin, float(nq.variance_epsilon),
         float(nkv.variance_epsilon), bool(attn.config.rope_interleave))
+
+
+# False: the decode query keeps q_b_proj, mla::decode_q_rope and the attention op's own
+# absorption where decode_q_absorb applies (to compare against)
+FUSE_QUERY = True
+
+
+def absorbed_decode_query(attn, q_a: torch.Tensor, position_embeddings):
+    """The absorbed decode query [T, N, L + R] = [q_nope @ W_UK_T | RoPE(q_pe)] of a
+    converted DeepSeek-V3 attention, from q_a_layernorm's output q_a [B, S, q_lora]: q_b_proj,
+    the query's RoPE and the absorption in one launch (mla::decode_q_absorb). Call it for
+    decode rows only. None where its kernel does not serve the call (then the caller runs
+    q_b_proj and the attention op absorbs)."""
+    mla = attn.mla_attn
+    if not FUSE_QUERY or mla.q_scale is not None or not _use_ops(attn.q_b_proj):
+        return None
+    w, cos, sin = attn.q_b_proj.weight, *position_embeddings             # cos / sin [B, S, R]
+    if (w.dtype != q_a.dtype or mla.W_UK_T.dtype != q_a.dtype
+            or not lowering.prologue.q_absorb_serves(q_a, w, mla.W_UK_T, cos.shape[-1])):
+        return None
+    return torch.ops.mla.decode_q_absorb(q_a, w, mla.W_UK_T, cos, sin,
+                                         bool(attn.config.rope_interleave))
 
 
 # ------------------------------------------------------------------------- MLP

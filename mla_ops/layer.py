@@ -97,30 +97,43 @@ class MLAAttention(nn.Module):
             raise ValueError(f"kv_b_proj input width {W_UK_T.shape[-1]} != kv_lora_rank {self.kv_lora_rank}")
         self.W_UK_T, self.W_UV = W_UK_T, W_UV
 
-    def forward(self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
+    def forward(self, q: torch.Tensor | None, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
                 kv_cache: torch.Tensor, k_scale: torch.Tensor, meta: MLAMetadata,
-                kv_cache_dtype: str | None = None) -> torch.Tensor:
+                kv_cache_dtype: str | None = None,
+                decode_q: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, N, P+R], kv_c_normed [T, L], k_pe [T, 1, R] -> [T, N * V].
 
         kv_cache_dtype (default: the layer's) says how kv_cache stores rows: "auto"|"fp8".
+        decode_q: the absorbed query of the decode rows [nd, N, L+R] in q's dtype, when the
+        caller built it (mla::decode_q_absorb); q's decode rows are then not read, and q
+        may be None when every row is a decode row.
         """
         if self.W_UK_T is None:
             raise RuntimeError("call absorb(kv_b_proj.weight) before forward")
         kind = self.kv_cache_dtype if kv_cache_dtype is None else kv_cache_dtype
+        if decode_q is not None and self.q_scale is not None:
+            raise ValueError("pass decode_q or enable_fp8_decode_query, not both")
         if self.q_scale is not None and kind == "auto":
             raise ValueError("an fp8 decode query (enable_fp8_decode_query) needs an fp8 KV "
                              "cache: kv_cache_dtype='fp8'")
-        T = q.shape[0]
+        T = kv_c_normed.shape[0]
+        if q is None:
+            if decode_q is None or decode_q.shape[0] != T:
+                raise ValueError("q may be None only when decode_q holds every row's query")
+            # the op reads q's decode rows only without decode_q: a view of decode_q stands
+            # in for their shape and dtype (no copy, no kernel)
+            q = decode_q[..., :self.qk_nope_head_dim + self.qk_rope_head_dim]
         dep = torch.ops.mla.kv_cache_update(kv_c_normed, k_pe, kv_cache, meta.slot_mapping,
                                             kind, k_scale)                  # [0]
         out = q.new_empty(T, self.num_heads * self.v_head_dim)              # [T, N * V]
-        decode_q = decode_q_scale = None
+        decode_q_scale = None
         nd = meta.num_decode_tokens
         if self.q_scale is not None and nd > 0:
             q_mqa = build_decode_query(q[:nd], self.W_UK_T)                # [nd, N, L + R]
             decode_q = torch.ops.mla.quant_fp8_static(q_mqa, self.q_scale)
             decode_q_scale = self.q_scale
-        sched = meta.decode_schedule if decode_q is None else None
+        # FlashMLA's schedule serves 16-bit queries; the fp8 one runs the Triton kernel
+        sched = meta.decode_schedule if decode_q_scale is None else None
         torch.ops.mla.attention_with_output(
             q, kv_c_normed, k_pe, kv_cache, self.W_UK_T, self.W_UV, meta.block_table,
             meta.seq_lens, meta.query_start_loc, meta.num_decode_tokens, self.softmax_scale,

@@ -148,3 +148,33 @@ def test_backward_through_the_layer_is_a_clear_error():
         out.sum().backward()
     assert q.grad is None
     assert "torch.no_grad()" in MESSAGE
+
+
+def test_prebuilt_decode_query():
+    """decode_q (the absorbed query, as mla::decode_q_absorb builds it) stands in for the
+    decode rows' q: with q given (a mixed step, q's decode rows overwritten with noise that
+    must not be read) and with q=None (every row a decode row)."""
+    from mla_ops.attention import build_decode_query
+    layer, kv_b = make_layer(D, torch.float32)
+    step = Step(D, [10, 7, 0], [1, 1, 5], block_size=4)
+    nd = step.meta.num_decode_tokens
+    q, kv_c, k_pe = step.inputs()
+    decode_q = build_decode_query(q[:nd], layer.W_UK_T)                     # [nd, N, L+R]
+    noisy = q.clone()
+    noisy[:nd] = torch.randn_like(noisy[:nd]) * 10
+    out = layer(noisy, kv_c, k_pe, step.cache.kv[0], step.cache.k_scale, step.meta,
+                decode_q=decode_q)
+    assert rel_err(out, step.reference(kv_b, layer.softmax_scale)) < 1e-5
+
+    step = Step(D, [10, 3], [1, 1], block_size=4)
+    q, kv_c, k_pe = step.inputs()
+    decode_q = build_decode_query(q, layer.W_UK_T)
+    out = layer(None, kv_c, k_pe, step.cache.kv[0], step.cache.k_scale, step.meta,
+                decode_q=decode_q)
+    assert rel_err(out, step.reference(kv_b, layer.softmax_scale)) < 1e-5
+    with pytest.raises(ValueError, match="q may be None only"):
+        layer(None, kv_c, k_pe, step.cache.kv[0], step.cache.k_scale, step.meta)
+    layer.enable_fp8_decode_query(1.0)
+    with pytest.raises(ValueError, match="not both"):
+        layer(None, kv_c, k_pe, step.cache.kv[0], step.cache.k_scale, step.meta,
+              decode_q=decode_q)

@@ -1,0 +1,104 @@
+"""A decode step's whole query path after q_a_layernorm, one program per (head, row block):
+
+    q_a [T, Q], w [N * (P + R), Q] (q_b_proj.weight), W_UK_T [N, P, L], cos / sin [T, R]
+    q_h     = q_a @ w[h * (P + R) : (h + 1) * (P + R)].T     rounded to y's dtype  (q_b_proj)
+    y[:, h] = [q_h[:, :P] @ W_UK_T[h] | RoPE(q_h[:, P:])]    [T, L + R]      (absorbed query)
+
+Unfused, these are three launches with two round trips of the query through memory: q_b's
+GEMM, the query's RoPE and the absorbed GEMM. Here program h streams head h's P + R rows
+of w (Q contiguous values each) in BLOCK_K steps, keeps q_h in registers, then streams
+W_UK_T[h] in BLOCK_L column blocks; the weight is the tall operand of every dot, as in
+linear_kernel.py ([rows of w, BLOCK_K] x [BLOCK_K, BLOCK_T] into fp32).
+
+The rope rows are loaded in the order RoPE pairs them up: first the R/2 rows x1, then
+their partners x2 (rows P + 2j and P + 2j + 1 with INTERLEAVE, DeepSeek-V3's pairs, whose
+output is HF's de-interleaved order; rows P + j and P + R/2 + j otherwise), so after the
+loop the two halves of the [R, BLOCK_T] accumulator are the rotation's operands. (Two
+separate [R/2, BLOCK_K] dots for x1 and x2 miscompiled on Triton 3.6 / H200 at some
+configs: wrong q_nope. One [R, BLOCK_K] dot does not.)
+Roundings follow the unfused ops: q_h to y's dtype (q_b's output), the absorbed GEMM in
+fp32 rounded once, RoPE in fp32 rounded once (q_rope_kernel.py's `rotate`).
+
+    grid = (N, cdiv(T, BLOCK_T))
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .q_rope_kernel import rotate
+
+
+@triton.jit
+def q_absorb_kernel(
+    a_ptr,                     # q_a [T, Q] rows, stride stride_at (last dim contiguous)
+    w_ptr,                     # q_b weight [N * (P + R), Q] contiguous
+    wuk_ptr,                   # W_UK_T [N, P, L] contiguous
+    cos_ptr, sin_ptr,          # [T, R] rows, stride stride_cs (last dim contiguous)
+    y_ptr,                     # [T, N, L + R] contiguous
+    T, N, stride_at, stride_cs,
+    Q: tl.constexpr, P: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
+    INTERLEAVE: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    H: tl.constexpr = R // 2
+    dt = y_ptr.dtype.element_ty
+    h = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)               # [BLOCK_T]
+    r_ok = rows < T
+    k = tl.arange(0, BLOCK_K)
+    p = tl.arange(0, P)
+    j = tl.arange(0, H)
+    rr = tl.arange(0, R)
+    if INTERLEAVE:                   # x1 = rows 2j, x2 = rows 2j + 1
+        ir = tl.where(rr < H, 2 * rr, 2 * (rr - H) + 1)
+        c2 = j
+    else:                            # x1 = rows j, x2 = rows H + j
+        ir = rr
+        c2 = H + j
+
+    # q_b: q_h^T = w_h [P + R, Q] @ q_a^T [Q, BLOCK_T], as nope and rope row blocks
+    w_head = w_ptr + h.to(tl.int64) * (P + R) * Q
+    wn_ptrs = w_head + p[:, None] * Q + k[None, :]                          # [P, BLOCK_K]
+    wr_ptrs = w_head + (P + ir)[:, None] * Q + k[None, :]                   # [R, BLOCK_K]
+    a_ptrs = a_ptr + rows.to(tl.int64)[None, :] * stride_at + k[:, None]   # [BLOCK_K, BLOCK_T]
+    acc_n = tl.zeros((P, BLOCK_T), dtype=tl.float32)
+    acc_r = tl.zeros((R, BLOCK_T), dtype=tl.float32)
+    for _ in range(0, Q // BLOCK_K):
+        a = tl.load(a_ptrs, mask=r_ok[None, :], other=0.0)
+        wn = tl.load(wn_ptrs)
+        wr = tl.load(wr_ptrs)
+        if DOT_F32:      # the CPU interpreter mis-multiplies 16-bit dots
+            a, wn, wr = a.to(tl.float32), wn.to(tl.float32), wr.to(tl.float32)
+        acc_n = tl.dot(wn, a, acc_n)                                         # [P, BLOCK_T]
+        acc_r = tl.dot(wr, a, acc_r)                                         # [R, BLOCK_T]
+        a_ptrs += BLOCK_K
+        wn_ptrs += BLOCK_K
+        wr_ptrs += BLOCK_K
+
+    # absorbed: y[t, h, :L]^T = W_UK_T[h]^T [L, P] @ q_nope^T [P, BLOCK_T]
+    qn = acc_n.to(dt)                                                        # q_b's rounding
+    if DOT_F32:
+        qn = qn.to(tl.float32)
+    y_row = y_ptr + rows.to(tl.int64) * (N * (L + R)) + h * (L + R)         # [BLOCK_T]
+    l = tl.arange(0, BLOCK_L)
+    wuk_ptrs = wuk_ptr + h.to(tl.int64) * P * L + p[None, :] * L + l[:, None]   # [BLOCK_L, P]
+    for l0 in range(0, L, BLOCK_L):
+        wuk = tl.load(wuk_ptrs + l0)
+        if DOT_F32:
+            wuk = wuk.to(tl.float32)
+        o = tl.dot(wuk, qn)                                                  # [BLOCK_L, BLOCK_T]
+        tl.store(y_row[None, :] + (l0 + l)[:, None], o.to(dt), mask=r_ok[None, :])
+
+    # RoPE of the rope rows, after q_b's rounding
+    xr = acc_r.to(dt).to(tl.float32).reshape(2, H, BLOCK_T)                 # [x1; x2]
+    x1, x2 = tl.split(tl.permute(xr, (1, 2, 0)))                             # [H, BLOCK_T] each
+    cs = rows.to(tl.int64)[None, :] * stride_cs
+    m = r_ok[None, :]
+    cos1 = tl.load(cos_ptr + cs + j[:, None], mask=m, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + cs + j[:, None], mask=m, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + cs + c2[:, None], mask=m, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + cs + c2[:, None], mask=m, other=0.0).to(tl.float32)
+    o1, o2 = rotate(x1, x2, cos1, sin1, cos2, sin2, dt)
+    tl.store(y_row[None, :] + L + j[:, None], o1, mask=m)
+    tl.store(y_row[None, :] + L + H + j[:, None], o2, mask=m)

@@ -1,0 +1,97 @@
+"""mla::decode_q_absorb (lowering/prologue.py, q_absorb_kernel.py): q_b, the query's RoPE
+and the absorbed W_UK_T GEMM in one launch. The kernel vs float64 (CPU: the Triton
+interpreter in fp32; GPU: bf16), the op's torch path bit for bit against the unfused
+ops, bad input."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from lowering import prologue  # noqa: E402
+from test_prologue import _inputs, _rel, _rope64  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _weights(T, Q, N, P, R, L, g):
+    """float64 q_a [T, Q], w [N * (P + R), Q], W_UK_T [N, P, L] with O(1) products."""
+    q_a = torch.randn(T, Q, generator=g, dtype=torch.float64)
+    w = torch.randn(N * (P + R), Q, generator=g, dtype=torch.float64) * Q ** -0.5
+    wuk = torch.randn(N, P, L, generator=g, dtype=torch.float64) * P ** -0.5
+    return q_a, w, wuk
+
+
+def _reference(q_a, w, wuk, cos, sin, interleave, round_to=None):
+    """float64 [q_nope @ W_UK_T | RoPE(q_pe)] of q = q_a @ w.T; round_to: q's dtype after
+    q_b (the kernel rounds there as the unfused q_b output does)."""
+    N, P, L = wuk.shape
+    R = cos.shape[-1]
+    q = (q_a @ w.T).view(-1, N, P + R)
+    if round_to is not None:
+        q = q.to(round_to).double()
+    nope = torch.einsum("tnp,npl->tnl", q[..., :P], wuk)
+    return torch.cat([nope, _rope64(q[..., P:], cos[:, None], sin[:, None], interleave)], -1)
+
+
+# tokens, Q, heads, P, R, L, interleave: one token, rows not a multiple of the 16-row block,
+# Q over several K steps, rope half-widths 16 and 32, V3's query (Q 1536, P 128, R 64,
+# L 512) at 32 rows
+CASES = [
+    (1, 64, 3, 16, 32, 32, True),
+    (5, 96, 2, 32, 32, 48, False),
+    (17, 32, 2, 16, 64, 64, True),
+    (32, 1536, 2, 128, 64, 512, True),
+]
+
+
+@pytest.mark.parametrize("T,Q,N,P,R,L,interleave", CASES)
+def test_kernel_vs_fp64(T, Q, N, P, R, L, interleave):
+    g = torch.Generator().manual_seed(T * 100 + Q)
+    dt, tol = (torch.bfloat16, 2e-2) if DEV == "cuda" else (torch.float32, 1e-5)
+    q_a, w, wuk = _weights(T, Q, N, P, R, L, g)
+    _, _, _, cos, sin = _inputs(1, T, 1, 1, R, g, dt)
+    q_a, w, wuk = q_a.to(dt), w.to(dt), wuk.to(dt)
+    ref = _reference(q_a.double(), w.double(), wuk.double(), cos, sin, interleave, dt)
+    y = torch.full((T, N, L + R), float("nan"), dtype=dt, device=DEV)
+    prologue.launch_q_absorb(q_a.to(DEV), w.to(DEV), wuk.to(DEV), cos.to(DEV), sin.to(DEV),
+                             interleave, y, wrap=False)
+    assert not y.isnan().any()
+    assert _rel(y[..., :L], ref[..., :L]) < tol
+    assert _rel(y[..., L:], ref[..., L:]) < tol
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_path_equals_unfused_ops(interleave, dtype):
+    """Off the kernel the op is q_b (F.linear), mla::decode_q_rope and the absorbed GEMM
+    (lowering.head_gemm.absorb_query), bit for bit."""
+    from lowering.head_gemm import absorb_query
+    g = torch.Generator().manual_seed(5)
+    B, S, Q, N, P, R, L = 2, 3, 24, 4, 16, 8, 32
+    q_a, w, wuk = (t.to(dtype) for t in _weights(B * S, Q, N, P, R, L, g))
+    _, _, _, cos, sin = _inputs(1, B * S, 1, 1, R, g, dtype)
+    q_a, cos, sin = q_a.view(B, S, Q), cos.view(B, S, R), sin.view(B, S, R)
+    y = torch.ops.mla.decode_q_absorb(q_a, w, wuk, cos, sin, interleave)
+    q = torch.nn.functional.linear(q_a, w).view(B, S, N, P + R)
+    q = torch.ops.mla.decode_q_rope(q, cos, sin, interleave)
+    assert torch.equal(y, absorb_query(q.view(B * S, N, P + R), wuk))
+
+
+def test_bad_input_is_named():
+    op = torch.ops.mla.decode_q_absorb
+    q_a, w, wuk = torch.randn(3, 8), torch.randn(2 * (4 + 6), 8), torch.randn(2, 4, 16)
+    cs = torch.ones(3, 6)
+    with pytest.raises(TypeError, match="q_a must be a floating"):
+        op(q_a.long(), w, wuk, cs, cs, True)
+    with pytest.raises(TypeError, match="W_UK_T"):
+        op(q_a, w, wuk.double(), cs, cs, True)
+    with pytest.raises(ValueError, match="w must be"):
+        op(q_a, torch.randn(2 * (4 + 5), 8), wuk, cs, cs, True)
+    with pytest.raises(ValueError, match="even RoPE"):
+        op(q_a, torch.randn(2 * (4 + 5), 8), wuk, torch.ones(3, 5), torch.ones(3, 5), True)
+    with pytest.raises(ValueError, match="sin must be"):
+        op(q_a, w, wuk, cs, torch.ones(2, 6), True)
+    with pytest.raises(ValueError, match="q_a"):
+        op(torch.randn(3, 7), w, wuk, cs, cs, True)
+    with pytest.raises(TypeError, match="cos must be a floating"):
+        op(q_a, w, wuk, cs.long(), cs, True)
