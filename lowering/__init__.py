@@ -75,14 +75,14 @@ def uses_flashmla(device, q_dtype, num_heads: int, width: int, block_size: int,
         return False
 
 
-def decode_schedule(kv_cache, block_table, cache_seqlens, *, num_heads, s_q=1):
+def decode_schedule(kv_cache, block_table, cache_seqlens, *, num_heads, s_q=1, bounded=False):
     """FlashMLA's work split for decode calls over these lengths: (table, splits).
 
     Computed once per step and passed as mla_decode(..., schedule=) to every layer's call
     over the same block_table and cache_seqlens, it replaces one scheduler kernel per
     call. Only the flashmla backend reads it (check with uses_flashmla first); it must be
     recomputed whenever the lengths change (a graph op: captured graphs recompute it on
-    every replay).
+    every replay). bounded: cache_seqlens come from bound_decode_inputs() (no clamp kernel).
     """
     from .checks import check_table_and_lengths
     from .flashmla import flashmla_schedule
@@ -90,7 +90,8 @@ def decode_schedule(kv_cache, block_table, cache_seqlens, *, num_heads, s_q=1):
     for name, v in (("num_heads", num_heads), ("s_q", s_q)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return flashmla_schedule(block_table, cache_seqlens, kv_cache.shape[1], num_heads, s_q)
+    return flashmla_schedule(block_table, cache_seqlens, kv_cache.shape[1], num_heads, s_q,
+                             bounded=bounded)
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, causal=True,

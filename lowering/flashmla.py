@@ -164,13 +164,15 @@ def _(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, head_dim_v
             q.new_empty((B, H, s_q), dtype=torch.float32))
 
 
-def flashmla_schedule(block_table, cache_seqlens, block_size: int, num_heads: int, s_q: int = 1):
+def flashmla_schedule(block_table, cache_seqlens, block_size: int, num_heads: int, s_q: int = 1,
+                      bounded: bool = False):
     """The scheduler table for a decode call over these lengths (see the module docstring).
 
-    The lengths are bounded to the block table's width first, as the decode call bounds
-    them under CUDA-graph capture, so the table never covers blocks the table lacks.
+    The lengths are bounded to the block table's width first (unless the caller already
+    did: bounded), as the decode call bounds them under CUDA-graph capture, so the table
+    never covers blocks the table lacks.
     """
-    lens = cache_seqlens.clamp(1, block_table.shape[1] * block_size)
+    lens = cache_seqlens if bounded else cache_seqlens.clamp(1, block_table.shape[1] * block_size)
     return flashmla_schedule_op(lens, s_q * num_heads, num_heads)
 
 

@@ -128,6 +128,7 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     kv_c, k_pe = kv_row[:, :L], kv_row[:, None, L:]                          # [T, L], [T, 1, R]
     out = mla(q, kv_c, k_pe, cache.pool.kv[self.layer_idx], cache.k_scale, step.meta,
               kv_cache_dtype=cache.kv_cache_dtype, decode_q=decode_q)       # [T, N*V]
+    cache._layer_done(self.layer_idx, B, S)
     if step.inv is not None:
         out = out[step.inv]
     return linear(self.o_proj, out.view(B, S, N * V)), None

@@ -16,8 +16,10 @@ what HF's position_ids (cumsum of the mask) already assume.
 The first layer derives the step's plan (slots, block table, lengths, and where the
 layers use FlashMLA, its schedule and the block table and lengths bounded once for all
 layers' calls) from the cache state as it was before the step, the others reuse it; the
-last layer writes the new state back. Decode-step shapes depend
-only on B, so a fixed batch compiles once and replays in a CUDA graph.
+last layer writes the new state back after its attention. On CUDA a decode step's plan
+and its commit are one kernel each (lowering/step_plan.py); other steps and devices run
+them as torch ops. Decode-step shapes depend only on B, so a fixed batch compiles once
+and replays in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -27,9 +29,13 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 import lowering
+import lowering.step_plan  # noqa: F401  (registers mla::decode_step_plan / _commit)
 
 from .cache import CacheFullError, PagedLatentCache, mark_static
 from .metadata import MLAMetadata
+
+# False: CUDA decode steps plan and commit in torch ops too (to compare against)
+PLAN_KERNEL = True
 
 # ----------------------------------------------------------------------------- cache
 
@@ -75,6 +81,7 @@ class _Step:
     lens_new: torch.Tensor         # [B] real tokens per row after the step
     num_new_blocks: torch.Tensor   # [] blocks taken this step
     table: torch.Tensor            # [B, M] block table after the step (-1: no block)
+    pack: torch.Tensor | None = None   # set when mla::decode_step_plan made the plan
 
 
 class PagedMLACache(Cache):
@@ -229,7 +236,8 @@ class PagedMLACache(Cache):
     # -- per-step bookkeeping (called by the converted attention) -----------------------
     def _prepare(self, layer_idx: int, B: int, S: int, attention_mask, dtype, device,
                  backend: str = "auto") -> _Step:
-        """This step's plan for one layer; the last layer commits it to the cache state.
+        """This step's plan for one layer; the last layer commits it to the cache state
+        (_layer_done).
 
         The plan is a pure function of the state before the step, so every layer gets
         the same one: layer 0 computes it and later layers reuse it; the last layer's
@@ -256,11 +264,24 @@ class PagedMLACache(Cache):
             self._step = step
         else:
             step = self._step
-        if layer_idx == len(self.layers) - 1:
-            self._commit(step, B, S)
         return step
 
+    def _layer_done(self, layer_idx: int, B: int, S: int) -> None:
+        """After a layer's attention ops: the last layer commits the step's plan.
+
+        Committing after the attention, not in _prepare, keeps the in-place writes of the
+        state after every read of it in the step: compiled, HF's positions (the lengths)
+        feed each layer's RoPE, and a write before the last layer's RoPE makes Inductor
+        keep those values in buffers of their own, rounding differently from a graph
+        without it (DecodeGraph's step against generate()'s).
+        """
+        if layer_idx == len(self.layers) - 1 and self._step is not None:
+            self._commit(self._step, B, S)
+
     def _plan(self, B: int, S: int, valid, check: bool, backend: str = "auto") -> _Step:
+        flashmla = S == 1 and backend in self._flashmla_backends
+        if S == 1 and valid is None and self.device.type == "cuda" and PLAN_KERNEL:
+            return self._decode_plan(B, check, flashmla)
         dev, bs, M = self.device, self.block_size, self.max_blocks
         lens_old = self.lens[:B].long()                                      # [B]
         q = (valid.sum(1) if valid is not None
@@ -270,17 +291,7 @@ class PagedMLACache(Cache):
         nb_new = (torch.clamp(lens_new, max=self.max_cache_len) + bs - 1) // bs
         need = nb_new - nb_old                                               # [B] new blocks
         if check:                                                            # needs a host sync
-            longest, total = int(lens_new.max()), int(need.sum())
-            if longest > self.max_cache_len:
-                row = int(lens_new.argmax())
-                raise ValueError(f"sequence {row} would hold {longest} tokens, more than the "
-                                 f"cache's max_cache_len={self.max_cache_len} (prompt too long "
-                                 f"or too many new tokens); build PagedMLACache with a larger one")
-            free = self.num_blocks - int(self.num_used)
-            if total > free:
-                raise CacheFullError(f"this step needs {total} more blocks of {bs} tokens, "
-                                     f"{free} of {self.num_blocks} free; build PagedMLACache with "
-                                     f"more num_blocks or call reset()")
+            self._check_room(lens_new, need.sum())
         # Bump allocation: row b takes ids start_b + k for its block columns nb_old_b + k.
         start = self.num_used + torch.cumsum(need, 0) - need                 # [B]
         col = torch.arange(M, device=dev)[None]                              # [1, M]
@@ -301,19 +312,43 @@ class PagedMLACache(Cache):
         # every custom op that reads it (a copy per call); views of a realized buffer are
         # passed as they are, so the plan's metadata is computed once per step.
         parts = [table.reshape(-1), seq_lens, qsl]                           # [B*M + 2B + 1]
-        flashmla = S == 1 and backend in self._flashmla_backends
         if flashmla:   # the decode calls' inputs bounded once per step, not once per call
             parts += [t.reshape(-1) for t in
                       lowering.bound_decode_inputs(self.pool.kv[0], table, seq_lens)]
         pack = torch.cat(parts)
+        perm = inv = None
+        if valid is not None:
+            rows = torch.arange(B, device=dev)[:, None]
+            order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)   # [B, S]
+            perm = (order + rows * S).reshape(-1)                                 # [T]
+            inv = torch.argsort(perm)
+        return self._step_of(pack, slots, B, S, flashmla, lens_old + q, need.sum(), perm, inv)
+
+    def _decode_plan(self, B: int, check: bool, flashmla: bool) -> _Step:
+        """A one-token-per-row step's plan in one launch (mla::decode_step_plan, CUDA):
+        the same values as _plan's torch ops, and committed by one launch too."""
+        pack, slots = torch.ops.mla.decode_step_plan(
+            self.lens, self.block_table, self.num_used, B, self.block_size, self.num_blocks,
+            self.max_cache_len, flashmla)
+        M = self.max_blocks
+        lens_new, total = pack[B * M:B * M + B], pack[-1]                   # [B], []
+        if check:                                                            # needs a host sync
+            self._check_room(lens_new, total)
+        return self._step_of(pack, slots, B, 1, flashmla, lens_new, total, kernel=True)
+
+    def _step_of(self, pack, slots, B, S, flashmla, lens_new, num_new, perm=None, inv=None,
+                 kernel=False) -> _Step:
+        """The step from its int32 pack (block table | seq_lens | query_start_loc, then
+        with flashmla the bounded table and lengths) and slots."""
+        M = self.max_blocks
         n = B * M + 2 * B + 1
         table = pack[:B * M].view(B, M)
         seq_lens, qsl = pack[B * M:B * M + B], pack[B * M + B:n]
         attn_table, attn_lens, sched = table, seq_lens, None
         if flashmla:                                         # one scheduler kernel per step
-            attn_table, attn_lens = pack[n:n + B * M].view(B, M), pack[n + B * M:]
+            attn_table, attn_lens = pack[n:n + B * M].view(B, M), pack[n + B * M:n + B * M + B]
             sched = lowering.decode_schedule(self.pool.kv[0], attn_table, attn_lens,
-                                             num_heads=self._num_heads)
+                                             num_heads=self._num_heads, bounded=True)
         meta = MLAMetadata(
             slot_mapping=slots,
             block_table=attn_table,
@@ -321,20 +356,32 @@ class PagedMLACache(Cache):
             query_start_loc=qsl,
             num_decode_tokens=B if S == 1 else 0,
             decode_schedule=sched)
-        perm = inv = None
-        if valid is not None:
-            rows = torch.arange(B, device=dev)[:, None]
-            order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)   # [B, S]
-            perm = (order + rows * S).reshape(-1)                                 # [T]
-            inv = torch.argsort(perm)
-        return _Step(meta, perm, inv, lens_old + q, need.sum(), table)
+        return _Step(meta, perm, inv, lens_new, num_new, table, pack if kernel else None)
+
+    def _check_room(self, lens_new: torch.Tensor, total: torch.Tensor) -> None:
+        """Raise before a step whose rows outgrow max_cache_len or the free blocks."""
+        longest, total = int(lens_new.max()), int(total)
+        if longest > self.max_cache_len:
+            row = int(lens_new.argmax())
+            raise ValueError(f"sequence {row} would hold {longest} tokens, more than the "
+                             f"cache's max_cache_len={self.max_cache_len} (prompt too long "
+                             f"or too many new tokens); build PagedMLACache with a larger one")
+        free = self.num_blocks - int(self.num_used)
+        if total > free:
+            raise CacheFullError(f"this step needs {total} more blocks of {self.block_size} "
+                                 f"tokens, {free} of {self.num_blocks} free; build "
+                                 f"PagedMLACache with more num_blocks or call reset()")
 
     def _commit(self, step: _Step, B: int, S: int) -> None:
         """Write the step's block table, lengths and counters into the cache state in place."""
-        self.block_table[:B] = step.table
-        self.lens[:B] = step.lens_new.to(torch.int32)
-        self.num_used.add_(step.num_new_blocks)
-        self._seen.add_(S)
+        if step.pack is not None:                    # planned by mla::decode_step_plan
+            torch.ops.mla.decode_step_commit(self.block_table, self.lens, self.num_used,
+                                             self._seen, step.pack, B, S)
+        else:
+            self.block_table[:B] = step.table
+            self.lens[:B] = step.lens_new.to(torch.int32)
+            self.num_used.add_(step.num_new_blocks)
+            self._seen.add_(S)
         self._step = None
         if not torch.compiler.is_compiling():
             self.version += 1

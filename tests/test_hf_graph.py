@@ -231,7 +231,7 @@ def test_plan_bounds_the_flashmla_decode_inputs_once(monkeypatch):
     _, model, cache, ids, mask, first = prefilled([9, 3], max_cache_len=48, block_size=8, seed=6)
     seen = []
     monkeypatch.setattr(lowering, "decode_schedule",
-                        lambda kv, bt, lens, num_heads: seen.append((bt, lens)))
+                        lambda kv, bt, lens, num_heads, **kw: seen.append((bt, lens)))
     cache._flashmla_backends = frozenset({"auto"})
     step = cache._prepare(0, 2, 1, None, cache.dtype, cache.device)
     table = step.table

@@ -57,11 +57,11 @@ graph():
     %in8 = placeholder
     %in9 = placeholder
     %in10 = placeholder
-    %n0 = call_function[target=torch.ops.higher_order.auto_functionalized_v2](args = (mla.kv_cache_update.default,), kwargs = {kv_c_normed: %in2, k_pe: %in3, slot_mapping: %in5, kv_cache_dtype: auto, k_scale: %in6, _kv_cache_base_index: 0, _all_bases: [%in4]})
+    %n0 = call_function[target=torch.ops.higher_order.auto_functionalized_v2](args = (mla.kv_cache_update.default,), kwargs = {kv_c_normed: %in1, k_pe: %in3, slot_mapping: %in5, kv_cache_dtype: auto, k_scale: %in6, _kv_cache_base_index: 0, _all_bases: [%in4]})
     %n1 = call_function[target=operator.getitem](args = (%n0, 0), kwargs = {})
     %n2 = call_function[target=operator.getitem](args = (%n0, 1), kwargs = {})
     %n3 = call_function[target=torch.ops.aten.empty.memory_format](args = ([2, 128],), kwargs = {dtype: torch.bfloat16, layout: torch.strided, device: cpu, pin_memory: False})
-    %n4 = call_function[target=torch.ops.higher_order.auto_functionalized_v2](args = (mla.attention_with_output.default,), kwargs = {q: %in1, kv_c_normed: %in2, k_pe: %in3, kv_cache: %n2, W_UK_T: %in0, W_UV: %in7, block_table: %in8, seq_lens: %in9, query_start_loc: %in10, num_decode_tokens: 2, softmax_scale: 0.176777, kv_cache_dtype: auto, k_scale: %in6, kv_cache_dep: %n1, output_scale: None, workspace_rows: 8192, backend: auto, decode_q: None, decode_q_scale: None, decode_schedule: None, decode_splits: None, _output_base_index: 0, _output_block_scale_base_index: None, _all_bases: [%n3]})
+    %n4 = call_function[target=torch.ops.higher_order.auto_functionalized_v2](args = (mla.attention_with_output.default,), kwargs = {q: %in2, kv_c_normed: %in1, k_pe: %in3, kv_cache: %n2, W_UK_T: %in0, W_UV: %in7, block_table: %in8, seq_lens: %in9, query_start_loc: %in10, num_decode_tokens: 2, softmax_scale: 0.176777, kv_cache_dtype: auto, k_scale: %in6, kv_cache_dep: %n1, output_scale: None, workspace_rows: 8192, backend: auto, decode_q: None, decode_q_scale: None, decode_schedule: None, decode_splits: None, _output_base_index: 0, _output_block_scale_base_index: None, _all_bases: [%n3]})
     %n5 = call_function[target=operator.getitem](args = (%n4, 1), kwargs = {})
     %n6 = call_function[target=torch.ops.aten.copy_.default](args = (%in4, %n2), kwargs = {})
     return (n5,)
@@ -82,10 +82,10 @@ graph():
     %in9 = placeholder
     %in10 = placeholder
     %in11 = placeholder
-    %n0 = call_function[target=torch.ops.higher_order.auto_functionalized_v2](args = (mla.kv_cache_update.default,), kwargs = {kv_c_normed: %in3, k_pe: %in4, slot_mapping: %in6, kv_cache_dtype: fp8, k_scale: %in7, _kv_cache_base_index: 0, _all_bases: [%in5]})
+    %n0 = call_function[target=torch.ops.higher_order.auto_functionalized_v2](args = (mla.kv_cache_update.default,), kwargs = {kv_c_normed: %in2, k_pe: %in4, slot_mapping: %in6, kv_cache_dtype: fp8, k_scale: %in7, _kv_cache_base_index: 0, _all_bases: [%in5]})
     %n1 = call_function[target=operator.getitem](args = (%n0, 0), kwargs = {})
     %n2 = call_function[target=operator.getitem](args = (%n0, 1), kwargs = {})
-    %n3 = call_function[target=torch.ops.aten.split_with_sizes.default](args = (%in2, [16, 16], -1), kwargs = {})
+    %n3 = call_function[target=torch.ops.aten.split_with_sizes.default](args = (%in3, [16, 16], -1), kwargs = {})
     %n4 = call_function[target=operator.getitem](args = (%n3, 0), kwargs = {})
     %n5 = call_function[target=operator.getitem](args = (%n3, 1), kwargs = {})
     %n6 = call_function[target=torch.ops.aten.permute.default](args = (%n4, [1, 0, 2]), kwargs = {})
@@ -94,7 +94,7 @@ graph():
     %n9 = call_function[target=torch.ops.mla.concat_quant_fp8_static.default](args = (%n8, %n5, %in1), kwargs = {})
     %n10 = call_function[target=torch.ops.aten.empty.memory_format](args = ([2, 128],), kwargs = {dtype: torch.float8_e4m3fn, device: cpu, pin_memory: False})
     %n11 = call_function[target=torch.ops.aten.empty.memory_format](args = ([2, 2],), kwargs = {dtype: torch.float32, device: cpu, pin_memory: False})
-    %n12 = call_function[target=torch.ops.higher_order.auto_functionalized_v2](args = (mla.attention_with_output.default,), kwargs = {q: %in2, kv_c_normed: %in3, k_pe: %in4, kv_cache: %n2, W_UK_T: %in0, W_UV: %in8, block_table: %in9, seq_lens: %in10, query_start_loc: %in11, num_decode_tokens: 2, softmax_scale: 0.176777, kv_cache_dtype: fp8, k_scale: %in7, kv_cache_dep: %n1, output_scale: None, workspace_rows: 8192, backend: auto, decode_q: %n9, decode_q_scale: %in1, decode_schedule: None, decode_splits: None, _output_base_index: 0, _output_block_scale_base_index: 1, _all_bases: [%n10, %n11]})
+    %n12 = call_function[target=torch.ops.higher_order.auto_functionalized_v2](args = (mla.attention_with_output.default,), kwargs = {q: %in3, kv_c_normed: %in2, k_pe: %in4, kv_cache: %n2, W_UK_T: %in0, W_UV: %in8, block_table: %in9, seq_lens: %in10, query_start_loc: %in11, num_decode_tokens: 2, softmax_scale: 0.176777, kv_cache_dtype: fp8, k_scale: %in7, kv_cache_dep: %n1, output_scale: None, workspace_rows: 8192, backend: auto, decode_q: %n9, decode_q_scale: %in1, decode_schedule: None, decode_splits: None, _output_base_index: 0, _output_block_scale_base_index: 1, _all_bases: [%n10, %n11]})
     %n13 = call_function[target=operator.getitem](args = (%n12, 1), kwargs = {})
     %n14 = call_function[target=operator.getitem](args = (%n12, 2), kwargs = {})
     %n15 = call_function[target=torch.ops.aten.copy_.default](args = (%in5, %n2), kwargs = {})
@@ -115,11 +115,11 @@ graph():
     %in8 = placeholder
     %in9 = placeholder
     %in10 = placeholder
-    %n0 = call_function[target=torch.ops.higher_order.auto_functionalized_v2](args = (mla.kv_cache_update.default,), kwargs = {kv_c_normed: %in2, k_pe: %in3, slot_mapping: %in5, kv_cache_dtype: auto, k_scale: %in6, _kv_cache_base_index: 0, _all_bases: [%in4]})
+    %n0 = call_function[target=torch.ops.higher_order.auto_functionalized_v2](args = (mla.kv_cache_update.default,), kwargs = {kv_c_normed: %in1, k_pe: %in3, slot_mapping: %in5, kv_cache_dtype: auto, k_scale: %in6, _kv_cache_base_index: 0, _all_bases: [%in4]})
     %n1 = call_function[target=operator.getitem](args = (%n0, 0), kwargs = {})
     %n2 = call_function[target=operator.getitem](args = (%n0, 1), kwargs = {})
     %n3 = call_function[target=torch.ops.aten.empty.memory_format](args = ([5, 128],), kwargs = {dtype: torch.bfloat16, layout: torch.strided, device: cpu, pin_memory: False})
-    %n4 = call_function[target=torch.ops.higher_order.auto_functionalized_v2](args = (mla.attention_with_output.default,), kwargs = {q: %in1, kv_c_normed: %in2, k_pe: %in3, kv_cache: %n2, W_UK_T: %in0, W_UV: %in7, block_table: %in8, seq_lens: %in9, query_start_loc: %in10, num_decode_tokens: 0, softmax_scale: 0.176777, kv_cache_dtype: auto, k_scale: %in6, kv_cache_dep: %n1, output_scale: None, workspace_rows: 8192, backend: auto, decode_q: None, decode_q_scale: None, decode_schedule: None, decode_splits: None, _output_base_index: 0, _output_block_scale_base_index: None, _all_bases: [%n3]})
+    %n4 = call_function[target=torch.ops.higher_order.auto_functionalized_v2](args = (mla.attention_with_output.default,), kwargs = {q: %in2, kv_c_normed: %in1, k_pe: %in3, kv_cache: %n2, W_UK_T: %in0, W_UV: %in7, block_table: %in8, seq_lens: %in9, query_start_loc: %in10, num_decode_tokens: 0, softmax_scale: 0.176777, kv_cache_dtype: auto, k_scale: %in6, kv_cache_dep: %n1, output_scale: None, workspace_rows: 8192, backend: auto, decode_q: None, decode_q_scale: None, decode_schedule: None, decode_splits: None, _output_base_index: 0, _output_block_scale_base_index: None, _all_bases: [%n3]})
     %n5 = call_function[target=operator.getitem](args = (%n4, 1), kwargs = {})
     %n6 = call_function[target=torch.ops.aten.copy_.default](args = (%in4, %n2), kwargs = {})
     return (n5,)
@@ -139,12 +139,12 @@ graph():
     %in8 = placeholder
     %in9 = placeholder
     %in10 = placeholder
-    %n0 = call_function[target=torch.ops.higher_order.auto_functionalized_v2](args = (mla.kv_cache_update.default,), kwargs = {kv_c_normed: %in2, k_pe: %in3, slot_mapping: %in5, kv_cache_dtype: fp8, k_scale: %in6, _kv_cache_base_index: 0, _all_bases: [%in4]})
+    %n0 = call_function[target=torch.ops.higher_order.auto_functionalized_v2](args = (mla.kv_cache_update.default,), kwargs = {kv_c_normed: %in1, k_pe: %in3, slot_mapping: %in5, kv_cache_dtype: fp8, k_scale: %in6, _kv_cache_base_index: 0, _all_bases: [%in4]})
     %n1 = call_function[target=operator.getitem](args = (%n0, 0), kwargs = {})
     %n2 = call_function[target=operator.getitem](args = (%n0, 1), kwargs = {})
     %n3 = call_function[target=torch.ops.aten.empty.memory_format](args = ([5, 128],), kwargs = {dtype: torch.float8_e4m3fn, device: cpu, pin_memory: False})
     %n4 = call_function[target=torch.ops.aten.empty.memory_format](args = ([5, 2],), kwargs = {dtype: torch.float32, device: cpu, pin_memory: False})
-    %n5 = call_function[target=torch.ops.higher_order.auto_functionalized_v2](args = (mla.attention_with_output.default,), kwargs = {q: %in1, kv_c_normed: %in2, k_pe: %in3, kv_cache: %n2, W_UK_T: %in0, W_UV: %in7, block_table: %in8, seq_lens: %in9, query_start_loc: %in10, num_decode_tokens: 0, softmax_scale: 0.176777, kv_cache_dtype: fp8, k_scale: %in6, kv_cache_dep: %n1, output_scale: None, workspace_rows: 8192, backend: auto, decode_q: None, decode_q_scale: None, decode_schedule: None, decode_splits: None, _output_base_index: 0, _output_block_scale_base_index: 1, _all_bases: [%n3, %n4]})
+    %n5 = call_function[target=torch.ops.higher_order.auto_functionalized_v2](args = (mla.attention_with_output.default,), kwargs = {q: %in2, kv_c_normed: %in1, k_pe: %in3, kv_cache: %n2, W_UK_T: %in0, W_UV: %in7, block_table: %in8, seq_lens: %in9, query_start_loc: %in10, num_decode_tokens: 0, softmax_scale: 0.176777, kv_cache_dtype: fp8, k_scale: %in6, kv_cache_dep: %n1, output_scale: None, workspace_rows: 8192, backend: auto, decode_q: None, decode_q_scale: None, decode_schedule: None, decode_splits: None, _output_base_index: 0, _output_block_scale_base_index: 1, _all_bases: [%n3, %n4]})
     %n6 = call_function[target=operator.getitem](args = (%n5, 1), kwargs = {})
     %n7 = call_function[target=operator.getitem](args = (%n5, 2), kwargs = {})
     %n8 = call_function[target=torch.ops.aten.copy_.default](args = (%in4, %n2), kwargs = {})

@@ -1,0 +1,106 @@
+"""A decode step's plan and commit for a bump-allocated paged cache (PagedMLACache's
+bookkeeping), one Triton launch each on CUDA:
+
+    mla::decode_step_plan(lens, block_table, num_used, batch, block_size, num_blocks,
+                          max_len, bound) -> (pack, slots)
+    mla::decode_step_commit(block_table!, lens!, num_used!, seen!, pack, batch, tokens) -> ()
+
+For a step of one new token per row (decode); see step_plan_kernel.py for what pack
+holds. mla_ops/hf_cache.py computes the same plan in torch ops for every other step and
+device; compiled, Inductor made four to five kernels of the plan and four of the commit.
+Defined with torch.library.triton_op, so Inductor sees the kernels in the graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .step_commit_kernel import decode_commit_kernel
+from .step_plan_kernel import decode_plan_kernel
+
+
+def _check_state(lens, block_table, num_used, batch):
+    for name, t, dt, dim in (("lens", lens, torch.int32, 1),
+                             ("block_table", block_table, torch.int32, 2),
+                             ("num_used", num_used, torch.int64, 0)):
+        if not isinstance(t, torch.Tensor) or t.dtype != dt or t.dim() != dim:
+            raise TypeError(f"{name} must be a {dim}-dim {dt} tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)} "
+                            f"{tuple(getattr(t, 'shape', ()))}")
+        if t.device != lens.device:
+            raise ValueError(f"{name} is on {t.device}, lens on {lens.device}")
+    if not lens.is_contiguous() or not block_table.is_contiguous():
+        raise ValueError("lens and block_table must be contiguous")
+    if not 1 <= batch <= min(lens.shape[0], block_table.shape[0]):
+        raise ValueError(f"batch={batch} must be in [1, {min(lens.shape[0], block_table.shape[0])}] "
+                         f"(the rows of lens and block_table)")
+
+
+def pack_size(batch: int, width: int, bound: bool) -> int:
+    """int32s in the plan's pack: table, seq_lens, query_start_loc (bounded table and
+    lengths), then the number of blocks taken (pack[-1])."""
+    n = batch * width + 2 * batch + 1
+    return (n + batch * width + batch if bound else n) + 1
+
+
+def _block(n: int, cap: int | None) -> int:
+    return cap or min(1024, triton.next_power_of_2(n))
+
+
+def launch_plan(lens, block_table, num_used, batch, block_size, num_blocks, max_len, bound,
+                pack, slots, *, wrap=True, block_b=None, block_m=None):
+    """Run decode_plan_kernel (block_b / block_m: its tile sizes; tests make them small to
+    loop over several tiles)."""
+    kernel = torch.library.wrap_triton(decode_plan_kernel) if wrap else decode_plan_kernel
+    M = block_table.shape[1]
+    kernel[(batch,)](
+        lens, block_table, num_used, pack, slots, batch, M, num_blocks, max_len,
+        BS=block_size, BOUND=bound, BLOCK_B=_block(batch, block_b), BLOCK_M=_block(M, block_m),
+        num_warps=4)
+
+
+def launch_commit(block_table, lens, num_used, seen, pack, batch, tokens, *, wrap=True,
+                  block_m=None):
+    kernel = torch.library.wrap_triton(decode_commit_kernel) if wrap else decode_commit_kernel
+    M = block_table.shape[1]
+    kernel[(batch,)](block_table, lens, num_used, seen, pack, batch, M, tokens,
+                     pack.shape[0] - 1, BLOCK_M=_block(M, block_m), num_warps=4)
+
+
+def _cuda_only(t: torch.Tensor, op: str) -> None:
+    if not t.is_cuda:
+        raise ValueError(f"mla::{op} runs on CUDA (its Triton kernel); the cache plans other "
+                         f"devices in torch ops, got tensors on {t.device}")
+
+
+@torch.library.triton_op("mla::decode_step_plan", mutates_args={})
+def decode_step_plan(lens: torch.Tensor, block_table: torch.Tensor, num_used: torch.Tensor,
+                     batch: int, block_size: int, num_blocks: int, max_len: int,
+                     bound: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_state(lens, block_table, num_used, batch)
+    _cuda_only(lens, "decode_step_plan")
+    if block_size <= 0 or num_blocks <= 0 or max_len <= 0:
+        raise ValueError(f"block_size, num_blocks and max_len must be positive, got "
+                         f"{block_size}, {num_blocks}, {max_len}")
+    dev = lens.device
+    pack = torch.empty(pack_size(batch, block_table.shape[1], bound), dtype=torch.int32,
+                       device=dev)
+    slots = torch.empty(batch, dtype=torch.int64, device=dev)
+    launch_plan(lens, block_table, num_used, batch, block_size, num_blocks, max_len, bound,
+                pack, slots)
+    return pack, slots
+
+
+@torch.library.triton_op("mla::decode_step_commit",
+                         mutates_args={"block_table", "lens", "num_used", "seen"})
+def decode_step_commit(block_table: torch.Tensor, lens: torch.Tensor, num_used: torch.Tensor,
+                       seen: torch.Tensor, pack: torch.Tensor, batch: int, tokens: int) -> None:
+    _check_state(lens, block_table, num_used, batch)
+    if seen.dtype != torch.int64 or seen.dim() != 0 or seen.device != lens.device:
+        raise TypeError(f"seen must be a 0-dim int64 tensor on {lens.device}")
+    M = block_table.shape[1]
+    if (pack.dtype != torch.int32 or pack.dim() != 1 or pack.device != lens.device
+            or pack.numel() not in (pack_size(batch, M, False), pack_size(batch, M, True))):
+        raise ValueError("pack must be the int32 pack of mla::decode_step_plan for this batch")
+    _cuda_only(lens, "decode_step_commit")
+    launch_commit(block_table, lens, num_used, seen, pack, batch, tokens)
