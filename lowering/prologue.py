@@ -32,8 +32,11 @@ from .q_absorb_kernel import q_absorb_kernel
 from .q_rope_kernel import q_rope_kernel
 
 MAX_ROWS = 64
-# q_absorb_kernel's launch: rows <= 16 -> (BLOCK_K, BLOCK_L, num_warps, num_stages)
-Q_ABSORB_CONFIGS = {True: (64, 128, 4, 4), False: (64, 128, 4, 4)}
+# q_absorb_kernel's launch: rows <= 16 -> (BLOCK_K, BLOCK_L, num_warps, num_stages); the
+# fastest alone at DeepSeek-V3's query on an H200 (benchmarks/bench_q_absorb.py: 30.7 µs
+# at 1 row, 31.4 at 32, against 32.9 / 32.3 for (64, 128, 4, 4); in the decode step
+# 0.994x of that at both)
+Q_ABSORB_CONFIGS = {True: (128, 128, 8, 3), False: (128, 128, 8, 3)}
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
