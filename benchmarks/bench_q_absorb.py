@@ -57,8 +57,8 @@ def main():
     w = torch.randn(N * (P + R), Q, device=dev, dtype=dt) * Q ** -0.5
     wuk = torch.randn(N, P, L, device=dev, dtype=dt) * P ** -0.5
     nbytes = (w.numel() + wuk.numel()) * 2
-    print(f"\n| rows | unfused µs (of ceiling) | fused µs (of ceiling) | fused / unfused | config |"
-          f"\n|---|---|---|---|---|")
+    print("\n| rows | unfused µs (of ceiling) | fused µs (of ceiling) | fused / unfused | config |"
+          "\n|---|---|---|---|---|")
     best = {}
     for T in (int(r) for r in args.rows.split(",")):
         q_a = torch.randn(T, Q, device=dev, dtype=dt)
