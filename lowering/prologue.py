@@ -56,6 +56,13 @@ def _rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: boo
     return torch.cat([k1 * cos[..., :H] - k2 * sin[..., :H], k2 * c2 + k1 * s2], dim=-1)
 
 
+def _q_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool):
+    """HF's RoPE of the query heads q [*lead, N, P + R] (last R columns) in torch ops."""
+    R = cos.shape[-1]
+    c, s = cos.to(q.dtype)[..., None, :], sin.to(q.dtype)[..., None, :]   # [*lead, 1, R]
+    return torch.cat([q[..., :-R], _rope(q[..., -R:], c, s, interleave)], dim=-1)
+
+
 def _check_angles(cos, sin):
     for name, c in (("cos", cos), ("sin", sin)):
         if not c.is_floating_point():
@@ -160,8 +167,7 @@ def decode_q_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         raise ValueError(f"cos / sin must be on q's device {q.device}")
     tokens = q.numel() // max(1, q.shape[-1] * q.shape[-2])
     if not kernel_serves(q.device, q.dtype, tokens):
-        c, s = cos.to(q.dtype)[..., None, :], sin.to(q.dtype)[..., None, :]   # [*lead, 1, R]
-        return torch.cat([q[..., :-R], _rope(q[..., -R:], c, s, interleave)], dim=-1)
+        return _q_rope(q, cos, sin, interleave)
     q3 = q.reshape(tokens, q.shape[-2], q.shape[-1]).contiguous()         # [T, N, P + R]
     c, s = _angle_rows(cos, sin, tokens, q.dtype)
     y = torch.empty_like(q3)
@@ -247,9 +253,8 @@ def decode_q_absorb(q_a: torch.Tensor, w: torch.Tensor, W_UK_T: torch.Tensor,
     if not q_absorb_serves(q_a, w, W_UK_T, R):
         from .head_gemm import absorb_query
         q = torch.nn.functional.linear(q_a, w).view(*q_a.shape[:-1], N, P + R)
-        c, s = cos.to(q.dtype)[..., None, :], sin.to(q.dtype)[..., None, :]   # [*lead, 1, R]
-        q = torch.cat([q[..., :P], _rope(q[..., P:], c, s, interleave)], dim=-1)
-        return absorb_query(q.reshape(T, N, P + R), W_UK_T)              # [T, N, L + R]
+        return absorb_query(_q_rope(q, cos, sin, interleave).reshape(T, N, P + R),
+                            W_UK_T)                                      # [T, N, L + R]
     a = q_a.reshape(T, Q)
     if a.stride(-1) != 1:
         a = a.contiguous()

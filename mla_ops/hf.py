@@ -121,10 +121,8 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
         kv_row = torch.cat((kv_c.reshape(T, L), k_rot.reshape(T, R)), dim=-1)   # [T, L+R]
     if q is not None:
         q = q.view(T, N, P + R)                                              # [T, N, P+R]
-        if step.perm is not None:
-            q = q[step.perm]
-    if step.perm is not None:
-        kv_row = kv_row[step.perm]
+    if step.perm is not None:            # (a step with pads: never one with decode_q)
+        q, kv_row = q[step.perm], kv_row[step.perm]
     kv_c, k_pe = kv_row[:, :L], kv_row[:, None, L:]                          # [T, L], [T, 1, R]
     out = mla(q, kv_c, k_pe, cache.pool.kv[self.layer_idx], cache.k_scale, step.meta,
               kv_cache_dtype=cache.kv_cache_dtype, decode_q=decode_q)       # [T, N*V]
