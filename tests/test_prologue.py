@@ -202,9 +202,10 @@ def _v3_attention_model():
 @pytest.mark.parametrize("rows", [1, 32])
 def test_v3_attention_prologue_matches_hf_modules(rows):
     """At DeepSeek-V3's attention shapes the converted layer takes the fused path (the pair
-    GEMM's config splits K) and matches HF's modules on the same hidden states."""
+    GEMM's config splits K) and matches HF's modules on the same hidden states: the norms,
+    the key's and the query's RoPE, and the absorbed decode query."""
     import mla_ops.hf
-    from mla_ops.hf_linear import qkv_a_prologue
+    from mla_ops.hf_linear import absorbed_decode_query, qkv_a_prologue
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
     model = mla_ops.hf.convert(_v3_attention_model())
     attn = model.model.layers[0].self_attn
@@ -223,6 +224,13 @@ def test_v3_attention_prologue_matches_hf_modules(rows):
         q = attn.q_b_proj(q_a).view(rows, 1, 128, 192)
         q_ours = torch.ops.mla.decode_q_rope(q, cos, sin, True)
         q_hf, _ = m.apply_rotary_pos_emb_interleave(q[..., 128:].transpose(1, 2), k, cos, sin)
+        decode_q = absorbed_decode_query(attn, q_a, (cos, sin))             # [rows, 128, 576]
+        assert decode_q is not None, "V3 decode rows should take the fused query"
+    # the absorbed query against HF's q_b_proj and RoPE, absorbed in float64
+    ref_nope = torch.einsum("tnp,npl->tnl", q[:, 0, :, :128].double(),
+                            attn.mla_attn.W_UK_T.double())
+    assert _rel(decode_q[..., :512], ref_nope.cpu()) < 2e-2
+    assert _rel(decode_q[..., 512:], q_hf.transpose(1, 2)[:, 0].double().cpu()) < 2e-2
     assert q_a.shape == ref_q.shape and kv_row.shape == ref_kv.shape
     assert _rel(q_a, ref_q.double().cpu()) < 2e-2
     assert _rel(kv_row[..., :512], ref_kv[..., :512].double().cpu()) < 2e-2
@@ -235,11 +243,12 @@ def test_v3_attention_prologue_matches_hf_modules(rows):
 @gpu
 def test_v3_shaped_decode_graph_logits_match_hf():
     """End to end at V3's attention shapes: a prefill (24 rows, fused too) and captured
-    DecodeGraph steps, teacher-forced, against the unconverted model with a DynamicCache."""
+    DecodeGraph steps (with the absorbed query in one op), teacher-forced, against the
+    unconverted model with a DynamicCache."""
     import copy
     import mla_ops.hf as H
     from hf_models import logit_err
-    from mla_ops.hf_linear import qkv_a_prologue
+    from mla_ops.hf_linear import absorbed_decode_query, qkv_a_prologue
     from transformers import DynamicCache
     ref = _v3_attention_model()
     model = H.convert(copy.deepcopy(ref))
@@ -247,7 +256,9 @@ def test_v3_shaped_decode_graph_logits_match_hf():
     x = torch.zeros(B, 1, 7168, device="cuda", dtype=torch.bfloat16)
     pe = model.model.rotary_emb(x, torch.zeros(B, 1, dtype=torch.long, device="cuda"))
     with torch.no_grad():
-        assert qkv_a_prologue(model.model.layers[0].self_attn, x, pe) is not None
+        fused = qkv_a_prologue(model.model.layers[0].self_attn, x, pe)
+        assert fused is not None
+        assert absorbed_decode_query(model.model.layers[0].self_attn, fused[0], pe) is not None
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(3, 256, (B, S0), generator=g).cuda()
     pos = torch.arange(S0, device="cuda").expand(B, S0)
