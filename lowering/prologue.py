@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from .head_gemm import absorb_query
 from .prologue_kernel import qkv_prologue_kernel
 from .q_absorb_kernel import q_absorb_kernel
 from .q_rope_kernel import q_rope_kernel
@@ -251,7 +252,6 @@ def decode_q_absorb(q_a: torch.Tensor, w: torch.Tensor, W_UK_T: torch.Tensor,
     Q, N, P, R, L = _q_absorb_shape(q_a, w, W_UK_T, cos, sin)
     T = q_a.numel() // Q
     if not q_absorb_serves(q_a, w, W_UK_T, R):
-        from .head_gemm import absorb_query
         q = torch.nn.functional.linear(q_a, w).view(*q_a.shape[:-1], N, P + R)
         return absorb_query(_q_rope(q, cos, sin, interleave).reshape(T, N, P + R),
                             W_UK_T)                                      # [T, N, L + R]
