@@ -165,16 +165,18 @@ def ab_compare(args, runner_a, model, cfg, B, S, extra, dev, dtype, backend, nl)
     harness's own spread."""
     runners = [("as is", runner_a)]
     for spec in args.ab.split(";"):
-        obj, key, old, new = _setting(spec)
+        settings = [_setting(part) for part in spec.split("&")]     # set together
         cache_b = fill_paged_cache(cfg, B, S, extra, dev, dtype)
-        _assign(obj, key, new)
+        for obj, key, _, new in settings:
+            _assign(obj, key, new)
         try:
             torch._dynamo.reset()
             runners.append((spec, mla_ops.hf.DecodeGraph(model, cache_b, batch_size=B,
                                                          backend=backend,
                                                          mode=args.graph_compile_mode)))
         finally:
-            _assign(obj, key, old)
+            for obj, key, old, _ in reversed(settings):
+                _assign(obj, key, old)
     ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
     times = {name: [] for name, _ in runners}
     for i in range(args.ab_rounds):          # each round starts with the next variant
@@ -253,9 +255,10 @@ def main():
     ap.add_argument("--top", type=int, default=12, help="kernels listed by --profile")
     ap.add_argument("--profile", action="store_true",
                     help="print the top GPU kernels of one compiled step per mode")
-    ap.add_argument("--ab", default=None, metavar="MODULE.ATTR=VALUE[;...]",
+    ap.add_argument("--ab", default=None, metavar="MODULE.ATTR=VALUE[&...][;...]",
                     help="ours-graph: also capture one more DecodeGraph per ';'-separated "
-                         "setting, with that module attribute or dict entry set while it "
+                         "setting ('&' joins settings made together), with that module "
+                         "attribute or dict entry set while it "
                          "compiles and captures (e.g. lowering.head_gemm.IMPL=torch, "
                          "torch._inductor.config.triton.enable_pdl=1, "
                          "'lowering.linear.CONFIGS[(2, 18432, 7168, False)]=(32, 256, 4, 4)'), "
