@@ -1,6 +1,7 @@
 """The weight GEMMs of a decode step as graph ops (Triton on CUDA for a few rows, torch else).
 
     mla::decode_linear(x [*, K], w [N, K]) -> x @ w.T                      [*, N]
+    mla::decode_linear_residual(x [*, K], w [N, K], r [*, N]) -> r + x @ w.T   [*, N]
     mla::decode_linear_pair(x [*, K], w1 [N1, K], w2 [N2, K])
         -> (x @ w1.T [*, N1], x @ w2.T [*, N2])                            one launch
     mla::decode_gate_up(x [*, K], w_gate [N, K], w_up [N, K])
@@ -93,12 +94,13 @@ def split_k_of(config) -> int:
 
 def launch(x2: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor], mode: int,
            y1: torch.Tensor, y2: Optional[torch.Tensor], config: tuple, *, wrap=True,
-           y2_col0: int = 0) -> None:
+           y2_col0: int = 0, residual: Optional[torch.Tensor] = None) -> None:
     """Run decode_linear_kernel with config (BLOCK_N, BLOCK_K, num_warps, num_stages[,
     SPLIT_K]): x2 [M, K] (K contiguous), w1/w2 [N, K] contiguous; y1/y2 [M, N], or with
     SPLIT_K > 1 fp32 partials [SPLIT_K, M, N]. Mode 1 with y2=None and y2_col0 > 0
     writes x @ w2.T into y1 from column y2_col0 on: one output tensor (Inductor would copy
-    views of one buffer passed as two outputs, or lose one of them)."""
+    views of one buffer passed as two outputs, or lose one of them). Mode 0 without
+    split-K may add residual [M, N] (last dim contiguous) in the epilogue."""
     M, K = x2.shape
     N1 = w1.shape[0]
     N2 = w2.shape[0] if w2 is not None else 0
@@ -109,6 +111,10 @@ def launch(x2: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor], mode:
     if mode == 1 and y2 is None and not (0 < y2_col0 and y2_col0 + N2 <= y1.shape[-1]):
         raise ValueError(f"mode 1 without y2 needs y2_col0 > 0 and y1 of y2_col0 + {N2} "
                          f"columns; got y2_col0={y2_col0}, y1 {tuple(y1.shape)}")
+    if residual is not None and (mode != 0 or split_k > 1 or residual.shape != y1.shape
+                                 or residual.stride(-1) != 1):
+        raise ValueError(f"a residual needs mode 0 without split-K and the shape of y "
+                         f"{tuple(y1.shape)} with a contiguous last dim")
     n1_blocks = triton.cdiv(N1, block_n)
     grid = (n1_blocks + (triton.cdiv(N2, block_n) if mode == 1 else 0), split_k)
     kernel = torch.library.wrap_triton(decode_linear_kernel) if wrap else decode_linear_kernel
@@ -118,10 +124,11 @@ def launch(x2: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor], mode:
         x2, w1, w2_, y1, y2_, M, N1, N2, K,
         x2.stride(0), w1.stride(0), w2_.stride(0), y1.stride(-2), y2_.stride(-2),
         y1.stride(0) if split_k > 1 else 0, n1_blocks,
+        residual if residual is not None else x2, residual.stride(0) if residual is not None else 0,
         MODE=mode, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=K % (block_k * split_k) == 0, DOT_F32=not x2.is_cuda,
         SPLIT_K=split_k, Y2_COL0=y2_col0 if (mode == 1 and y2 is None) else 0,
-        num_warps=warps, num_stages=stages)
+        HAS_RES=residual is not None, num_warps=warps, num_stages=stages)
 
 
 def _check(x: torch.Tensor, *ws: torch.Tensor) -> int:
@@ -148,6 +155,28 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)   # [M, N]
     launch(x2, w, None, 0, y, None, cfg[:4])
     return y.view(*x.shape[:-1], w.shape[0])
+
+
+@torch.library.triton_op("mla::decode_linear_residual", mutates_args={})
+def decode_linear_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + x @ w.T, the product rounded to x's dtype first (HF's `residual +
+    o_proj(h)` / `residual + mlp(h)`); on the kernel path the add is the GEMM's epilogue.
+    Where the kernel's config splits K the caller adds (see linear_split_k)."""
+    K = _check(x, w)
+    want = (*x.shape[:-1], w.shape[0])
+    if tuple(residual.shape) != want:
+        raise ValueError(f"residual must be {want} (x @ w.T's shape), got {tuple(residual.shape)}")
+    if residual.dtype != x.dtype or residual.device != x.device:
+        raise TypeError(f"residual must be {x.dtype} on {x.device}, got {residual.dtype} on "
+                        f"{residual.device}")
+    cfg = _config(0, x, w)
+    if cfg is None or split_k_of(cfg) > 1:
+        return residual + F.linear(x, w)
+    x2 = _rows(x, K)
+    r2 = _rows(residual, w.shape[0])
+    y = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)   # [M, N]
+    launch(x2, w, None, 0, y, None, cfg[:4], residual=r2)
+    return y.view(want)
 
 
 @torch.library.triton_op("mla::decode_linear_pair", mutates_args={})

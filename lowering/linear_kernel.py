@@ -13,6 +13,9 @@ partials (in a graph, Inductor fuses that sum into the consumer of y). A small w
 
 MODE picks what the programs compute (the fusions of a DeepSeek layer's decode step):
     0  one weight:         y1 = x @ w1.T                              (o_proj, down_proj)
+                           with HAS_RES (no split-K): y1 = r + x @ w1.T, the product
+                           rounded to y's dtype before the add (the decoder layer's
+                           residual add, as HF rounds it)
     1  two weights:        y1 = x @ w1.T, y2 = x @ w2.T in one launch (q_a_proj + kv_a_proj);
                            programs [0, N1_BLOCKS) stream w1, the rest w2
     2  gated (SwiGLU) up:  y1 = silu(x @ w1.T) * (x @ w2.T), w1 and w2 both [N, K]
@@ -61,15 +64,21 @@ def _stream_rows(x_ptr, w_ptr, n0, M, N, K, stride_xm, stride_wn,
 
 @triton.jit
 def _store_rows(y_ptr, acc, n0, M, N, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                stride_ys=0):
+                stride_ys=0, r_ptr=None, stride_rm=0, HAS_RES: tl.constexpr = False):
     """y[:, n0 : n0 + BLOCK_N] = acc.T in y's dtype (of split program_id(1) when
-    stride_ys, the stride between the partials, is given)."""
+    stride_ys, the stride between the partials, is given); with HAS_RES, plus r's tile
+    (acc rounded to y's dtype first, the sum rounded again)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
+    mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
+    dt = y_ptr.dtype.element_ty
     y_ptr += tl.program_id(1).to(tl.int64) * stride_ys
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]            # y.T tile
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
-             mask=(offs_m < M)[None, :] & (offs_n < N)[:, None])
+    if HAS_RES:
+        r = tl.load(r_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask, other=0.0)
+        tl.store(y_ptrs, (acc.to(dt).to(tl.float32) + r.to(tl.float32)).to(dt), mask=mask)
+    else:
+        tl.store(y_ptrs, acc.to(dt), mask=mask)
 
 
 @triton.jit
@@ -79,19 +88,22 @@ def decode_linear_kernel(
     stride_xm, stride_w1, stride_w2, stride_y1, stride_y2,
     stride_ys,                                # SPLIT_K > 1: stride between y's partials
     N1_BLOCKS,                                # cdiv(N1, BLOCK_N)
+    r_ptr, stride_r,                          # HAS_RES: the residual [M, N1] (MODE 0)
     MODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
     SPLIT_K: tl.constexpr,                    # grid axis 1 (1 for MODE 2)
     Y2_COL0: tl.constexpr,                    # > 0: MODE 1 writes x @ w2.T into y1 from this
                                               # column on (y2_ptr unused: one output tensor)
+    HAS_RES: tl.constexpr,                    # MODE 0 without split-K: y1 = r + x @ w1.T
 ):
     pid = tl.program_id(0)
     if MODE == 0:
         n0 = pid * BLOCK_N
         acc = _stream_rows(x_ptr, w1_ptr, n0, M, N1, K, stride_xm, stride_w1,
                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, SPLIT_K)
-        _store_rows(y1_ptr, acc, n0, M, N1, stride_y1, BLOCK_M, BLOCK_N, stride_ys)
+        _store_rows(y1_ptr, acc, n0, M, N1, stride_y1, BLOCK_M, BLOCK_N, stride_ys,
+                    r_ptr, stride_r, HAS_RES)
     elif MODE == 1:
         if pid < N1_BLOCKS:
             n0 = pid * BLOCK_N

@@ -36,9 +36,9 @@ def _row_sum(ptr, offs, mask, stride_split, SPLIT: tl.constexpr):
 @triton.jit
 def _rms_norm(x, w_ptr, offs, mask, n, eps, dt):
     """HF's RMSNorm of one row x (fp32 holding dtype-dt values, 0 where masked)."""
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)   # issued before the sum
     var = tl.sum(x * x, axis=0) / n
     y = (x * tl.math.rsqrt(var + eps)).to(dt).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return (w * y).to(dt)
 
 

@@ -75,6 +75,41 @@ def test_kernel_split_k_partials_vs_fp64(M, K, cfg):
         linear.launch(xs, w1s, w1s, 2, parts[..., :70], None, cfg, wrap=False)
 
 
+@pytest.mark.parametrize("M,N,K,cfg", [(1, 100, 300, (32, 128, 4, 2)), (33, 50, 200, (64, 64, 4, 2)),
+                                       (32, 130, 384, (64, 128, 4, 3))])
+def test_kernel_residual_epilogue_vs_fp64(M, N, K, cfg):
+    """Mode 0 with a residual: y = r + x @ w.T, the product rounded to y's dtype before the
+    add as HF's `residual + o_proj(h)` rounds; rows and N not multiples of the blocks."""
+    g = torch.Generator().manual_seed(M + N + K)
+    x, w, r = _randn(M, K, g=g), _randn(N, K, g=g), _randn(M, N, g=g).mul(10)
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
+    xs, ws, rs = (t.to(DEV, dt) for t in (x, w, r))
+    x, w, r = (t.to(dt).double() for t in (x, w, r))
+    y = torch.full((M, N), float("nan"), device=DEV, dtype=dt)
+    linear.launch(xs, ws, None, 0, y, None, cfg, wrap=False, residual=rs)
+    ref = r + (x @ w.T)
+    tol = 1e-2 if dt == torch.bfloat16 else 1e-5
+    assert _rel(y.cpu(), ref) < tol
+    assert _rel(y.cpu() - rs.cpu(), x @ w.T) < (5e-2 if dt == torch.bfloat16 else 1e-4)
+    parts = torch.empty(2, M, N, device=DEV)
+    with pytest.raises(ValueError, match="a residual needs mode 0 without split-K"):
+        linear.launch(xs, ws, None, 0, parts, None, (*cfg, 2), wrap=False, residual=rs)
+    with pytest.raises(ValueError, match="a residual needs mode 0"):
+        linear.launch(xs, ws, ws, 2, y, None, cfg, wrap=False, residual=rs)
+
+
+def test_residual_op_torch_path_and_errors():
+    """Off the kernel path decode_linear_residual is HF's `residual + o_proj(h)` bit for
+    bit; a residual of the wrong shape or dtype is refused."""
+    g = torch.Generator().manual_seed(4)
+    x, w, r = (_randn(*s, g=g).float() for s in ((2, 3, 40), (24, 40), (2, 3, 24)))
+    assert torch.equal(torch.ops.mla.decode_linear_residual(x, w, r), r + F.linear(x, w))
+    with pytest.raises(ValueError, match=r"residual must be \(2, 3, 24\)"):
+        torch.ops.mla.decode_linear_residual(x, w, r[:, :1])
+    with pytest.raises(TypeError, match="residual must be torch.float32"):
+        torch.ops.mla.decode_linear_residual(x, w, r.double())
+
+
 def test_pair_partials_op_torch_path_sums_to_the_modules():
     """Off the kernel path the partials op puts the whole F.linear result in partial 0."""
     g = torch.Generator().manual_seed(9)
@@ -268,14 +303,20 @@ def test_measured_configs_at_their_shapes_vs_fp64(key):
 
 def test_converted_hf_layer_uses_the_ops():
     """convert() routes q_a + kv_a, o_proj and the SiLU MLPs (dense and shared experts)
-    through the ops; fuse_mlp=False leaves the MLPs to HF; a biased MLP stays HF's."""
+    through the ops, and the decoder layers' norms and residual adds (fuse_norms);
+    fuse_mlp=False leaves the MLPs to HF; a biased MLP stays HF's."""
     pytest.importorskip("transformers")
     import mla_ops.hf as H
     from hf_models import build_pair, tiny_config
     _, model = build_pair(tiny_config("v3"))
     H.convert(model)
     fused = [n for n, m in model.named_modules() if type(m).__name__.startswith("FusedDeepseek")]
-    assert fused == ["model.layers.0.mlp", "model.layers.1.mlp.shared_experts"]
+    assert fused == ["model.layers.0", "model.layers.0.mlp", "model.layers.1",
+                     "model.layers.1.mlp.shared_experts"]
+    norms = [n for n, m in model.named_modules() if type(m).__name__ == "DecodeDeepseekV3RMSNorm"]
+    assert norms == ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
+                     "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm",
+                     "model.norm"]
     assert type(model.lm_head).__name__ == "DecodeLinear"             # the output head too
     x = torch.randn(2, 1, 256)
     with torch.no_grad():
@@ -284,14 +325,15 @@ def test_converted_hf_layer_uses_the_ops():
     H.convert(model)                                                   # twice: a no-op
     assert type(model.lm_head).__name__ == "DecodeLinear" and set(model.state_dict()) == keys
     _, model = build_pair(tiny_config("v3"))
-    H.convert(model, fuse_mlp=False, decode_head=False)
-    assert not any(type(m).__name__.startswith("Fused") for m in model.modules())
+    H.convert(model, fuse_mlp=False, decode_head=False, fuse_norms=False)
+    assert not any(type(m).__name__.startswith(("Fused", "Decode")) for m in model.modules())
     assert type(model.lm_head) is torch.nn.Linear
     cfg = tiny_config("v2")
     cfg.mlp_bias = True
     _, model = build_pair(cfg)
     H.convert(model)
-    assert not any(type(m).__name__.startswith("Fused") for m in model.modules())
+    assert not any(type(m).__name__.startswith("Fused") and "mlp" in n
+                   for n, m in model.named_modules())
 
 
 def test_impl_choice_is_part_of_the_traced_graph(monkeypatch):
@@ -327,5 +369,6 @@ def test_opcheck_decode_gemm_ops():
                      (torch.ops.mla.decode_linear_pair.default, (x, w1, w2[:16])),
                      (torch.ops.mla.decode_linear_partials.default, (x, w1, 3)),
                      (torch.ops.mla.decode_linear_pair_partials.default, (x, w1, w2[:16], 2)),
-                     (torch.ops.mla.decode_gate_up.default, (x, w1, w2))):
+                     (torch.ops.mla.decode_gate_up.default, (x, w1, w2)),
+                     (torch.ops.mla.decode_linear_residual.default, (x, w1, torch.randn(3, 2, 32)))):
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

@@ -1,0 +1,63 @@
+"""RMSNorm as a graph op: the decoder layers' norms of a decode step.
+
+    mla::rms_norm(x [*, N], weight [N], eps) -> weight * rms_normalized(x)     [*, N]
+
+On CUDA (bf16 / fp16, N <= MAX_N) one Triton launch, one program per row
+(rms_norm_kernel.py); elsewhere HF's own DeepseekV3RMSNorm.forward in torch ops, bit for
+bit. Inductor compiles HF's norm as a looped reduction fused with the residual adds
+before it, recomputed from the embedding in every later norm; with the adds in the GEMMs'
+epilogues (mla::decode_linear_residual) the norm reads one tensor, and a single pass over
+a register-resident row is what a few rows want. Defined with torch.library.triton_op, so
+Inductor sees the kernel in the graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .prologue import _norm
+from .rms_norm_kernel import rms_norm_kernel
+
+MAX_N = 16384          # a row in registers: 16384 fp32 over 8 warps is 64 per thread
+
+
+def kernel_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the Triton kernel computes rms_norm(x, weight) (else the torch path does)."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and weight.is_contiguous() and 0 < x.shape[-1] <= MAX_N and x.numel() > 0)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError("x must be a tensor of at least one dimension (its last is normalized)")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight must be [{x.shape[-1]}] to match x [..., {x.shape[-1]}]; "
+                         f"got {tuple(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+
+
+def launch(x2: torch.Tensor, weight: torch.Tensor, eps: float, y: torch.Tensor, *,
+           wrap: bool = True) -> None:
+    """y [T, N] = rms_norm(x2 [T, N] (last dim contiguous)) * weight."""
+    T, N = x2.shape
+    block = triton.next_power_of_2(N)
+    kernel = torch.library.wrap_triton(rms_norm_kernel) if wrap else rms_norm_kernel
+    kernel[(T,)](x2, weight, y, N, x2.stride(0), float(eps), BLOCK=block,
+                 num_warps=8 if block >= 4096 else 4)
+
+
+@torch.library.triton_op("mla::rms_norm", mutates_args={})
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _check(x, weight, eps)
+    if not kernel_serves(x, weight):
+        return _norm(x, weight, eps)
+    N = x.shape[-1]
+    x2 = x.reshape(-1, N)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)          # [T, N]
+    launch(x2, weight, eps, y)
+    return y.view(x.shape)

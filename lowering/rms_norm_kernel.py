@@ -1,0 +1,33 @@
+"""RMSNorm of a few rows, one program per row, the whole row in registers.
+
+    y[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)).to(dtype)          x, y [T, N], w [N]
+
+Rounded as HF's DeepseekV3RMSNorm (and V2's) computes it: the sum of squares in fp32, the
+normalized row rounded to x's dtype, then the weight product rounded once. A decode step
+normalizes B rows of hidden size (7168 for DeepSeek-V3): too few for a looped reduction to
+hide its two passes over each row, so each program loads its row once (BLOCK >= N).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr,             # [T, N], row stride stride_x, last dim contiguous
+    w_ptr,             # [N]
+    y_ptr,             # [T, N] contiguous
+    N, stride_x, eps,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    dt = y_ptr.dtype.element_ty
+    # both loads issued before the reduction: one memory latency, not two
+    x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0).to(tl.float32)   # [BLOCK]
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)                  # [BLOCK]
+    var = tl.sum(x * x, axis=0) / N
+    y = (x * tl.math.rsqrt(var + eps)).to(dt).to(tl.float32)        # rounded as HF rounds
+    tl.store(y_ptr + t * N + offs, (w * y).to(dt), mask=mask)
