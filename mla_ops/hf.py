@@ -12,7 +12,8 @@ weights W_UK_T [N, P, L] and W_UV [N, L, V] (the only new tensors; non-persisten
 buffers, so state_dict is unchanged). With any other cache (or none) the layer runs
 HF's own forward. The layer's projections, the SiLU MLPs (fuse_mlp) and the output head
 (decode_head) run on the decode GEMM ops of mla_ops/hf_linear.py with the modules' own
-weights.
+weights; the decoder layers' residual adds and norms (fuse_norms) on those GEMMs'
+epilogues and mla::rms_norm (mla_ops/hf_layer.py).
 
 PagedMLACache (mla_ops/hf_cache.py) is a real transformers Cache over the paged latent
 cache; the converted layers ask it for each step's plan. DecodeGraph (mla_ops/hf_graph.py)
@@ -26,6 +27,7 @@ import torch
 
 from .cache import CacheFullError  # noqa: F401  (raised by PagedMLACache and DecodeGraph)
 from .hf_cache import PagedMLACache
+from .hf_layer import convert_layers
 from .hf_linear import (absorbed_decode_query, convertible_head, decode_head_class,
                         fusable_mlp, fused_mlp_class, linear, linear_pair, qkv_a_prologue)
 from .layer import MLAAttention
@@ -72,16 +74,21 @@ def _rope(self, q_rot, k_rot, position_embeddings):
 
 def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                    past_key_values=None, **kwargs):
-    """Converted forward: hidden_states [B, S, H] -> ([B, S, H], None).
+    """Converted forward: hidden_states [B, S, H] -> ([B, S, H], None); with mla_residual
+    (a converted decoder layer's residual [B, S, H]) the output is mla_residual + o_proj(...),
+    the add in o_proj's epilogue.
 
     transformers < 5.24 passes the cache as past_key_values, later versions as cache.
     """
+    residual = kwargs.pop("mla_residual", None)
     cache = past_key_values if past_key_values is not None else kwargs.get("cache")
     if not isinstance(cache, PagedMLACache):
         if past_key_values is not None:
             kwargs["past_key_values"] = past_key_values
-        return self._hf_forward(hidden_states=hidden_states, position_embeddings=position_embeddings,
-                                attention_mask=attention_mask, **kwargs)
+        out, weights = self._hf_forward(hidden_states=hidden_states,
+                                        position_embeddings=position_embeddings,
+                                        attention_mask=attention_mask, **kwargs)
+        return (out if residual is None else residual + out), weights
     mla: MLAAttention = self.mla_attn
     B, S, _ = hidden_states.shape
     N, P, R, V, L = (mla.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
@@ -129,7 +136,7 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     cache._layer_done(self.layer_idx, B, S)
     if step.inv is not None:
         out = out[step.inv]
-    return linear(self.o_proj, out.view(B, S, N * V)), None
+    return linear(self.o_proj, out.view(B, S, N * V), residual), None
 
 
 _PAGED_CLASSES: dict = {}
@@ -149,7 +156,7 @@ def _paged_class(cls, family: str):
 
 def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
             fp8_decode_query: float | None = None, fuse_mlp: bool = True,
-            decode_head: bool = True):
+            decode_head: bool = True, fuse_norms: bool = True):
     """Route every DeepSeek V2/V3 attention layer of `model` through the MLA ops (in place).
 
     The attention's own projections run as decode GEMM ops (q_a + kv_a in one launch; see
@@ -161,6 +168,10 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
 
     With decode_head, the output head (lm_head, when a plain bias-free nn.Linear) runs on
     the decode GEMM op too, with the same numerics rule.
+
+    With fuse_norms, each HF decoder layer adds its residuals in o_proj's and down_proj's
+    epilogues and runs its two RMSNorms (and the model's final one) as mla::rms_norm
+    (mla_ops/hf_layer.py); same roundings as HF's modules.
 
     fp8_decode_query=q_scale builds each decode step's 576-wide query in the graph and
     quantizes it to fp8 with that static scale (fp8 x fp8 decode; the cache must then be
@@ -217,6 +228,8 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
         m.__class__ = fused_mlp_class(type(m))
     if head is not None:
         head.__class__ = decode_head_class(type(head))
+    if fuse_norms:
+        convert_layers(model)
     return model
 
 

@@ -36,20 +36,25 @@ def _use_ops(*mods) -> bool:
     return _ops.IMPL != "torch" and _plain(*mods) and not _needs_grad(*mods)
 
 
-def _decode_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T on the decode GEMM op; where the kernel's config splits K, the fp32 partial
-    sums are added here, in the traced graph (Inductor fuses the sum into the consumer)."""
+def _decode_linear(x: torch.Tensor, w: torch.Tensor, residual=None) -> torch.Tensor:
+    """x @ w.T (plus residual) on the decode GEMM ops; where the kernel's config splits K,
+    the fp32 partial sums (and the residual) are added here, in the traced graph (Inductor
+    fuses the sum into the consumer)."""
     split_k = _ops.linear_split_k(x, w)
     if split_k > 1:
-        return torch.ops.mla.decode_linear_partials(x, w, split_k).sum(0).to(x.dtype)
+        y = torch.ops.mla.decode_linear_partials(x, w, split_k).sum(0).to(x.dtype)
+        return y if residual is None else residual + y
+    if residual is not None:
+        return torch.ops.mla.decode_linear_residual(x, w, residual)
     return torch.ops.mla.decode_linear(x, w)
 
 
-def linear(mod, x: torch.Tensor) -> torch.Tensor:
-    """mod(x) for an HF linear module; mla::decode_linear when it is a plain nn.Linear."""
+def linear(mod, x: torch.Tensor, residual=None) -> torch.Tensor:
+    """mod(x) (+ residual) for an HF linear module; mla::decode_linear(_residual) when it
+    is a plain nn.Linear."""
     if _use_ops(mod):
-        return _decode_linear(x, mod.weight)
-    return mod(x)
+        return _decode_linear(x, mod.weight, residual)
+    return mod(x) if residual is None else residual + mod(x)
 
 
 def linear_pair(m1, m2, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,10 +80,10 @@ def linear_pair(m1, m2, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 FUSE_PROLOGUE = True
 
 
-def _hf_rms_norm(m) -> bool:
-    """An HF DeepSeek-V3 RMSNorm module whose forward is HF's own (weight, variance_epsilon)."""
-    return (type(m).__name__ == "DeepseekV3RMSNorm" and m.weight.dim() == 1
-            and type(m).__module__.startswith("transformers."))
+def hf_rms_norm(m) -> bool:
+    """An HF DeepSeek RMSNorm module whose forward is HF's own (weight [H], variance_epsilon)."""
+    return (type(m).__name__ in ("DeepseekV3RMSNorm", "DeepseekV2RMSNorm")
+            and m.weight.dim() == 1 and type(m).__module__.startswith("transformers."))
 
 
 def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
@@ -90,7 +95,7 @@ def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
     m1, m2 = attn.q_a_proj, attn.kv_a_proj_with_mqa
     if (not FUSE_PROLOGUE or attn._mla_family != "v3" or attn.q_lora_rank is None
             or not _use_ops(m1, m2)
-            or not (_hf_rms_norm(attn.q_a_layernorm) and _hf_rms_norm(attn.kv_a_layernorm))
+            or not (hf_rms_norm(attn.q_a_layernorm) and hf_rms_norm(attn.kv_a_layernorm))
             or not isinstance(position_embeddings, (tuple, list))):
         return None
     w1, w2 = m1.weight, m2.weight
@@ -150,18 +155,20 @@ def fusable_mlp(m) -> bool:
             and m.gate_proj.weight.shape == m.up_proj.weight.shape)
 
 
-def _mlp_forward(self, x):
-    """down_proj(silu(gate_proj(x)) * up_proj(x)): x [..., H] -> [..., H]."""
+def _mlp_forward(self, x, residual=None):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)) (+ residual, the decoder layer's add, in
+    down_proj's epilogue): x [..., H] -> [..., H]."""
     if _ops.IMPL == "torch" or _needs_grad(self.gate_proj, self.up_proj, self.down_proj):
-        return self._hf_forward(x)
+        y = self._hf_forward(x)
+        return y if residual is None else residual + y
     h = torch.ops.mla.decode_gate_up(x, self.gate_proj.weight, self.up_proj.weight)   # [..., I]
-    return _decode_linear(h, self.down_proj.weight)                       # split-K per CONFIGS
+    return _decode_linear(h, self.down_proj.weight, residual)             # split-K per CONFIGS
 
 
 _CLASSES: dict = {}
 
 
-def _converted_class(cls, prefix: str, forward):
+def converted_class(cls, prefix: str, forward):
     """The subclass of cls whose forward is `forward` (HF's kept as _hf_forward), made once."""
     key = (cls, prefix)
     if key not in _CLASSES:
@@ -172,7 +179,7 @@ def _converted_class(cls, prefix: str, forward):
 
 
 def fused_mlp_class(cls):
-    return _converted_class(cls, "Fused", _mlp_forward)
+    return converted_class(cls, "Fused", _mlp_forward)
 
 
 # ------------------------------------------------------------------------- output head
@@ -188,7 +195,7 @@ def _head_forward(self, x):
 
 def decode_head_class(cls):
     """A subclass of the (plain nn.Linear) output head whose forward runs the decode op."""
-    return _converted_class(cls, "Decode", _head_forward)
+    return converted_class(cls, "Decode", _head_forward)
 
 
 def convertible_head(model):

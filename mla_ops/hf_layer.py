@@ -1,0 +1,95 @@
+"""A converted HF DeepSeek decoder layer's norms and residual adds.
+
+HF's decoder layer computes
+
+    h = residual + self_attn(input_layernorm(residual))
+    out = h + mlp(post_attention_layernorm(h))
+
+Compiled, Inductor fuses each residual add into the RMSNorm after it and never stores the
+sum: every later norm recomputes the chain from the embedding, and a looped reduction
+over a few rows of 7168 takes 3-5 µs on an H200. Converted, each add is the epilogue of the
+GEMM before it (o_proj, down_proj: mla::decode_linear_residual), and the norms (the
+layers' two and the model's final one) run as mla::rms_norm, one pass over a row held in
+registers. Same roundings as HF's modules; off the GPU's decode path the ops compute
+exactly what the modules do.
+"""
+from __future__ import annotations
+
+import torch
+
+from lowering import linear as _ops
+import lowering.norm  # noqa: F401  (registers mla::rms_norm)
+
+from .hf_linear import converted_class, hf_rms_norm
+
+# False: the converted layers and norms run HF's own forwards (to compare against)
+FUSE_NORMS = True
+
+_LAYERS = ("DeepseekV3DecoderLayer", "DeepseekV2DecoderLayer")
+
+
+def _on(*params) -> bool:
+    # decided in the traced Python, so the choice is part of the compiled graph
+    return (FUSE_NORMS and _ops.IMPL != "torch"
+            and not (torch.is_grad_enabled() and any(p.requires_grad for p in params)))
+
+
+def _norm_forward(self, x):
+    """HF's RMSNorm of x [..., H] as mla::rms_norm."""
+    if not _on(self.weight):
+        return self._hf_forward(x)
+    return torch.ops.mla.rms_norm(x, self.weight, float(self.variance_epsilon))
+
+
+def decode_norm_class(cls):
+    return converted_class(cls, "Decode", _norm_forward)
+
+
+def fusable_layer(layer) -> bool:
+    """An HF DeepSeek decoder layer with HF's norms around a converted MLA attention."""
+    return (type(layer).__name__ in _LAYERS and type(layer).__module__.startswith("transformers.")
+            and getattr(layer.self_attn, "_mla_converted", False)
+            and hf_rms_norm(layer.input_layernorm)
+            and hf_rms_norm(layer.post_attention_layernorm))
+
+
+def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None,
+                   past_key_values=None, use_cache=False, position_embeddings=None, **kwargs):
+    """HF's decoder layer with the residual adds inside o_proj's and down_proj's GEMMs:
+    hidden_states [B, S, H] -> [B, S, H]."""
+    if not _on(self.input_layernorm.weight, self.post_attention_layernorm.weight):
+        return self._hf_forward(hidden_states, attention_mask=attention_mask,
+                                position_ids=position_ids, past_key_values=past_key_values,
+                                use_cache=use_cache, position_embeddings=position_embeddings,
+                                **kwargs)
+    residual = hidden_states
+    h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
+                          attention_mask=attention_mask, position_ids=position_ids,
+                          past_key_values=past_key_values, use_cache=use_cache,
+                          position_embeddings=position_embeddings, mla_residual=residual,
+                          **kwargs)                                   # residual + attention
+    x = self.post_attention_layernorm(h)
+    if getattr(self.mlp, "_mla_converted", False):                    # the fused SiLU MLP
+        return self.mlp(x, h)                                         # h + mlp(x)
+    return h + self.mlp(x)
+
+
+def fused_layer_class(cls):
+    return converted_class(cls, "Fused", _layer_forward)
+
+
+def convert_layers(model) -> None:
+    """Swap the classes of model's fusable decoder layers, their two norms and the final
+    norm (in place; call after the attentions are converted)."""
+    layers = [m for m in model.modules() if fusable_layer(m)]
+    if not layers:
+        return
+    norms = [n for l in layers for n in (l.input_layernorm, l.post_attention_layernorm)]
+    base = getattr(model, "model", model)
+    final = getattr(base, "norm", None)
+    if final is not None and hf_rms_norm(final):
+        norms.append(final)
+    for n in norms:
+        n.__class__ = decode_norm_class(type(n))
+    for l in layers:
+        l.__class__ = fused_layer_class(type(l))

@@ -1,0 +1,123 @@
+"""mla::rms_norm (lowering/norm.py) vs float64, and the converted HF decoder layer that
+runs its norms on it with the residual adds in the GEMMs' epilogues (mla_ops/hf_layer.py).
+CPU: the kernel under the Triton interpreter; the op's torch path bit for bit against HF's
+RMSNorm module."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from lowering import norm  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _ref(x64, w64, eps, dt):
+    """HF's RMSNorm in float64, rounded where HF rounds: the normalized row to dt, then
+    the weight product to dt."""
+    y = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    return (w64 * y.to(dt).double()).to(dt)
+
+
+def _ulps(a, ref):
+    """Largest difference between a and ref in units of ref's dtype's spacing at ref."""
+    spacing = torch.finfo(ref.dtype).eps * ref.double().abs().clamp_min(2 ** -14)
+    return ((a.double() - ref.double()).abs() / spacing).max().item()
+
+
+# rows; N: 1, not a power of two, DeepSeek-V3's hidden size; dtypes
+@pytest.mark.parametrize("T,N", [(1, 7168), (5, 100), (3, 1), (32, 512)])
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_kernel_vs_fp64(T, N, dt):
+    g = torch.Generator().manual_seed(T * 100 + N)
+    x = (torch.randn(T, N, generator=g, dtype=torch.float64) * 3 + 0.5).to(dt)
+    w = (torch.rand(N, generator=g, dtype=torch.float64) + 0.5).to(dt)
+    xs, ws = x.to(DEV), w.to(DEV)
+    y = torch.full((T, N), float("nan"), device=DEV, dtype=dt)
+    norm.launch(xs, ws, 1e-6, y, wrap=False)
+    ref = _ref(x.double(), w.double(), 1e-6, dt)
+    assert not y.isnan().any()
+    # the fp32 sum of squares may round the normalized row one way where fp64 rounds the
+    # other: one ulp of the row, then the weight product
+    assert _ulps(y.cpu(), ref) <= 2.0
+
+
+def test_kernel_reads_strided_rows():
+    """Rows with a stride (a view of a wider buffer): only each row's N columns are read."""
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randn(4, 300, generator=g).to(DEV)
+    w = torch.rand(200, generator=g).add(0.5).to(DEV)
+    y = torch.empty(4, 200, device=DEV)
+    norm.launch(buf[:, 50:250], w, 1e-5, y, wrap=False)
+    assert _ulps(y.cpu(), _ref(buf[:, 50:250].double().cpu(), w.double().cpu(), 1e-5,
+                                 torch.float32)) <= 2.0
+
+
+def test_op_torch_path_is_hf_rms_norm_and_errors():
+    pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+    m = DeepseekV3RMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        m.weight.copy_(torch.rand(64) + 0.5)
+    for dt in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, 3, 64).to(dt)
+        mm = m.to(dt)
+        with torch.no_grad():
+            assert torch.equal(torch.ops.mla.rms_norm(x, mm.weight, 1e-5), mm(x))
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match=r"weight must be \[64\]"):
+        torch.ops.mla.rms_norm(x, torch.ones(63), 1e-6)
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        torch.ops.mla.rms_norm(x, torch.ones(64), -1.0)
+    torch.library.opcheck(torch.ops.mla.rms_norm.default, (x, torch.rand(64), 1e-6),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the op's Triton path runs on CUDA")
+@pytest.mark.parametrize("T", [1, 32, 300])
+def test_op_on_gpu_eager_and_compiled(T):
+    """bf16 on CUDA at V3's hidden size: the kernel, eager and under Inductor (where it
+    appears in the generated code), within the rounding of HF's formula."""
+    from torch._inductor.utils import run_and_get_code
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, 1, 7168, generator=g).mul(2).to(DEV, torch.bfloat16)
+    w = torch.rand(7168, generator=g).add(0.5).to(DEV, torch.bfloat16)
+
+    def f(x):
+        return torch.ops.mla.rms_norm(x, w, 1e-6)
+    ref = _ref(x.double().cpu(), w.double().cpu(), 1e-6, torch.bfloat16)
+    compiled, codes = run_and_get_code(torch.compile(f, fullgraph=True), x)
+    for y in (f(x), compiled):
+        assert y.shape == x.shape and y.dtype == torch.bfloat16
+        assert _ulps(y.cpu(), ref) <= 2.0
+    assert "rms_norm_kernel" in "".join(codes)
+
+
+def test_converted_layer_graph_holds_the_ops_and_matches_hf(monkeypatch):
+    """A converted decoder layer traces to mla::rms_norm and the residual GEMMs (no HF
+    norm left), computes what HF's layer computes, and FUSE_NORMS=False traces HF's own
+    layer instead: the choice is part of the graph."""
+    pytest.importorskip("transformers")
+    import mla_ops.hf as H
+    import mla_ops.hf_layer as HL
+    from hf_models import build_pair, tiny_config
+    ref_model, model = build_pair(tiny_config("v3"))
+    H.convert(model)
+    ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(0))
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    for fuse in (True, False):
+        monkeypatch.setattr(HL, "FUSE_NORMS", fuse)
+        torch._dynamo.reset()
+        cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=16, block_size=4)
+        with torch.no_grad():
+            out = torch.compile(model.forward, backend=backend, fullgraph=True)(
+                ids, past_key_values=cache).logits
+            ref = ref_model(ids).logits
+        assert (out - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
+    assert {"mla.rms_norm", "mla.decode_linear_residual"} <= targets[0]
+    assert not any(t.startswith("mla.rms_norm") or "residual" in t for t in targets[1])
