@@ -280,9 +280,18 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.device == "cpu" and "TRITON_INTERPRET" not in os.environ:
+    # Triton kernels of a CPU run go through the interpreter. The variable is set for
+    # this call only (Inductor reads it whenever it compiles), but kernels first imported
+    # during the call stay interpreted (Triton decides when it decorates them): a process
+    # that also runs CUDA kernels should run a CPU report in a process of its own.
+    interpret = args.device == "cpu" and "TRITON_INTERPRET" not in os.environ
+    if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
-    rep = run(args)
+    try:
+        rep = run(args)
+    finally:
+        if interpret:
+            del os.environ["TRITON_INTERPRET"]
     if args.html:
         with open(args.html, "w") as f:
             f.write(format_html(rep))

@@ -1,10 +1,20 @@
 """The mla-inspect tool: JSON report, text and HTML output, and the reasons it gives."""
 import json
+import os
 
 import pytest
 
 pytest.importorskip("transformers")
+import torch  # noqa: E402
+
 from passes import inspect as mla_inspect  # noqa: E402
+
+# The tool's CPU runs set TRITON_INTERPRET=1 before importing the kernels, and Triton
+# makes every kernel decorated while it is set an interpreted one for good: on a CUDA
+# host the GPU tests later in the same process would then get interpreted kernels
+# ("wrap_triton only works on functions annotated with triton.jit"). CPU CI runs these.
+cpu_run = pytest.mark.skipif(torch.cuda.is_available(),
+                             reason="runs the tool on CPU through the Triton interpreter")
 
 
 def run_json(capsys, *argv):
@@ -12,6 +22,7 @@ def run_json(capsys, *argv):
     return json.loads(capsys.readouterr().out)
 
 
+@cpu_run
 def test_decode_fp8_with_fp8_o_proj(capsys):
     rep = run_json(capsys, "--model", "tiny-v3", "--phase", "decode", "--kv-cache-dtype", "fp8",
                    "--fp8-o-proj")
@@ -33,6 +44,7 @@ def test_decode_fp8_with_fp8_o_proj(capsys):
     assert "mla.attention_with_output" in rep["graph_after"]
 
 
+@cpu_run
 def test_fp8_decode_query_lets_pass_a_fire(capsys, tmp_path):
     dense_config(tmp_path, "tiny-v3")
     rep = run_json(capsys, "--model", str(tmp_path), "--phase", "decode", "--kv-cache-dtype",
@@ -54,6 +66,7 @@ def dense_config(tmp_path, family):
     return tmp_path
 
 
+@cpu_run
 def test_pass_b_cannot_fire_without_fp8_o_proj_and_says_why(capsys, tmp_path):
     # a checkpoint given by its config.json, bf16 cache, o_proj left in bf16
     dense_config(tmp_path, "tiny-v3")
@@ -70,6 +83,7 @@ def test_pass_b_cannot_fire_without_fp8_o_proj_and_says_why(capsys, tmp_path):
     assert page.count("<pre>") == 2 and "not an FP8 quant op" in page
 
 
+@cpu_run
 def test_text_report_prefill(capsys, tmp_path):
     assert mla_inspect.main(["--model", str(dense_config(tmp_path, "tiny-v2")), "--phase", "prefill",
                              "--kv-cache-dtype", "fp8", "--fp8-o-proj"]) == 0
@@ -91,6 +105,22 @@ def test_normalize_graph_renames_and_rounds():
         "Tensor](args = (%in0, 0.176777), kwargs = {})\n    return (n0,)\n")
 
 
+@cpu_run
 def test_bad_model_argument():
     with pytest.raises(SystemExit):
         mla_inspect.main(["--model", "/nonexistent/dir"])
+
+
+def test_cli_leaves_the_interpreter_setting_as_it_found_it(monkeypatch):
+    """A CPU run interprets Triton kernels for its own call only: a later CUDA compile in
+    the same process (the GPU tests after this file) must not run in the interpreter."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    seen = []
+    monkeypatch.setattr(mla_inspect, "run", lambda args: seen.append(
+        os.environ.get("TRITON_INTERPRET")) or {})
+    monkeypatch.setattr(mla_inspect, "format_text", lambda rep: "")
+    assert mla_inspect.main([]) == 0
+    assert seen == ["1"] and "TRITON_INTERPRET" not in os.environ
+    monkeypatch.setenv("TRITON_INTERPRET", "0")           # a caller's own setting stays
+    assert mla_inspect.main([]) == 0
+    assert seen[-1] == "0" and os.environ["TRITON_INTERPRET"] == "0"
