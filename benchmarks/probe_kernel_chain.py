@@ -7,12 +7,16 @@
                     one launch), with and without an L2 bulk prefetch of each program's
                     first weight bytes before the wait. Step time per layer, 8 alternating
                     rounds, then one replay's kernel timeline per variant.
+    --part attention  the same chain (plain launches) with three attention stand-ins
+                    between q_b and o_proj: a row kernel, FlashMLA at (32, 4096, 128 heads)
+                    and a compute-bound bf16 GEMM of about FlashMLA's time; each GEMM's
+                    time per stand-in (do GEMMs after a compute-heavy kernel run slower?).
     --part k-order  o_proj, down_proj and gate + up alone (kernel timer, L2 flushed) with
                     program p starting its K loop at tile (p * ROT) % k_tiles, so that
                     programs do not read the same columns (rows 32 KB apart) at once.
     --part norm     lowering/rms_norm_kernel.py alone at 32 / 1 rows by num_warps.
 
-    python benchmarks/probe_kernel_chain.py [--part pdl,k-order,norm]
+    python benchmarks/probe_kernel_chain.py [--part pdl,attention,k-order,norm]
 """
 from __future__ import annotations
 
@@ -117,7 +121,9 @@ def norm(x, y, N, npart, pdl):
                           BLOCK=triton.next_power_of_2(N), PDL=pdl, num_warps=8, **kw)
 
 
-def pdl_chain():
+def _chain():
+    """Two DeepSeek-V3 decode layers' weight GEMMs at 32 rows, with row kernels between
+    them: (weights, step(pdl, pf, attention), output buffer)."""
     torch.manual_seed(0)
     dev, dt, M = "cuda", torch.bfloat16, 32
     Hd, QL, KV, I = 7168, 1536, 576, 18432
@@ -141,20 +147,112 @@ def pdl_chain():
     C = {"pair": (64, 128, 4, 4, 4), "qb": (64, 128, 4, 5), "o": (64, 128, 4, 6),
          "gu": (64, 64, 8, 3), "d": (64, 128, 4, 6)}
 
-    def step(pdl, pf):
+    def small_attention():                          # a row kernel, no PDL (as FlashMLA)
+        norm(qb, att, 16384, 1, False)
+
+    def step(pdl, pf, attention=small_attention):
         src = x0
         for L in layers:
             norm(src, h, Hd, 1, pdl)
             lin(h, L["qa"], L["kva"], 1, parts, None, C["pair"], pdl, pf)
             norm(parts, qa, QL, 4, pdl)
             lin(qa, L["qb"], None, 0, qb, None, C["qb"], pdl, pf)
-            norm(qb, att, 16384, 1, False)            # an attention stand-in, no PDL (as FlashMLA)
+            attention()
             lin(att, L["o"], None, 0, ob, None, C["o"], pdl, pf)
             norm(ob, h, Hd, 1, pdl)
             lin(h, L["g"], L["u"], 2, act, None, C["gu"], pdl, pf)
             lin(act, L["d"], None, 0, db, None, C["d"], pdl, pf)
             src = db
 
+    return step, db
+
+
+def _capture(fn):
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return g
+
+
+def _alternate(graphs, rounds=8, reps=20):
+    """Median µs per layer of each graph's replays, timed in alternating rounds."""
+    times = {n: [] for n in graphs}
+    for _ in range(rounds):
+        for name, g in graphs.items():
+            for _ in range(3):
+                g.replay()
+            e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
+            e0.record()
+            for _ in range(reps):
+                g.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            times[name].append(e0.elapsed_time(e1) / reps * 1000 / 2)
+    return times
+
+
+def _kernels(g):
+    """(name, µs) of one replay's GPU kernels in start order."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g.replay()
+        torch.cuda.synchronize()
+    evs = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                 key=lambda e: e.time_range.start)
+    return [(e.name, e.time_range.elapsed_us()) for e in evs]
+
+
+def attention_standins():
+    """The chain with the attention stand-in a row kernel, FlashMLA at (32, 4096, 128
+    heads) and a compute-bound bf16 GEMM of about FlashMLA's time: do the weight GEMMs
+    after a compute-heavy kernel stream slower (power, clocks) than after a light one?"""
+    step, _ = _chain()
+    dev, dt = "cuda", torch.bfloat16
+    a, b = torch.randn(2048, 4096, device=dev, dtype=dt), torch.randn(4096, 2560, device=dev, dtype=dt)
+    mm_out = torch.empty(2048, 2560, device=dev, dtype=dt)
+
+    def matmul():                                   # 43 GFLOP: ~65-70 µs on an H200
+        torch.mm(a, b, out=mm_out)
+
+    standins = {"row kernel": None, "bf16 GEMM": matmul}
+    try:
+        import lowering
+        B, S, H = 32, 4096, 128
+        kv = torch.randn(B * S // 64, 64, 576, device=dev, dtype=dt)
+        table = torch.randperm(B * S // 64, device=dev, dtype=torch.int32).view(B, S // 64)
+        lens = torch.full((B,), S, device=dev, dtype=torch.int32)
+        q = torch.randn(B, 1, H, 576, device=dev, dtype=dt)
+        sched = lowering.decode_schedule(kv, table, lens, num_heads=H)
+
+        def flashmla():
+            lowering.mla_decode(q, kv, table, lens, 192 ** -0.5, backend="flashmla",
+                                schedule=sched)
+        flashmla()
+        standins["FlashMLA"] = flashmla
+    except Exception as exc:                       # no flash_mla here: the other two
+        print(f"FlashMLA not run: {exc}")
+    graphs = {n: _capture(lambda f=f: step(False, 0) if f is None else step(False, 0, f))
+              for n, f in standins.items()}
+    times = _alternate(graphs)
+    for name, g in graphs.items():
+        gemms = [us for k, us in _kernels(g) if "pdl_linear_kernel" in k]
+        per = [round(statistics.mean(gemms[i::5]), 1) for i in range(5)]
+        print(f"{name:11s} step {statistics.median(times[name]):7.1f} µs/layer; GEMMs "
+              f"(q_a+kv_a, q_b, o_proj, gate+up, down) {per} µs")
+
+
+def pdl_chain():
+    """The chain with plain launches, with PDL, and with PDL plus an L2 prefetch."""
+    step, db = _chain()
     variants = {"plain": (False, 0), "pdl": (True, 0), "pdl+pf1k": (True, 1024),
                 "pdl+pf4k": (True, 4096), "pf4k": (False, 4096)}
     graphs, outs = {}, {}
@@ -162,47 +260,19 @@ def pdl_chain():
         step(pdl, pf)
         torch.cuda.synchronize()
         outs[name] = db.clone()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step(pdl, pf)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step(pdl, pf)
-        graphs[name] = g
-        g.replay()
-        torch.cuda.synchronize()
+        graphs[name] = _capture(lambda pdl=pdl, pf=pf: step(pdl, pf))
         print(name, "graph vs eager max diff", (db - outs[name]).abs().max().item(),
               "vs plain", (outs[name] - outs["plain"]).abs().max().item(), flush=True)
-    times = {n: [] for n in variants}
-    for rnd in range(8):
-        for name, g in graphs.items():
-            for _ in range(3):
-                g.replay()
-            e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-            e0.record()
-            for _ in range(20):
-                g.replay()
-            e1.record()
-            torch.cuda.synchronize()
-            times[name].append(e0.elapsed_time(e1) / 20 * 1000 / 2)
+    times = _alternate(graphs)
     base = statistics.median(times["plain"])
     for name, ts in times.items():
         m = statistics.median(ts)
         print(f"{name:10s} {m:8.1f} us/layer  ({m / base:.3f}x)  spread {min(ts):.1f}-{max(ts):.1f}")
-
-    # per-kernel profile of one replay each
-    from torch.profiler import profile, ProfilerActivity
     for name in ("plain", "pdl+pf1k"):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            graphs[name].replay()
-            torch.cuda.synchronize()
-        evs = sorted([e for e in prof.events() if e.device_type.name == "CUDA"], key=lambda e: e.time_range.start)
-        t0 = evs[0].time_range.start if evs else 0
-        print(f"--- {name}: kernel start/end (us)")
-        for e in evs[:20]:
-            print(f"  {e.time_range.start - t0:8.1f} {e.time_range.end - t0:8.1f} {e.time_range.elapsed_us():7.1f} {e.name[:40]}")
+        print(f"--- {name}: one replay's kernels (µs)")
+        for k, us in _kernels(graphs[name])[:20]:
+            print(f"  {us:7.1f} {k[:40]}")
+
 
 @triton.jit
 def rot_kernel(x_ptr, w1_ptr, w2_ptr, y_ptr, M, N, K, stride_xm, stride_w, stride_y,
@@ -284,9 +354,10 @@ def norm_warps():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", default="pdl,k-order,norm")
+    ap.add_argument("--part", default="pdl,attention,k-order,norm")
     args = ap.parse_args()
-    parts = {"pdl": pdl_chain, "k-order": k_order, "norm": norm_warps}
+    parts = {"pdl": pdl_chain, "attention": attention_standins, "k-order": k_order,
+             "norm": norm_warps}
     for p in args.part.split(","):
         if p not in parts:
             raise SystemExit(f"--part takes {', '.join(parts)}; got {p!r}")
