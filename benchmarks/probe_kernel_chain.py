@@ -11,12 +11,15 @@
                     between q_b and o_proj: a row kernel, FlashMLA at (32, 4096, 128 heads)
                     and a compute-bound bf16 GEMM of about FlashMLA's time; each GEMM's
                     time per stand-in (do GEMMs after a compute-heavy kernel run slower?).
+    --part prefetch   FlashMLA then a W_UV-sized GEMM before o_proj; variants ask the L2
+                    for the first 1 / 2 / 4 KB of every o_proj row on a side stream beside
+                    that GEMM (DRAM has room there): o_proj's and the step's times.
     --part k-order  o_proj, down_proj and gate + up alone (kernel timer, L2 flushed) with
                     program p starting its K loop at tile (p * ROT) % k_tiles, so that
                     programs do not read the same columns (rows 32 KB apart) at once.
     --part norm     lowering/rms_norm_kernel.py alone at 32 / 1 rows by num_warps.
 
-    python benchmarks/probe_kernel_chain.py [--part pdl,attention,k-order,norm]
+    python benchmarks/probe_kernel_chain.py [--part pdl,attention,prefetch,k-order,norm]
 """
 from __future__ import annotations
 
@@ -147,7 +150,7 @@ def _chain():
     C = {"pair": (64, 128, 4, 4, 4), "qb": (64, 128, 4, 5), "o": (64, 128, 4, 6),
          "gu": (64, 64, 8, 3), "d": (64, 128, 4, 6)}
 
-    def small_attention():                          # a row kernel, no PDL (as FlashMLA)
+    def small_attention(L):                         # a row kernel, no PDL (as FlashMLA)
         norm(qb, att, 16384, 1, False)
 
     def step(pdl, pf, attention=small_attention):
@@ -157,14 +160,14 @@ def _chain():
             lin(h, L["qa"], L["kva"], 1, parts, None, C["pair"], pdl, pf)
             norm(parts, qa, QL, 4, pdl)
             lin(qa, L["qb"], None, 0, qb, None, C["qb"], pdl, pf)
-            attention()
+            attention(L)
             lin(att, L["o"], None, 0, ob, None, C["o"], pdl, pf)
             norm(ob, h, Hd, 1, pdl)
             lin(h, L["g"], L["u"], 2, act, None, C["gu"], pdl, pf)
             lin(act, L["d"], None, 0, db, None, C["d"], pdl, pf)
             src = db
 
-    return step, db
+    return step, db, att
 
 
 def _capture(fn):
@@ -211,19 +214,10 @@ def _kernels(g):
     return [(e.name, e.time_range.elapsed_us()) for e in evs]
 
 
-def attention_standins():
-    """The chain with the attention stand-in a row kernel, FlashMLA at (32, 4096, 128
-    heads) and a compute-bound bf16 GEMM of about FlashMLA's time: do the weight GEMMs
-    after a compute-heavy kernel stream slower (power, clocks) than after a light one?"""
-    step, _ = _chain()
+def _flashmla_standin():
+    """FlashMLA's decode at (32, 4096, 128 heads), bf16, page 64, as a chain's attention;
+    None (and why) where flash_mla is not importable."""
     dev, dt = "cuda", torch.bfloat16
-    a, b = torch.randn(2048, 4096, device=dev, dtype=dt), torch.randn(4096, 2560, device=dev, dtype=dt)
-    mm_out = torch.empty(2048, 2560, device=dev, dtype=dt)
-
-    def matmul():                                   # 43 GFLOP: ~65-70 µs on an H200
-        torch.mm(a, b, out=mm_out)
-
-    standins = {"row kernel": None, "bf16 GEMM": matmul}
     try:
         import lowering
         B, S, H = 32, 4096, 128
@@ -233,13 +227,83 @@ def attention_standins():
         q = torch.randn(B, 1, H, 576, device=dev, dtype=dt)
         sched = lowering.decode_schedule(kv, table, lens, num_heads=H)
 
-        def flashmla():
+        def flashmla(L):
             lowering.mla_decode(q, kv, table, lens, 192 ** -0.5, backend="flashmla",
                                 schedule=sched)
-        flashmla()
-        standins["FlashMLA"] = flashmla
-    except Exception as exc:                       # no flash_mla here: the other two
+        flashmla(None)
+        return flashmla
+    except Exception as exc:
         print(f"FlashMLA not run: {exc}")
+        return None
+
+
+@triton.jit
+def l2_prefetch_kernel(w_ptr, N, stride_w, PF: tl.constexpr, BLOCK: tl.constexpr):
+    """Ask the L2 for the first PF bytes of BLOCK rows of w, one thread per row."""
+    rows = tl.minimum(tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), N - 1)
+    p = w_ptr + rows.to(tl.int64) * stride_w
+    tl.inline_asm_elementwise(
+        f"cp.async.bulk.prefetch.L2.global [$1], {PF};\n mov.u32 $0, 0;",
+        "=r,l", [p], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def attention_prefetch():
+    """FlashMLA, then a W_UV-sized GEMM ([32, 512] @ [512, 16384]: 16.8 MB) before o_proj,
+    which uses ~half the DRAM rate. Variants prefetch the first PF bytes of every o_proj
+    row into L2 on a side stream beside that GEMM: does o_proj gain more than the GEMM
+    loses?"""
+    flash = _flashmla_standin()
+    if flash is None:
+        return
+    step, _, att = _chain()
+    dev, dt = "cuda", torch.bfloat16
+    lat = torch.randn(32, 512, device=dev, dtype=dt)
+    w_uv = torch.randn(16384, 512, device=dev, dtype=dt) * 0.05
+    side = torch.cuda.Stream()
+
+    def attention(pf):
+        def run(L):
+            flash(L)
+            main = torch.cuda.current_stream()
+            if pf:
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    w = L["o"]
+                    l2_prefetch_kernel[(triton.cdiv(w.shape[0], 128),)](
+                        w, w.shape[0], w.stride(0), PF=pf, BLOCK=128, num_warps=4)
+            lin(lat, w_uv, None, 0, att, None, linear.DEFAULT_CONFIG, False, 0)
+            if pf:
+                main.wait_stream(side)
+        return run
+
+    graphs = {pf: _capture(lambda f=attention(pf): step(False, 0, f))
+              for pf in (0, 1024, 2048, 4096)}
+    times = _alternate(graphs)
+    base = statistics.median(times[0])
+    for pf, g in graphs.items():
+        gemms = [us for k, us in _kernels(g) if "pdl_linear_kernel" in k]
+        per = [round(statistics.mean(gemms[i::6]), 1) for i in range(6)]
+        m = statistics.median(times[pf])
+        print(f"prefetch {pf:4d} B/row ({pf * 7168 / 1e6:4.1f} MB): step {m:7.1f} µs/layer "
+              f"({m / base:.3f}x); GEMMs (q_a+kv_a, q_b, W_UV, o_proj, gate+up, down) {per}")
+
+
+def attention_standins():
+    """The chain with the attention stand-in a row kernel, FlashMLA at (32, 4096, 128
+    heads) and a compute-bound bf16 GEMM of about FlashMLA's time: do the weight GEMMs
+    after a compute-heavy kernel stream slower (power, clocks) than after a light one?"""
+    step, _, _ = _chain()
+    dev, dt = "cuda", torch.bfloat16
+    a, b = torch.randn(2048, 4096, device=dev, dtype=dt), torch.randn(4096, 2560, device=dev, dtype=dt)
+    mm_out = torch.empty(2048, 2560, device=dev, dtype=dt)
+
+    def matmul(L):                                  # 43 GFLOP: ~65-70 µs on an H200
+        torch.mm(a, b, out=mm_out)
+
+    standins = {"row kernel": None, "bf16 GEMM": matmul}
+    flash = _flashmla_standin()
+    if flash is not None:
+        standins["FlashMLA"] = flash
     graphs = {n: _capture(lambda f=f: step(False, 0) if f is None else step(False, 0, f))
               for n, f in standins.items()}
     times = _alternate(graphs)
@@ -252,7 +316,7 @@ def attention_standins():
 
 def pdl_chain():
     """The chain with plain launches, with PDL, and with PDL plus an L2 prefetch."""
-    step, db = _chain()
+    step, db, _ = _chain()
     variants = {"plain": (False, 0), "pdl": (True, 0), "pdl+pf1k": (True, 1024),
                 "pdl+pf4k": (True, 4096), "pf4k": (False, 4096)}
     graphs, outs = {}, {}
@@ -354,10 +418,10 @@ def norm_warps():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", default="pdl,attention,k-order,norm")
+    ap.add_argument("--part", default="pdl,attention,prefetch,k-order,norm")
     args = ap.parse_args()
-    parts = {"pdl": pdl_chain, "attention": attention_standins, "k-order": k_order,
-             "norm": norm_warps}
+    parts = {"pdl": pdl_chain, "attention": attention_standins,
+             "prefetch": attention_prefetch, "k-order": k_order, "norm": norm_warps}
     for p in args.part.split(","):
         if p not in parts:
             raise SystemExit(f"--part takes {', '.join(parts)}; got {p!r}")
