@@ -3,8 +3,8 @@
 Not used by the library. It compiles for sm_90 with triton 3.6 without a GPU
 (`python benchmarks/gluon_decode_proto.py` prints its wgmma count, shared memory and
 register use); `benchmarks/bench_gluon_decode.py` checks it against float64 and times it
-on an H200. It has not run on a GPU yet. What is left before it could be a backend: s_q > 1
-(causal rows), fewer than 64 heads, fp8, and the tests the Triton kernel has.
+on an H200. It has not run on a GPU yet. What is left before it could be a backend: fewer than 64
+heads, fp8, and the tests the Triton kernel has.
 
 CTA = 64 query rows (heads of one token) x one split of one request's keys.
   producer (1 warp):   Q once (9 TMA boxes of [64, 64]); each key tile of BN keys (one page
@@ -16,9 +16,10 @@ CTA = 64 query rows (heads of one token) x one split of one request's keys.
                              own PV from P in registers.
     tile i with i % 2 != w:  wait p_full[1 - w]; PV with P from shared memory; p_empty[1 - w].
   So one warpgroup's softmax overlaps the other's MMAs; each PV is P @ V_half.
-Output as triton_decode_kernel's stage 1: DIRECT -> out [B, ROWS, 512] bf16 + lse [B, H]
+Query rows r = t * H + h of the step's S_Q tokens (token t sees keys up to seqlen - S_Q + t).
+Output as triton_decode_kernel's stage 1: DIRECT -> out [B, ROWS, 512] bf16 + lse [B, H, S_Q]
 (natural log); else fp32 partials [B, splits, ROWS, 512] (normalized) + lse [B, splits, ROWS].
-Decode rows only (s_q = 1), H a multiple of 64, page a multiple of BN, bf16.
+H a multiple of 64 (a row block is one token's heads), page a multiple of BN, bf16.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def _producer(q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sQr, sK,
 @gluon.jit
 def _consumer(W: gl.constexpr, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sQr, sK, sKr, sP,
               sStat,
-              o_ptr, lse_ptr, o_row0, lse_row0, start, end, n_tiles, scale_log2,
+              o_ptr, lse_ptr, o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2,
               BN: gl.constexpr, STAGES: gl.constexpr, NCH: gl.constexpr, DIRECT: gl.constexpr):
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, BN, 16])
@@ -155,27 +156,29 @@ def _consumer(W: gl.constexpr, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sQ
         gl.store(base + 128, acc2 * inv)
         gl.store(base + 192, acc3 * inv)
     if W == 0:
-        gl.store(lse_ptr + lse_row0 + gl.arange(0, 64, layout=row_s), lse)
+        gl.store(lse_ptr + lse_row0 + gl.arange(0, 64, layout=row_s) * lse_stride, lse)
 
 
 @gluon.jit
 def _wg0(cargs, BN: gl.constexpr, STAGES: gl.constexpr, NCH: gl.constexpr,
          DIRECT: gl.constexpr, PAGE: gl.constexpr):
     (q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sQr, sK, sKr, sP, sStat, o_ptr, lse_ptr,
-     o_row0, lse_row0, start, end, n_tiles, scale_log2) = cargs
+     o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2) = cargs
     _consumer(0, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sQr, sK, sKr, sP, sStat, o_ptr,
               lse_ptr,
-              o_row0, lse_row0, start, end, n_tiles, scale_log2, BN, STAGES, NCH, DIRECT)
+              o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2, BN, STAGES, NCH,
+              DIRECT)
 
 
 @gluon.jit
 def _wg1(cargs, pargs, BN: gl.constexpr, STAGES: gl.constexpr, NCH: gl.constexpr,
          DIRECT: gl.constexpr, PAGE: gl.constexpr):
     (q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sQr, sK, sKr, sP, sStat, o_ptr, lse_ptr,
-     o_row0, lse_row0, start, end, n_tiles, scale_log2) = cargs
+     o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2) = cargs
     _consumer(1, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sQr, sK, sKr, sP, sStat, o_ptr,
               lse_ptr,
-              o_row0, lse_row0, start, end, n_tiles, scale_log2, BN, STAGES, NCH, DIRECT)
+              o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2, BN, STAGES, NCH,
+              DIRECT)
 
 
 @gluon.jit
@@ -191,24 +194,31 @@ def _load(cargs, pargs, BN: gl.constexpr, STAGES: gl.constexpr, NCH: gl.constexp
 @gluon.jit
 def mla_decode_pingpong_kernel(q_desc, kv_desc, table_ptr, lens_ptr, o_ptr, lse_ptr, scale_log2,
                                stride_bt, max_blocks, num_blocks, num_splits,
-                               H: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr,
-                               STAGES: gl.constexpr, DIRECT: gl.constexpr):
+                               S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
+                               BN: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr):
     NCH: gl.constexpr = 9                       # 576 = 8 value chunks of 64 + the rope chunk
+    ROWS: gl.constexpr = S_Q * H                # rows r = t * H + h; a 64-row block is one token's
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
     split = gl.program_id(2)
+    t = (pid_m * 64) // H
+    h0 = (pid_m * 64) % H
     seqlen = gl.minimum(gl.maximum(gl.load(lens_ptr + b), 1), max_blocks * PAGE)
     chunk = gl.cdiv(gl.cdiv(seqlen, num_splits), BN) * BN
     start = split * chunk
-    end = gl.minimum(start + chunk, seqlen)
+    # causal within the step: token t sees keys [0, seqlen - S_Q + t]; tiles past that
+    # are not loaded, so a split's first tile always holds a visible key
+    end = gl.minimum(gl.minimum(start + chunk, seqlen), seqlen - S_Q + t + 1)
     n_tiles = gl.maximum(gl.cdiv(end - start, BN), 0)
-    q_row0 = b * H + pid_m * 64
+    q_row0 = b * ROWS + pid_m * 64
     if DIRECT:
         o_row0 = q_row0
-        lse_row0 = q_row0
+        lse_row0 = b * ROWS + h0 * S_Q + t                  # lse [B, H, S_Q]
+        lse_stride = S_Q
     else:
-        o_row0 = (b * num_splits + split) * H + pid_m * 64
+        o_row0 = (b * num_splits + split) * ROWS + pid_m * 64
         lse_row0 = o_row0
+        lse_stride = 1
 
     sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     slk: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 64], gl.bfloat16)
@@ -234,7 +244,7 @@ def mla_decode_pingpong_kernel(q_desc, kv_desc, table_ptr, lens_ptr, o_ptr, lse_
         mbarrier.init(p_empty.index(i), count=1)
 
     cargs = (q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sQr, sK, sKr, sP, sStat, o_ptr,
-             lse_ptr, o_row0, lse_row0, start, end, n_tiles, scale_log2)
+             lse_ptr, o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2)
     pargs = (q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sQr, sK, sKr, q_row0, b,
              start, n_tiles, stride_bt, num_blocks)
     gl.warp_specialize([(_wg0, (cargs, BN, STAGES, NCH, DIRECT, PAGE)),
@@ -243,7 +253,7 @@ def mla_decode_pingpong_kernel(q_desc, kv_desc, table_ptr, lens_ptr, o_ptr, lse_
                        [4, 1], [240, 24])
 
 
-def compile_offline(BN=32, STAGES=2, DIRECT=False, H=128, PAGE=64):
+def compile_offline(BN=32, STAGES=2, DIRECT=False, H=128, PAGE=64, S_Q=1):
     """Compile for sm_90 without a GPU; returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -251,10 +261,12 @@ def compile_offline(BN=32, STAGES=2, DIRECT=False, H=128, PAGE=64):
     sig = {"q_desc": f"tensordesc<bf16[64, 64],{lay_q}>", "kv_desc": f"tensordesc<bf16[{BN}, 64],{lay_q}>",
            "table_ptr": "*i32", "lens_ptr": "*i32", "o_ptr": "*bf16" if DIRECT else "*fp32",
            "lse_ptr": "*fp32", "scale_log2": "fp32", "stride_bt": "i32", "max_blocks": "i32",
-           "num_blocks": "i32", "num_splits": "i32", "H": "constexpr", "PAGE": "constexpr",
+           "num_blocks": "i32", "num_splits": "i32", "S_Q": "constexpr", "H": "constexpr",
+           "PAGE": "constexpr",
            "BN": "constexpr", "STAGES": "constexpr", "DIRECT": "constexpr"}
     src = GluonASTSource(mla_decode_pingpong_kernel, signature=sig,
-                         constexprs={"H": H, "PAGE": PAGE, "BN": BN, "STAGES": STAGES, "DIRECT": DIRECT})
+                         constexprs={"S_Q": S_Q, "H": H, "PAGE": PAGE, "BN": BN, "STAGES": STAGES,
+                                     "DIRECT": DIRECT})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
