@@ -18,6 +18,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import gluon_decode_proto as g  # noqa: E402
+from timing import graph_time_us  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 import lowering  # noqa: E402
@@ -70,15 +71,6 @@ def reference(q, kv, table, lens, scale):
     return torch.stack(outs), torch.stack(lses)
 
 
-def graph_us(fn):
-    fn()
-    torch.cuda.synchronize()
-    g_ = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g_):
-        fn()
-    return triton.testing.do_bench(g_.replay, warmup=25, rep=200, return_mode="median") * 1e3
-
-
 def main():
     torch.manual_seed(0)
     dev, dt, scale = "cuda", torch.bfloat16, 192 ** -0.5
@@ -106,11 +98,11 @@ def main():
             ok = err < 2e-2 and lerr < 1e-2
             msg += f": rel err {err:.2e}, lse err {lerr:.1e} {'OK' if ok else 'WRONG'}"
         if S >= 4096:
-            ours = graph_us(run)
+            ours = graph_time_us(run)
             sched = lowering.decode_schedule(kv, table, lens, num_heads=H)
-            fm = graph_us(lambda: lowering.mla_decode(q, kv, table, lens, scale, backend="flashmla",
-                                                      schedule=sched))
-            tr = graph_us(lambda: lowering.mla_decode(q, kv, table, lens, scale, backend="triton"))
+            fm = graph_time_us(lambda: lowering.mla_decode(
+                q, kv, table, lens, scale, backend="flashmla", schedule=sched))
+            tr = graph_time_us(lambda: lowering.mla_decode(q, kv, table, lens, scale, backend="triton"))
             msg += (f"; ours {ours:.1f} µs, FlashMLA kernels {fm:.1f} (ours {fm / ours:.2f}x of its "
                     f"throughput), Triton {tr:.1f} ({fm / tr:.2f}x)")
         print(msg, flush=True)

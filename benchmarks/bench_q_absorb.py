@@ -21,7 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from timing import add_timer_args, announce_ceiling, best_config, chosen_timer  # noqa: E402
+from timing import (add_timer_args, announce_ceiling, best_config, capture,  # noqa: E402
+                    chosen_timer)
 from lowering import prologue  # noqa: E402
 from lowering.head_gemm import absorb_query  # noqa: E402
 from mla_ops.hf_linear import _decode_linear  # noqa: E402
@@ -34,15 +35,7 @@ SWEEP = [(bk, bl, w, s) for bk in (64, 128) for bl in (64, 128) for w in (4, 8)
 def _graphed(fn):
     """fn captured in a CUDA graph: its replay (three eager launches would otherwise time
     the host's launch gaps, not the kernels)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+    return capture(fn).replay
 
 
 def main():

@@ -160,30 +160,19 @@ def _consumer(W: gl.constexpr, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sQ
 
 
 @gluon.jit
-def _wg0(cargs, BN: gl.constexpr, STAGES: gl.constexpr, NCH: gl.constexpr,
-         DIRECT: gl.constexpr, PAGE: gl.constexpr):
+def _wg(cargs, pargs, W: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+        NCH: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr):
+    """Consumer warpgroup W (0: the default partition, 1: a worker)."""
     (q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sQr, sK, sKr, sP, sStat, o_ptr, lse_ptr,
      o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2) = cargs
-    _consumer(0, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sQr, sK, sKr, sP, sStat, o_ptr,
-              lse_ptr,
-              o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2, BN, STAGES, NCH,
-              DIRECT)
+    _consumer(W, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sQr, sK, sKr, sP, sStat, o_ptr,
+              lse_ptr, o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2, BN,
+              STAGES, NCH, DIRECT)
 
 
 @gluon.jit
-def _wg1(cargs, pargs, BN: gl.constexpr, STAGES: gl.constexpr, NCH: gl.constexpr,
-         DIRECT: gl.constexpr, PAGE: gl.constexpr):
-    (q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sQr, sK, sKr, sP, sStat, o_ptr, lse_ptr,
-     o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2) = cargs
-    _consumer(1, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sQr, sK, sKr, sP, sStat, o_ptr,
-              lse_ptr,
-              o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2, BN, STAGES, NCH,
-              DIRECT)
-
-
-@gluon.jit
-def _load(cargs, pargs, BN: gl.constexpr, STAGES: gl.constexpr, NCH: gl.constexpr,
-          DIRECT: gl.constexpr, PAGE: gl.constexpr):
+def _load(cargs, pargs, W: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+          NCH: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr):
     (q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sQr, sK, sKr, q_row0, b, start,
      n_tiles, stride_bt, num_blocks) = pargs
     _producer(q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sQr, sK, sKr, q_row0, b,
@@ -247,9 +236,10 @@ def mla_decode_pingpong_kernel(q_desc, kv_desc, table_ptr, lens_ptr, o_ptr, lse_
              lse_ptr, o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2)
     pargs = (q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sQr, sK, sKr, q_row0, b,
              start, n_tiles, stride_bt, num_blocks)
-    gl.warp_specialize([(_wg0, (cargs, BN, STAGES, NCH, DIRECT, PAGE)),
-                        (_wg1, (cargs, pargs, BN, STAGES, NCH, DIRECT, PAGE)),
-                        (_load, (cargs, pargs, BN, STAGES, NCH, DIRECT, PAGE))],
+    # the workers share a signature (W is unused by the producer)
+    gl.warp_specialize([(_wg, (cargs, pargs, 0, BN, STAGES, NCH, DIRECT, PAGE)),
+                        (_wg, (cargs, pargs, 1, BN, STAGES, NCH, DIRECT, PAGE)),
+                        (_load, (cargs, pargs, 1, BN, STAGES, NCH, DIRECT, PAGE))],
                        [4, 1], [240, 24])
 
 

@@ -35,7 +35,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from timing import kernel_time_us  # noqa: E402
+from timing import capture, kernel_time_us  # noqa: E402
 from lowering import linear  # noqa: E402
 from lowering.linear_kernel import decode_linear_kernel  # noqa: E402
 from lowering.rms_norm_kernel import rms_norm_kernel  # noqa: E402
@@ -173,14 +173,7 @@ def _chain():
 def _capture(fn):
     fn()
     torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = capture(fn)
     g.replay()
     torch.cuda.synchronize()
     return g

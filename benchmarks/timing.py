@@ -5,10 +5,8 @@ import torch
 import triton.testing
 
 
-def graph_time_us(fn, warmup_calls: int = 3) -> float:
-    """Capture fn once in a CUDA graph (after warm-up calls on a side stream) and return
-    the median µs of triton.testing.do_bench over replays (launch overhead excluded;
-    do_bench flushes the L2 between replays)."""
+def capture(fn, warmup_calls: int = 1) -> torch.cuda.CUDAGraph:
+    """fn captured once in a CUDA graph, after warm-up calls on a side stream."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -18,6 +16,14 @@ def graph_time_us(fn, warmup_calls: int = 3) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def graph_time_us(fn, warmup_calls: int = 3) -> float:
+    """Capture fn once in a CUDA graph (after warm-up calls on a side stream) and return
+    the median µs of triton.testing.do_bench over replays (launch overhead excluded;
+    do_bench flushes the L2 between replays)."""
+    graph = capture(fn, warmup_calls)
     return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
 
 
