@@ -37,7 +37,7 @@ __all__ = ["mla_decode", "BACKENDS", "BACKEND_ORDER", "BackendUnavailable",
 backend_choices: Counter = Counter()
 # Backends whose kernels bound the lengths and page ids themselves (see
 # checks.bound_for_capture): no clamp kernels in a captured graph for them.
-BOUNDED_IN_KERNEL = frozenset({"triton"})
+BOUNDED_IN_KERNEL = frozenset({"triton", "gluon"})
 
 
 def select_backend(q, kv_cache, *, kv_cache_dtype="auto", backend="auto") -> str:

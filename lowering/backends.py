@@ -84,5 +84,18 @@ def _flashmla_run(*args, **kwargs):
     return flashmla_decode(*args, **kwargs)
 
 
+def _gluon_unmet(q, kv_cache, kind):
+    if q.device.type != "cuda":
+        return f"q is on {q.device.type}; the gluon backend needs a CUDA device"
+    from .gluon_decode import gluon_unmet
+    return gluon_unmet(q, kv_cache, kind)
+
+
+def _gluon_run(*args, **kwargs):
+    from .gluon_decode import gluon_mla_decode
+    return gluon_mla_decode(*args, **kwargs)
+
+
 register_backend("triton", _triton_run, _triton_unmet, priority=0, auto_unmet=_triton_auto_unmet)
+register_backend("gluon", _gluon_run, _gluon_unmet, priority=0)
 register_backend("flashmla", _flashmla_run, _flashmla_unmet, priority=0)

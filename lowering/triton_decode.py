@@ -91,7 +91,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, m_blocks: int, max_len: int, sm_count: int,
-                      ctas_per_sm: int = 1) -> int:
+                      ctas_per_sm: int = 1, min_split_keys: int = MIN_SPLIT_KEYS) -> int:
     """Splits per request so that batch x row-blocks x splits about fills the GPU once.
 
     max_len is the longest length the block table allows (a shape, so no host sync);
@@ -101,7 +101,7 @@ def choose_num_splits(batch: int, m_blocks: int, max_len: int, sm_count: int,
     target = sm_count * ctas_per_sm
     if ctas >= target:
         return 1
-    cap = max(1, triton.cdiv(max_len, MIN_SPLIT_KEYS))
+    cap = max(1, triton.cdiv(max_len, min_split_keys))
     return max(1, min(target // ctas, cap, MAX_SPLITS))
 
 

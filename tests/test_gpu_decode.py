@@ -147,7 +147,7 @@ def test_flashmla_schedule_on_its_side_stream_sees_the_callers_lengths():
     assert torch.equal(g_out, out)
 
 
-@pytest.mark.parametrize("backend", ["flashmla", "flashmla-schedule", "triton"])
+@pytest.mark.parametrize("backend", ["flashmla", "flashmla-schedule", "triton", "gluon"])
 def test_cuda_graph_replay_500_steps(backend):
     """500 replays of one captured decode with changing lengths == eager each step
     ("flashmla-schedule": the schedule computed by a separate graph op, as a model's
@@ -157,6 +157,12 @@ def test_cuda_graph_replay_500_steps(backend):
     if backend == "flashmla" and not _flashmla_ok():
         pytest.skip("flashmla backend cannot serve on this machine")
     B, H, S = 8, 128, 2048
+    if backend == "gluon":
+        probe = torch.empty(1, 1, H, L + R, device="cuda", dtype=torch.bfloat16)
+        kv_probe = torch.empty(1, 64, L + R, device="cuda", dtype=torch.bfloat16)
+        reason = lowering.backends.unmet_condition("gluon", probe, kv_probe, "auto")
+        if reason is not None:
+            pytest.skip(f"gluon backend cannot serve here: {reason}")
     q, kv, bt, cl = make_case(B, 1, H, L, R, 64, [S] * B, "cuda", seed=5)
     static_q, static_len = q.clone(), cl.clone()
 

@@ -1,0 +1,136 @@
+"""Backend "gluon": the Hopper ping-pong decode kernel (gluon_decode_kernel.py) as the
+custom op mla::gluon_decode.
+
+Serves: q on an SM90 GPU, triton with Gluon's Hopper API, q bf16 with a bf16 cache
+(kind "auto"), rows of 576 = 512 + 64, head_dim_v 512, H a multiple of 64, a page size
+that is a multiple of CONFIG["BN"]. Anything else is named by gluon_unmet() (so
+backend="auto" moves on to the next backend). q and the cache must also start 16-byte
+aligned (TMA); the op checks that (a ValueError) where it sees the real tensors.
+
+The op is opaque to torch.compile (Gluon kernels cannot go through wrap_triton); it has
+a fake impl, and it captures in CUDA graphs: the grid and the TMA descriptors depend on
+shapes and addresses only, and each request's split size is derived on the device from
+its length, so replays with changing lengths stay correct. Lengths and page ids are
+bounded in the kernel (as in the Triton kernel), so no clamp kernels run before it.
+Splits: as the Triton backend sizes them (batch x row blocks x splits about fills the
+GPU once), with at least MIN_SPLIT_KEYS keys per split; the partials are merged by
+triton_merge_kernel.
+"""
+from __future__ import annotations
+
+import torch
+
+LOG2E = 1.4426950408889634
+# BN keys per tile (one TMA box row count; a page holds whole tiles), STAGES tiles in the
+# ring. 4 x 32 keys is what shared memory allows beside q (226 KB); 2 and 3 stages ran
+# 2.0x and 1.2x slower on an H200 (benchmarks/NOTES-decode.md).
+CONFIG = dict(BN=32, STAGES=4)
+MIN_SPLIT_KEYS = 256
+NUM_WARPS = 4           # the default partition: consumer warpgroup 0
+
+
+def _gluon_import_error():
+    """None if this triton has what the kernel uses, else a sentence saying what is missing."""
+    try:
+        import triton.experimental.gluon.nvidia.hopper  # noqa: F401  (TensorDescriptor)
+        from . import gluon_decode_kernel  # noqa: F401
+    except Exception as exc:  # ImportError, or an API this triton lacks
+        return f"triton's Gluon Hopper API is unavailable here ({type(exc).__name__}: {exc})"
+    return None
+
+
+# Probed once at import (this module is imported only for CUDA tensors), so the
+# capability check that compiled code traces reads a constant.
+IMPORT_ERROR = _gluon_import_error()
+
+
+def gluon_unmet(q, kv_cache, kind):
+    if q.device.type != "cuda":
+        return f"q is on {q.device.type}; the gluon backend needs a CUDA device"
+    cap = torch.cuda.get_device_capability(q.device)
+    if cap != (9, 0):
+        return f"the gluon kernel uses Hopper's wgmma and TMA (SM90); this GPU is SM{cap[0]}{cap[1]}"
+    if IMPORT_ERROR is not None:
+        return IMPORT_ERROR
+    if kind != "auto":
+        return "the gluon backend serves a bf16 cache only (kv_cache_dtype='auto')"
+    if q.dtype != torch.bfloat16:
+        return f"the gluon backend needs q in bfloat16, got {q.dtype}"
+    if q.shape[-1] != 576:
+        return f"the gluon backend needs q/cache rows of 576 (512 + 64), got {q.shape[-1]}"
+    if q.shape[2] % 64:
+        return f"the gluon backend needs the head count to be a multiple of 64, got {q.shape[2]}"
+    if kv_cache.shape[1] % CONFIG["BN"]:
+        return (f"the gluon backend needs block_size to be a multiple of {CONFIG['BN']}, "
+                f"kv_cache has block_size {kv_cache.shape[1]}")
+    return None
+
+
+@torch.library.custom_op("mla::gluon_decode", mutates_args=())
+def gluon_decode_op(
+    q: torch.Tensor,              # [B, s_q, H, 576] bf16
+    kv_cache: torch.Tensor,       # [num_blocks, PAGE, 576] bf16
+    block_table: torch.Tensor,    # [B, max_blocks] int32
+    cache_seqlens: torch.Tensor,  # [B] int32
+    softmax_scale: float,
+    causal: bool,
+    num_splits: int = 0,          # 0: from the shapes and SM count
+) -> tuple[torch.Tensor, torch.Tensor]:
+    import triton
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .gluon_decode_kernel import mla_decode_gluon_kernel
+    from .triton_decode import choose_num_splits
+    from .triton_merge_kernel import mla_decode_merge_kernel
+
+    B, s_q, H, D = q.shape
+    num_blocks, page, _ = kv_cache.shape
+    L, BN = 512, CONFIG["BN"]
+    rows = s_q * H
+    q2 = q.contiguous().view(B * rows, D)                                       # [B * rows, 576]
+    for name, t in (("q", q2), ("kv_cache", kv_cache)):
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must start at a 16-byte aligned address for the gluon "
+                             f"backend's TMA loads (it is offset by {t.data_ptr() % 16} bytes)")
+    lay_q = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    lay_k = gl.NVMMASharedLayout.get_default_for([BN, 64], gl.bfloat16)
+    q_desc = TensorDescriptor.from_tensor(q2, [64, 64], lay_q)
+    kv_desc = TensorDescriptor.from_tensor(kv_cache.view(num_blocks * page, D), [BN, 64], lay_k)
+    m_blocks = rows // 64
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    splits = num_splits or choose_num_splits(B, m_blocks, block_table.shape[1] * page, sms,
+                                             min_split_keys=MIN_SPLIT_KEYS)
+    out = torch.empty((B, s_q, H, L), dtype=q.dtype, device=q.device)          # [B, s_q, H, L]
+    lse = torch.empty((B, H, s_q), dtype=torch.float32, device=q.device)       # [B, H, s_q]
+    if splits == 1:
+        o1, l1 = out, lse
+    else:
+        o1 = torch.empty((B, splits, rows, L), dtype=torch.float32, device=q.device)
+        l1 = torch.empty((B, splits, rows), dtype=torch.float32, device=q.device)
+    mla_decode_gluon_kernel[(m_blocks, B, splits)](
+        q_desc, kv_desc, block_table, cache_seqlens, o1, l1, softmax_scale * LOG2E,
+        block_table.stride(0), block_table.shape[1], num_blocks, splits,
+        S_Q=s_q, H=H, PAGE=page, BN=BN, STAGES=CONFIG["STAGES"], DIRECT=splits == 1,
+        CAUSAL=causal, num_warps=NUM_WARPS)
+    if splits > 1:
+        mla_decode_merge_kernel[(rows, B)](
+            o1, l1, out, lse, splits, S_Q=s_q, H=H, L=L,
+            SPLIT_BLOCK=min(16, triton.next_power_of_2(splits)), num_warps=4)
+    return out, lse
+
+
+@gluon_decode_op.register_fake
+def _(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits=0):
+    B, s_q, H, _ = q.shape
+    return (q.new_empty((B, s_q, H, 512)), q.new_empty((B, H, s_q), dtype=torch.float32))
+
+
+def gluon_mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, causal, kind,
+                     k_scale, head_dim_v, num_splits=0):
+    """Backend "gluon" of lowering.mla_decode (arguments already validated there)."""
+    from .backends import BackendUnavailable
+    if head_dim_v != 512:
+        raise BackendUnavailable(f"backend 'gluon' needs head_dim_v 512, got {head_dim_v}")
+    return gluon_decode_op(q, kv_cache, block_table, cache_seqlens, float(softmax_scale),
+                           bool(causal), int(num_splits))
