@@ -1,6 +1,6 @@
 """One decode call per implementation at one shape, for profiling under ncu.
 
-    ncu --clock-control none -k regex:'stage1|flash_fwd' python benchmarks/ncu_decode.py 64 128 8192
+    ncu --clock-control none -k regex:'stage1|gluon|flash_fwd' python benchmarks/ncu_decode.py 64 128 8192
 """
 import sys
 from pathlib import Path
@@ -18,6 +18,10 @@ bt = torch.randperm(B * S // PAGE, device="cuda").int().reshape(B, S // PAGE)
 lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
 for _ in range(2):
     td.triton_decode_op(q, kv, bt, lens, None, None, 192 ** -0.5, True, L, 0, False, torch.bfloat16)
+from lowering.gluon_decode import gluon_decode_op, gluon_unmet  # noqa: E402
+if gluon_unmet(q, kv, "auto") is None:
+    for _ in range(2):
+        gluon_decode_op(q, kv, bt, lens, 192 ** -0.5, True)
 try:
     import lowering.flashmla as fm
     for _ in range(2):

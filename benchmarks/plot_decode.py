@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 IMPLS = [("flashmla", "FlashMLA"), ("flashmla[kernel only]", "FlashMLA kernels only"),
-         ("triton_bf16[default]", "Triton BF16"),
+         ("gluon_bf16", "Gluon BF16 (ours, Hopper)"), ("triton_bf16[default]", "Triton BF16"),
          ("triton_fp8kv[default]", "Triton FP8 cache"), ("triton_fp8q[default]", "Triton FP8 q+cache"),
          ("reference", "pure torch")]
 
