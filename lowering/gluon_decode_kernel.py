@@ -7,7 +7,8 @@ hides. SM90 only; bf16; L = 512, R = 64; H a multiple of 64; page a multiple of 
 
 CTA = 64 query rows (the heads of one token) x one split of one request's keys.
   producer (1 warp):  q once (9 TMA boxes [64, 64]); each key tile of BN keys (a page
-                      slice) as 9 boxes [BN, 64] into a STAGES-deep ring (kv_full/kv_empty).
+                      slice) as 9 boxes [BN, 64] into a STAGES-deep ring (kv_full/kv_empty),
+                      its page id read one tile ahead.
   consumer warpgroup W (0, 1) owns O[:, 256 W : 256 W + 256] (four [64, 64] fp32
   accumulators) and the tiles i = W, W + 2, ... A step of tile i:
       issue S_i = q k_i^T (9 chained async wgmma: 8 value chunks + the rope chunk);
@@ -44,20 +45,23 @@ def _producer(q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sQr, sK,
     for c in gl.static_range(NCH - 1):
         _tma_load(q_desc, [q_row0, c * 64], q_bar, sQ.index(c))
     _tma_load(q_desc, [q_row0, (NCH - 1) * 64], q_bar, sQr)
+    nxt = gl.load(table_ptr + b * stride_bt + start // PAGE, mask=n_tiles > 0, other=0)
     for i in range(n_tiles):
         s = i % STAGES
         ph = (i // STAGES) & 1
-        mbarrier.wait(kv_empty.index(s), ph ^ 1)
         key = start + i * BN
-        page = gl.load(table_ptr + b * stride_bt + key // PAGE)
+        # this tile's page id was read a tile ago; read the next one before the wait, so
+        # its latency is not on the refill's path
+        page = nxt
+        nxt = gl.load(table_ptr + b * stride_bt + (key + BN) // PAGE, mask=i + 1 < n_tiles,
+                      other=0)
+        mbarrier.wait(kv_empty.index(s), ph ^ 1)
         page = gl.minimum(gl.maximum(page, 0), num_blocks - 1)
         row = page * PAGE + key % PAGE
         mbarrier.expect(kv_full.index(s), NCH * BN * 64 * 2)
         for c in gl.static_range(NCH - 1):
-            _tma_load(kv_desc, [row, c * 64], kv_full.index(s),
-                                            sK.index(s * (NCH - 1) + c))
-        _tma_load(kv_desc, [row, (NCH - 1) * 64], kv_full.index(s),
-                                        sKr.index(s))
+            _tma_load(kv_desc, [row, c * 64], kv_full.index(s), sK.index(s * (NCH - 1) + c))
+        _tma_load(kv_desc, [row, (NCH - 1) * 64], kv_full.index(s), sKr.index(s))
 
 
 @gluon.jit
