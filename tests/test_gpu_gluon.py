@@ -127,3 +127,26 @@ def test_gluon_under_compile_and_cuda_graphs():
         e_out, e_lse = step(q, kv, bt, cl)
         assert torch.allclose(g_out, e_out, rtol=1e-3, atol=1e-2)
         assert torch.allclose(g_lse, e_lse)
+
+
+def test_layer_decode_rows_on_the_gluon_backend():
+    """The MLA layer (64 heads, decode rows only) with backend="gluon" against float64."""
+    from mla_ops import MLAMetadata
+    from scenario import Dims, Step, make_layer
+    d = Dims(N=64, P=128, R=64, V=128, L=512)
+    layer, kv_b = make_layer(d, torch.bfloat16)
+    layer.backend = "gluon"
+    step = Step(d, [300, 64, 5, 1000], [1, 1, 1, 1], block_size=64, dtype=torch.bfloat16)
+    ref = step.reference(kv_b, layer.softmax_scale)
+    step.cache.kv[0] = step.cache.kv[0].cuda()
+    step.cache.k_scale = step.cache.k_scale.cuda()
+    layer.cuda()
+    m = step.meta
+    meta = MLAMetadata(m.slot_mapping.cuda(), m.block_table.cuda(), m.seq_lens.cuda(),
+                       m.query_start_loc.cuda(), m.num_decode_tokens)
+    before = lowering.backend_choices["gluon"]
+    q, kv_c, k_pe = (t.cuda() for t in step.inputs())
+    out = layer(q, kv_c, k_pe, step.cache.kv[0], step.cache.k_scale, meta)
+    assert lowering.backend_choices["gluon"] > before
+    err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+    assert err < 2e-2, err
