@@ -1,0 +1,322 @@
+"""Gluon MLA decode for fp8 q x fp8 cache on Hopper, a prototype (not used by the library).
+
+The bf16 kernel (lowering/gluon_decode_kernel.py) with e4m3 operands: the same ping-pong
+of two consumer warpgroups and a one-warp TMA producer, but
+  - QK^T is an fp8 wgmma (k = 32 per instruction): half the shared-memory bytes per FLOP,
+    the bound of the bf16 kernel's N = 32 scores;
+  - tiles are half the size, so the ring holds STAGES = 8 tiles of 32 keys (the bf16
+    kernel fits 4 beside q);
+  - P V is an fp8 wgmma of N = 256 (each warpgroup's half of O in one instruction per
+    tile). fp8 wgmma reads B K-major only, and the cache rows are value-column-major, so
+    each warpgroup transposes its half of a tile's values through registers into its own
+    buffer (and zeroes keys past the split's end there: no NaN x 0 from unwritten rows);
+  - P goes to e4m3 scaled by P_SCALE (p in [0, 1] -> [0, 256]), as the Triton fp8 path;
+    the row sums use the unrounded p.
+Scores = (q8 . k8) * q_scale * k_scale * softmax_scale; O = sum(P8 V8) * k_scale /
+(P_SCALE * l). Output and partials as the bf16 kernel (merge: triton_merge_kernel).
+
+It compiles for sm_90 without a GPU (`python benchmarks/gluon_fp8_proto.py` prints its
+wgmma count, shared memory and spills); `benchmarks/bench_gluon_fp8.py` checks it against
+float64 and times it on an H200. It has not run on a GPU yet.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+LOG2E = 1.4426950408889634
+P_SCALE = gl.constexpr(256.0)      # P to e4m3 as p * P_SCALE
+
+
+@gluon.jit
+def _producer(q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sK, q_row0, b, start,
+              n_tiles, stride_bt, num_blocks, BN: gl.constexpr, PAGE: gl.constexpr,
+              STAGES: gl.constexpr, NCH: gl.constexpr):
+    mbarrier.expect(q_bar, NCH * 64 * 64)
+    for c in gl.static_range(NCH):
+        _tma_load(q_desc, [q_row0, c * 64], q_bar, sQ.index(c))
+    nxt = gl.load(table_ptr + b * stride_bt + start // PAGE, mask=n_tiles > 0, other=0)
+    for i in range(n_tiles):
+        s = i % STAGES
+        key = start + i * BN
+        page = nxt
+        nxt = gl.load(table_ptr + b * stride_bt + (key + BN) // PAGE, mask=i + 1 < n_tiles,
+                      other=0)
+        mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)
+        page = gl.minimum(gl.maximum(page, 0), num_blocks - 1)
+        row = page * PAGE + key % PAGE
+        mbarrier.expect(kv_full.index(s), NCH * BN * 64)
+        for c in gl.static_range(NCH):
+            _tma_load(kv_desc, [row, c * 64], kv_full.index(s), sK.index(s * NCH + c))
+
+
+@gluon.jit
+def _qk(sQ, sK, s, s_l: gl.constexpr, BN: gl.constexpr, NCH: gl.constexpr):
+    """Issue S = q8 k8^T for the tile in stage s (9 chained fp8 wgmma). [64, BN] fp32."""
+    tok = warpgroup_mma(sQ.index(NCH - 1), sK.index(s * NCH + NCH - 1).permute((1, 0)),
+                        gl.zeros([64, BN], gl.float32, s_l), is_async=True)
+    for c in gl.static_range(NCH - 1):
+        tok = warpgroup_mma(sQ.index(c), sK.index(s * NCH + c).permute((1, 0)), tok,
+                            is_async=True)
+    return tok
+
+
+@gluon.jit
+def _transpose_values(W: gl.constexpr, sK, s, vt, key0, end, BN: gl.constexpr,
+                      NCH: gl.constexpr):
+    """This warpgroup's half of the tile's values, [BN keys, 256] -> vt [256, BN] (keys
+    contiguous, as fp8 wgmma reads B); keys at or past end become 0."""
+    tl_: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])      # [32, 64]
+    keep = (key0 + gl.arange(0, BN, layout=gl.SliceLayout(1, tl_)) < end)[:, None]
+    for c in gl.static_range(4):
+        x = sK.index(s * NCH + 4 * W + c).load(tl_)                          # [BN, 64] fp8
+        x = gl.where(keep, x, gl.zeros_like(x))
+        vt.slice(64 * c, 64).store(gl.permute(x, [1, 0]))                     # [64, BN]
+    fence_async_shared()
+
+
+@gluon.jit
+def _softmax_publish(W: gl.constexpr, sc, m_prev, l_prev, key0, end, scale_log2, k, p_empty,
+                     p_full, sP, sStat, s_l: gl.constexpr, BN: gl.constexpr):
+    """Base-2 online softmax of this warpgroup's k-th tile; P (e4m3, x P_SCALE) and
+    (m, l, alpha) go to slot W. Returns (P fp8, m, l, alpha)."""
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+    sc = gl.where((key0 + cols < end)[None, :], sc * scale_log2, float("-inf"))
+    m_new = gl.maximum(m_prev, gl.max(sc, axis=1))
+    alpha = gl.exp2(m_prev - m_new)
+    p = gl.exp2(sc - m_new[:, None])
+    l_new = l_prev * alpha + gl.sum(p, axis=1)
+    p8 = (p * P_SCALE).to(gl.float8e4nv)
+    mbarrier.wait(p_empty.index(W), (k & 1) ^ 1)
+    sP.index(W).store(p8)
+    sStat.slice((W * 3 + 0) * 64, 64).store(m_new)
+    sStat.slice((W * 3 + 1) * 64, 64).store(l_new)
+    sStat.slice((W * 3 + 2) * 64, 64).store(alpha)
+    fence_async_shared()
+    mbarrier.arrive(p_full.index(W), count=1)
+    return p8, m_new, l_new, alpha
+
+
+@gluon.jit
+def _other_pv(W: gl.constexpr, acc, sP, sStat, vt, p_full, i, row_o: gl.constexpr):
+    """Wait the other warpgroup's P of tile i and issue acc = alpha acc + P V (1 group).
+    Returns (token, m, l) of that tile's row state."""
+    mbarrier.wait(p_full.index(1 - W), (i // 2) & 1)
+    row_s: gl.constexpr = row_o
+    m_o = sStat.slice(((1 - W) * 3 + 0) * 64, 64).load(row_s)
+    l_o = sStat.slice(((1 - W) * 3 + 1) * 64, 64).load(row_s)
+    a_o = sStat.slice(((1 - W) * 3 + 2) * 64, 64).load(row_o)[:, None]
+    tok = warpgroup_mma(sP.index(1 - W), vt.permute((1, 0)), acc * a_o, is_async=True)
+    return tok, m_o, l_o
+
+
+@gluon.jit
+def _consumer(W: gl.constexpr, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sK, sP, sVT,
+              sStat, o_ptr, lse_ptr, qs_ptr, ks_ptr, o_row0, lse_row0, lse_stride, start, end,
+              n_tiles, sm_scale_log2, BN: gl.constexpr, STAGES: gl.constexpr,
+              NCH: gl.constexpr, DIRECT: gl.constexpr):
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                 instr_shape=[16, BN, 32])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                 instr_shape=[16, 256, 32])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=4)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    k_scale = gl.load(ks_ptr)
+    scale_log2 = sm_scale_log2 * gl.load(qs_ptr) * k_scale
+    acc = gl.zeros([64, 256], gl.float32, o_l)                 # O[:, 256 W : 256 W + 256]
+    m_prev = gl.full([64], float("-inf"), gl.float32, row_s)
+    l_prev = gl.zeros([64], gl.float32, row_s)
+    vt_other = sVT.index(2 * W)
+    vt_own = sVT.index(2 * W + 1)
+    mbarrier.wait(q_bar, 0)
+    if W == 0:
+        if n_tiles > 0:
+            mbarrier.wait(kv_full.index(0), 0)
+            tok = _qk(sQ, sK, 0, s_l, BN, NCH)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=[tok])
+            p8, m_prev, l_prev, alpha = _softmax_publish(W, sc, m_prev, l_prev, start, end,
+                                                         scale_log2, 0, p_empty, p_full, sP,
+                                                         sStat, s_l, BN)
+            _transpose_values(W, sK, 0, vt_own, start, end, BN, NCH)
+            a_o = gl.convert_layout(alpha, row_o)[:, None]
+            t = warpgroup_mma(gl.convert_layout(p8, p_l), vt_own.permute((1, 0)), acc * a_o,
+                              is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[t])
+            mbarrier.arrive(kv_empty.index(0), count=1)
+    for i in range(2 - W, n_tiles, 2):
+        s = i % STAGES
+        so = (i - 1) % STAGES
+        mbarrier.wait(kv_full.index(s), (i // STAGES) & 1)
+        tok = _qk(sQ, sK, s, s_l, BN, NCH)                             # 9 groups in flight
+        # the other warpgroup's tile i - 1: its values transposed, then its P V
+        mbarrier.wait(kv_full.index(so), ((i - 1) // STAGES) & 1)
+        _transpose_values(W, sK, so, vt_other, start + (i - 1) * BN, end, BN, NCH)
+        t, m_o, l_o = _other_pv(W, acc, sP, sStat, vt_other, p_full, i - 1, row_o)
+        sc = warpgroup_mma_wait(num_outstanding=1, deps=[tok])
+        p8, m_prev, l_prev, alpha = _softmax_publish(
+            W, sc, gl.convert_layout(m_o, row_s), gl.convert_layout(l_o, row_s), start + i * BN,
+            end, scale_log2, i // 2, p_empty, p_full, sP, sStat, s_l, BN)
+        _transpose_values(W, sK, s, vt_own, start + i * BN, end, BN, NCH)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[t])
+        mbarrier.arrive(p_empty.index(1 - W), count=1)
+        mbarrier.arrive(kv_empty.index(so), count=1)
+        # this warpgroup's own P V, P from registers
+        a_o = gl.convert_layout(alpha, row_o)[:, None]
+        t = warpgroup_mma(gl.convert_layout(p8, p_l), vt_own.permute((1, 0)), acc * a_o,
+                          is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[t])
+        mbarrier.arrive(kv_empty.index(s), count=1)
+    if n_tiles > 0 and (n_tiles - 1) % 2 != W:
+        # the split's last tile is the other warpgroup's
+        i = n_tiles - 1
+        so = i % STAGES
+        mbarrier.wait(kv_full.index(so), (i // STAGES) & 1)
+        _transpose_values(W, sK, so, vt_other, start + i * BN, end, BN, NCH)
+        t, m_o, l_o = _other_pv(W, acc, sP, sStat, vt_other, p_full, i, row_o)
+        m_prev = gl.convert_layout(m_o, row_s)
+        l_prev = gl.convert_layout(l_o, row_s)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[t])
+        mbarrier.arrive(p_empty.index(1 - W), count=1)
+        mbarrier.arrive(kv_empty.index(so), count=1)
+
+    # ---- epilogue: this warpgroup's 256 columns ------------------------------------------
+    has = l_prev > 0.0
+    l_safe = gl.where(has, l_prev, 1.0)
+    lse = gl.where(has, (m_prev + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    inv = gl.convert_layout(k_scale / (P_SCALE * l_safe), row_o)[:, None]
+    rows = gl.arange(0, 64, layout=row_o)
+    cols = gl.arange(0, 256, layout=gl.SliceLayout(0, o_l))
+    ptrs = o_ptr + (o_row0 + rows)[:, None].to(gl.int64) * 512 + 256 * W + cols[None, :]
+    if DIRECT:
+        gl.store(ptrs, (acc * inv).to(gl.bfloat16))
+    else:
+        gl.store(ptrs, acc * inv)
+    if W == 0:
+        gl.store(lse_ptr + lse_row0 + gl.arange(0, 64, layout=row_s) * lse_stride, lse)
+
+
+@gluon.jit
+def _wg(cargs, pargs, W: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+        NCH: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr):
+    (q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sK, sP, sVT, sStat, o_ptr, lse_ptr, qs_ptr,
+     ks_ptr, o_row0, lse_row0, lse_stride, start, end, n_tiles, sm_scale_log2) = cargs
+    _consumer(W, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sK, sP, sVT, sStat, o_ptr,
+              lse_ptr, qs_ptr, ks_ptr, o_row0, lse_row0, lse_stride, start, end, n_tiles,
+              sm_scale_log2, BN, STAGES, NCH, DIRECT)
+
+
+@gluon.jit
+def _load(cargs, pargs, W: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+          NCH: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr):
+    (q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sK, q_row0, b, start, n_tiles,
+     stride_bt, num_blocks) = pargs
+    _producer(q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sK, q_row0, b, start,
+              n_tiles, stride_bt, num_blocks, BN, PAGE, STAGES, NCH)
+
+
+@gluon.jit
+def mla_decode_fp8_kernel(q_desc, kv_desc, table_ptr, lens_ptr, qs_ptr, ks_ptr, o_ptr, lse_ptr,
+                          sm_scale_log2, stride_bt, max_blocks, num_blocks, num_splits,
+                          S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
+                          BN: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
+                          CAUSAL: gl.constexpr):
+    NCH: gl.constexpr = 9                       # 576 = 8 value chunks of 64 + the rope chunk
+    ROWS: gl.constexpr = S_Q * H
+    pid_m = gl.program_id(0)
+    b = gl.program_id(1)
+    split = gl.program_id(2)
+    t = (pid_m * 64) // H
+    h0 = (pid_m * 64) % H
+    seqlen = gl.minimum(gl.maximum(gl.load(lens_ptr + b), 1), max_blocks * PAGE)
+    chunk = gl.cdiv(gl.cdiv(seqlen, num_splits), BN) * BN
+    start = split * chunk
+    end = gl.minimum(start + chunk, seqlen)
+    if CAUSAL:
+        end = gl.minimum(end, seqlen - S_Q + t + 1)
+    n_tiles = gl.maximum(gl.cdiv(end - start, BN), 0)
+    q_row0 = b * ROWS + pid_m * 64
+    if DIRECT:
+        o_row0 = q_row0
+        lse_row0 = b * ROWS + h0 * S_Q + t
+        lse_stride = S_Q
+    else:
+        o_row0 = (b * num_splits + split) * ROWS + pid_m * 64
+        lse_row0 = o_row0
+        lse_stride = 1
+
+    f8: gl.constexpr = gl.float8e4nv
+    sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], f8)
+    slk: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 64], f8)
+    slp: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BN], f8)
+    slv: gl.constexpr = gl.NVMMASharedLayout.get_default_for([256, BN], f8)
+    sQ = gl.allocate_shared_memory(f8, [NCH, 64, 64], sl)                 # q (rope chunk last)
+    sK = gl.allocate_shared_memory(f8, [STAGES * NCH, BN, 64], slk)
+    sP = gl.allocate_shared_memory(f8, [2, 64, BN], slp)
+    sVT = gl.allocate_shared_memory(f8, [4, 256, BN], slv)                # per WG: other, own
+    sStat = gl.allocate_shared_memory(gl.float32, [8 * 64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    p_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(kv_full.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(p_full.index(i), count=1)
+        mbarrier.init(p_empty.index(i), count=1)
+
+    cargs = (q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sK, sP, sVT, sStat, o_ptr, lse_ptr,
+             qs_ptr, ks_ptr, o_row0, lse_row0, lse_stride, start, end, n_tiles, sm_scale_log2)
+    pargs = (q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sK, q_row0, b, start,
+             n_tiles, stride_bt, num_blocks)
+    gl.warp_specialize([(_wg, (cargs, pargs, 0, BN, STAGES, NCH, DIRECT, PAGE)),
+                        (_wg, (cargs, pargs, 1, BN, STAGES, NCH, DIRECT, PAGE)),
+                        (_load, (cargs, pargs, 1, BN, STAGES, NCH, DIRECT, PAGE))],
+                       [4, 1], [240, 24])
+
+
+def compile_offline(BN=32, STAGES=8, DIRECT=False, H=128, PAGE=64, S_Q=1, CAUSAL=True):
+    """Compile for sm_90 without a GPU; returns the CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    lay = {n: repr(gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv))
+           for n, shape in (("q", [64, 64]), ("kv", [BN, 64]))}
+    sig = {"q_desc": f"tensordesc<fp8e4nv[64, 64],{lay['q']}>",
+           "kv_desc": f"tensordesc<fp8e4nv[{BN}, 64],{lay['kv']}>",
+           "table_ptr": "*i32", "lens_ptr": "*i32", "qs_ptr": "*fp32", "ks_ptr": "*fp32",
+           "o_ptr": "*bf16" if DIRECT else "*fp32", "lse_ptr": "*fp32",
+           "sm_scale_log2": "fp32", "stride_bt": "i32", "max_blocks": "i32",
+           "num_blocks": "i32", "num_splits": "i32"}
+    cs = dict(S_Q=S_Q, H=H, PAGE=PAGE, BN=BN, STAGES=STAGES, DIRECT=DIRECT, CAUSAL=CAUSAL)
+    sig.update({k: "constexpr" for k in cs})
+    src = GluonASTSource(mla_decode_fp8_kernel, signature=sig, constexprs=cs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+if __name__ == "__main__":
+    import os
+    import re
+    import subprocess
+    import sys
+    import tempfile
+
+    import triton
+    k = compile_offline(*(int(a) for a in sys.argv[1:3]))           # [BN [STAGES]]
+    ptx = k.asm["ptx"]
+    print("wgmma:", len(re.findall(r"wgmma\.mma_async", ptx)), "smem:", k.metadata.shared,
+          "waits:", sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned \d+", ptx))))
+    f = tempfile.NamedTemporaryFile(suffix=".cubin", delete=False)
+    f.write(k.asm["cubin"])
+    f.close()
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    print("HGMMA", sass.count("HGMMA"), "DEPBAR", sass.count("WARPGROUP.DEPBAR"),
+          "STL", sass.count("STL"), "LDL", sass.count("LDL"))
