@@ -119,8 +119,7 @@ def _softmax_publish(W: gl.constexpr, sc, m_prev, l_prev, key0, end, scale_log2,
 
 @gluon.jit
 def _consumer(W: gl.constexpr, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sQr, sK, sKr, sP,
-              sStat,
-              o_ptr, lse_ptr, o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2,
+              sStat, o_ptr, lse_ptr, o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2,
               BN: gl.constexpr, STAGES: gl.constexpr, NCH: gl.constexpr, DIRECT: gl.constexpr):
     """Warpgroup W owns tiles i = W, W + 2, ... A step of tile i: issue its QK, then the
     other warpgroup's tile i - 1 (wait its P, issue P V from shared memory), then this
@@ -240,10 +239,10 @@ def _load(cargs, pargs, W: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
 
 @gluon.jit
 def mla_decode_gluon_kernel(q_desc, kv_desc, table_ptr, lens_ptr, o_ptr, lse_ptr, scale_log2,
-                               stride_bt, max_blocks, num_blocks, num_splits,
-                               S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
-                               BN: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
-                               CAUSAL: gl.constexpr):
+                            stride_bt, max_blocks, num_blocks, num_splits,
+                            S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
+                            BN: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
+                            CAUSAL: gl.constexpr):
     NCH: gl.constexpr = 9                       # 576 = 8 value chunks of 64 + the rope chunk
     ROWS: gl.constexpr = S_Q * H                # rows r = t * H + h; a 64-row block is one token's
     pid_m = gl.program_id(0)
