@@ -18,7 +18,7 @@
 With s_q > 1 and causal, query i sees cache positions [0, cache_seqlens - s_q + i].
 Backends are tried in the order of BACKEND_ORDER for backend="auto"; an explicit
 backend that cannot serve a call raises BackendUnavailable naming the unmet
-condition. The last choice per call site is recorded in `backend_choices`.
+condition. Eager calls are counted per backend in `backend_choices`.
 """
 from __future__ import annotations
 
@@ -35,6 +35,13 @@ __all__ = ["mla_decode", "BACKENDS", "BACKEND_ORDER", "BackendUnavailable",
 
 # backend name -> number of mla_decode calls it served (read by the inspection tool).
 backend_choices: Counter = Counter()
+
+
+def record_choice(name: str) -> None:
+    """Count a call served by backend `name`; not while torch.compile traces the caller
+    (a count read in the graph would be guarded on and recompile every call)."""
+    if not torch.compiler.is_compiling():
+        backend_choices[name] += 1
 # Backends whose kernels bound the lengths and page ids themselves (see
 # checks.bound_for_capture): no clamp kernels in a captured graph for them.
 BOUNDED_IN_KERNEL = frozenset({"triton", "gluon"})
@@ -110,7 +117,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, causal
     name = select_backend(q, kv_cache, kv_cache_dtype=kind, backend=backend)
     if name not in BOUNDED_IN_KERNEL and not bounded:
         block_table, cache_seqlens = bound_for_capture(q, kv_cache, block_table, cache_seqlens)
-    backend_choices[name] += 1
+    record_choice(name)
     extra = {"schedule": schedule} if name == "flashmla" and schedule is not None else {}
     return BACKENDS[name](q, kv_cache, block_table, cache_seqlens, float(softmax_scale),
                           causal=bool(causal), kind=kind, k_scale=k_scale, head_dim_v=head_dim_v,

@@ -2,8 +2,9 @@
 
 Every public entry validates before it touches memory, and names the argument
 that is wrong. Value checks that would need a device->host copy (block ids in
-range) are skipped while a CUDA graph is being captured; shape and dtype checks
-always run.
+range) are skipped while a CUDA graph is being captured or torch.compile traces the
+call (lengths and block ids are then clamped into the cache in the graph instead);
+shape and dtype checks always run.
 """
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 def is_capturing(t: torch.Tensor) -> bool:
+    """True where a host sync is not possible: torch.compile is tracing the caller (its
+    tensors are fake), or a CUDA graph is being captured on t's device."""
+    if torch.compiler.is_compiling():
+        return True
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
@@ -109,9 +114,9 @@ def check_decode_args(q, kv_cache, block_table, cache_seqlens, softmax_scale,
 
 
 def bound_for_capture(q, kv_cache, block_table, cache_seqlens):
-    """Under CUDA-graph capture the value checks above are skipped (they need a host
-    sync), so bound what a kernel can read: bad lengths or block ids then give wrong
-    rows, never an out-of-bounds access. Outside capture the checks have run: no-op."""
+    """Under CUDA-graph capture or torch.compile the value checks above are skipped (they
+    need a host sync), so bound what a kernel can read: bad lengths or block ids then give
+    wrong rows, never an out-of-bounds access. Elsewhere the checks have run: no-op."""
     if not is_capturing(q):
         return block_table, cache_seqlens
     return bound_decode_inputs(kv_cache, block_table, cache_seqlens)

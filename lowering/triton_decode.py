@@ -241,8 +241,8 @@ def mla_decode_fp8q(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, q
     _check_widths(q.shape[-1], head_dim_v, least=32)
     if batch_invariant is None:
         batch_invariant = _batch_invariant
-    from . import backend_choices
-    backend_choices["triton-fp8q"] += 1          # reported by the inspection tool
+    from . import record_choice
+    record_choice("triton-fp8q")                 # reported by the inspection tool
     return triton_decode_op(q, kv_cache, block_table, cache_seqlens, q_scale.reshape(1),
                             k_scale.reshape(1), float(softmax_scale), bool(causal),
                             int(head_dim_v), 2, bool(batch_invariant), out_dtype, **tuning)

@@ -104,8 +104,7 @@ def test_gluon_capability_errors_and_auto_choice():
 
 def test_gluon_under_compile_and_cuda_graphs():
     """fullgraph compile (the op is one opaque node) and a CUDA-graph replay with changing
-    lengths both match eager (the backend entry, as the Triton test calls its own:
-    mla_decode's host checks are for eager callers)."""
+    lengths both match eager (through the backend's entry, as the Triton test does)."""
     B, H = 4, 128
     q, kv, bt, cl = make_case(B, 1, H, L, R, 64, [1500] * B, "cuda", seed=21)
 
