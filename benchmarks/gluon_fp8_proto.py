@@ -69,13 +69,19 @@ def _qk(sQ, sK, s, s_l: gl.constexpr, BN: gl.constexpr, NCH: gl.constexpr):
 def _transpose_values(W: gl.constexpr, sK, s, vt, key0, end, BN: gl.constexpr,
                       NCH: gl.constexpr):
     """This warpgroup's half of the tile's values, [BN keys, 256] -> vt [256, BN] (keys
-    contiguous, as fp8 wgmma reads B); keys at or past end become 0."""
-    tl_: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])      # [32, 64]
-    keep = (key0 + gl.arange(0, BN, layout=gl.SliceLayout(1, tl_)) < end)[:, None]
-    for c in gl.static_range(4):
-        x = sK.index(s * NCH + 4 * W + c).load(tl_)                          # [BN, 64] fp8
-        x = gl.where(keep, x, gl.zeros_like(x))
-        vt.slice(64 * c, 64).store(gl.permute(x, [1, 0]))                     # [64, BN]
+    contiguous, as fp8 wgmma reads B); in the split's last tile, keys at or past end
+    become 0. Each thread moves 4 x 4-byte blocks (ldmatrix in, 32-bit stores out)."""
+    tl_: gl.constexpr = gl.BlockedLayout([4, 4], [8, 4], [1, 4], [1, 0])        # [32, 64]
+    if key0 + BN > end:
+        keep = (key0 + gl.arange(0, BN, layout=gl.SliceLayout(1, tl_)) < end)[:, None]
+        for c in gl.static_range(4):
+            x = sK.index(s * NCH + 4 * W + c).load(tl_)                      # [BN, 64] fp8
+            x = gl.where(keep, x, gl.zeros_like(x))
+            vt.slice(64 * c, 64).store(gl.permute(x, [1, 0]))                 # [64, BN]
+    else:
+        for c in gl.static_range(4):
+            x = sK.index(s * NCH + 4 * W + c).load(tl_)
+            vt.slice(64 * c, 64).store(gl.permute(x, [1, 0]))
     fence_async_shared()
 
 
