@@ -26,7 +26,7 @@ from timing import graph_time_us  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 import lowering  # noqa: E402
-from lowering.triton_decode import mla_decode_fp8q  # noqa: E402
+from lowering.triton_decode import mla_decode_fp8q, stage1_outputs  # noqa: E402
 from lowering.triton_merge_kernel import mla_decode_merge_kernel  # noqa: E402
 from mla_reference import decode_ref64, make_case, rel_err  # noqa: E402
 
@@ -42,13 +42,7 @@ def fp8_decode(q8, kv8, table, lens, q_scale, k_scale, scale, splits, BN=32, STA
                                           gl.NVMMASharedLayout.get_default_for([64, 64], f8))
     kv_desc = TensorDescriptor.from_tensor(kv8.view(-1, D), [BN, 64],
                                            gl.NVMMASharedLayout.get_default_for([BN, 64], f8))
-    out = torch.empty(B, S_Q, H, 512, device=q8.device, dtype=torch.bfloat16)
-    lse = torch.empty(B, H, S_Q, device=q8.device, dtype=torch.float32)
-    if splits == 1:
-        o1, l1 = out, lse
-    else:
-        o1 = torch.empty(B, splits, S_Q * H, 512, device=q8.device, dtype=torch.float32)
-        l1 = torch.empty(B, splits, S_Q * H, device=q8.device, dtype=torch.float32)
+    out, lse, o1, l1 = stage1_outputs(B, S_Q, H, 512, splits, torch.bfloat16, q8.device)
 
     def run():
         g.mla_decode_fp8_kernel[(S_Q * H // 64, B, splits)](

@@ -21,14 +21,16 @@ float64 and times it on an H200. It has not run on a GPU yet.
 """
 from __future__ import annotations
 
+import os
+import sys
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
-LOG2E = 1.4426950408889634
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from lowering.gluon_decode_kernel import LOG2E, _tma_load, cta_work  # noqa: E402,F401
 P_SCALE = gl.constexpr(256.0)      # P to e4m3 as p * P_SCALE
 
 
@@ -232,28 +234,8 @@ def mla_decode_fp8_kernel(q_desc, kv_desc, table_ptr, lens_ptr, qs_ptr, ks_ptr, 
                           BN: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
                           CAUSAL: gl.constexpr):
     NCH: gl.constexpr = 9                       # 576 = 8 value chunks of 64 + the rope chunk
-    ROWS: gl.constexpr = S_Q * H
-    pid_m = gl.program_id(0)
-    b = gl.program_id(1)
-    split = gl.program_id(2)
-    t = (pid_m * 64) // H
-    h0 = (pid_m * 64) % H
-    seqlen = gl.minimum(gl.maximum(gl.load(lens_ptr + b), 1), max_blocks * PAGE)
-    chunk = gl.cdiv(gl.cdiv(seqlen, num_splits), BN) * BN
-    start = split * chunk
-    end = gl.minimum(start + chunk, seqlen)
-    if CAUSAL:
-        end = gl.minimum(end, seqlen - S_Q + t + 1)
-    n_tiles = gl.maximum(gl.cdiv(end - start, BN), 0)
-    q_row0 = b * ROWS + pid_m * 64
-    if DIRECT:
-        o_row0 = q_row0
-        lse_row0 = b * ROWS + h0 * S_Q + t
-        lse_stride = S_Q
-    else:
-        o_row0 = (b * num_splits + split) * ROWS + pid_m * 64
-        lse_row0 = o_row0
-        lse_stride = 1
+    b, start, end, n_tiles, q_row0, o_row0, lse_row0, lse_stride = cta_work(
+        lens_ptr, max_blocks, num_splits, S_Q, H, PAGE, BN, DIRECT, CAUSAL)
 
     f8: gl.constexpr = gl.float8e4nv
     sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], f8)
@@ -308,10 +290,8 @@ def compile_offline(BN=32, STAGES=8, DIRECT=False, H=128, PAGE=64, S_Q=1, CAUSAL
 
 
 if __name__ == "__main__":
-    import os
     import re
     import subprocess
-    import sys
     import tempfile
 
     import triton

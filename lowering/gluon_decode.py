@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-LOG2E = 1.4426950408889634
 # BN keys per tile (one TMA box row count; a page holds whole tiles), STAGES tiles in the
 # ring. 4 x 32 keys is what shared memory allows beside q (226 KB); 2 and 3 stages ran
 # 2.0x and 1.2x slower on an H200 (benchmarks/NOTES-decode.md).
@@ -80,8 +79,8 @@ def gluon_decode_op(
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .gluon_decode_kernel import mla_decode_gluon_kernel
-    from .triton_decode import choose_num_splits
+    from .gluon_decode_kernel import LOG2E, mla_decode_gluon_kernel
+    from .triton_decode import choose_num_splits, stage1_outputs
     from .triton_merge_kernel import mla_decode_merge_kernel
 
     B, s_q, H, D = q.shape
@@ -101,13 +100,7 @@ def gluon_decode_op(
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     splits = num_splits or choose_num_splits(B, m_blocks, block_table.shape[1] * page, sms,
                                              min_split_keys=MIN_SPLIT_KEYS)
-    out = torch.empty((B, s_q, H, L), dtype=q.dtype, device=q.device)          # [B, s_q, H, L]
-    lse = torch.empty((B, H, s_q), dtype=torch.float32, device=q.device)       # [B, H, s_q]
-    if splits == 1:
-        o1, l1 = out, lse
-    else:
-        o1 = torch.empty((B, splits, rows, L), dtype=torch.float32, device=q.device)
-        l1 = torch.empty((B, splits, rows), dtype=torch.float32, device=q.device)
+    out, lse, o1, l1 = stage1_outputs(B, s_q, H, L, splits, q.dtype, q.device)
     mla_decode_gluon_kernel[(m_blocks, B, splits)](
         q_desc, kv_desc, block_table, cache_seqlens, o1, l1, softmax_scale * LOG2E,
         block_table.stride(0), block_table.shape[1], num_blocks, splits,

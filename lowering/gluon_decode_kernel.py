@@ -238,12 +238,11 @@ def _load(cargs, pargs, W: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
 
 
 @gluon.jit
-def mla_decode_gluon_kernel(q_desc, kv_desc, table_ptr, lens_ptr, o_ptr, lse_ptr, scale_log2,
-                            stride_bt, max_blocks, num_blocks, num_splits,
-                            S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
-                            BN: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
-                            CAUSAL: gl.constexpr):
-    NCH: gl.constexpr = 9                       # 576 = 8 value chunks of 64 + the rope chunk
+def cta_work(lens_ptr, max_blocks, num_splits, S_Q: gl.constexpr, H: gl.constexpr,
+             PAGE: gl.constexpr, BN: gl.constexpr, DIRECT: gl.constexpr,
+             CAUSAL: gl.constexpr):
+    """This CTA's request b, its keys [start, end) in n_tiles tiles, and where its rows
+    go: (b, start, end, n_tiles, q_row0, o_row0, lse_row0, lse_stride)."""
     ROWS: gl.constexpr = S_Q * H                # rows r = t * H + h; a 64-row block is one token's
     pid_m = gl.program_id(0)
     b = gl.program_id(1)
@@ -268,6 +267,18 @@ def mla_decode_gluon_kernel(q_desc, kv_desc, table_ptr, lens_ptr, o_ptr, lse_ptr
         o_row0 = (b * num_splits + split) * ROWS + pid_m * 64
         lse_row0 = o_row0
         lse_stride = 1
+    return b, start, end, n_tiles, q_row0, o_row0, lse_row0, lse_stride
+
+
+@gluon.jit
+def mla_decode_gluon_kernel(q_desc, kv_desc, table_ptr, lens_ptr, o_ptr, lse_ptr, scale_log2,
+                            stride_bt, max_blocks, num_blocks, num_splits,
+                            S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
+                            BN: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
+                            CAUSAL: gl.constexpr):
+    NCH: gl.constexpr = 9                       # 576 = 8 value chunks of 64 + the rope chunk
+    b, start, end, n_tiles, q_row0, o_row0, lse_row0, lse_stride = cta_work(
+        lens_ptr, max_blocks, num_splits, S_Q, H, PAGE, BN, DIRECT, CAUSAL)
 
     sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     slk: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 64], gl.bfloat16)

@@ -105,6 +105,19 @@ def choose_num_splits(batch: int, m_blocks: int, max_len: int, sm_count: int,
     return max(1, min(target // ctas, cap, MAX_SPLITS))
 
 
+def stage1_outputs(B: int, s_q: int, H: int, L: int, splits: int, out_dtype, device):
+    """(out [B, s_q, H, L], lse [B, H, s_q] fp32, o1, l1): what stage 1 writes, which is
+    out / lse themselves with one split, else fp32 partials o1 [B, splits, s_q * H, L]
+    and l1 [B, splits, s_q * H] for the merge kernel."""
+    out = torch.empty((B, s_q, H, L), dtype=out_dtype, device=device)
+    lse = torch.empty((B, H, s_q), dtype=torch.float32, device=device)
+    if splits == 1:
+        return out, lse, out, lse
+    o1 = torch.empty((B, splits, s_q * H, L), dtype=torch.float32, device=device)
+    l1 = torch.empty((B, splits, s_q * H), dtype=torch.float32, device=device)
+    return out, lse, o1, l1
+
+
 @torch.library.triton_op("mla::triton_decode", mutates_args={})
 def triton_decode_op(
     q: torch.Tensor,              # [B, s_q, H, L + R]
@@ -164,13 +177,7 @@ def triton_decode_op(
         splits = num_splits or choose_num_splits(B, m_blocks * V_PARTS, max_len,
                                                  _sm_count(q.device), cfg["ctas_per_sm"])
 
-    out = torch.empty((B, s_q, H, L), dtype=out_dtype, device=q.device)      # [B, s_q, H, L]
-    lse = torch.empty((B, H, s_q), dtype=torch.float32, device=q.device)     # [B, H, s_q]
-    if splits == 1:
-        o1, l1 = out, lse
-    else:
-        o1 = torch.empty((B, splits, rows, L), dtype=torch.float32, device=q.device)
-        l1 = torch.empty((B, splits, rows), dtype=torch.float32, device=q.device)
+    out, lse, o1, l1 = stage1_outputs(B, s_q, H, L, splits, out_dtype, q.device)
     dummy = cache_seqlens  # stands in for absent scale pointers (never read)
     torch.library.wrap_triton(mla_decode_stage1_kernel)[(m_blocks * V_PARTS, B, splits)](
         q, kv_cache, block_table, cache_seqlens,

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 import lowering  # noqa: E402
-from mla_reference import decode_ref64, make_case, rel_err  # noqa: E402
+from mla_reference import check_compiled_and_graphed, decode_ref64, make_case, rel_err  # noqa: E402
 
 L, R = 512, 64
 SCALE = 192 ** -0.5
@@ -107,25 +107,7 @@ def test_gluon_under_compile_and_cuda_graphs():
     lengths both match eager (through the backend's entry, as the Triton test does)."""
     B, H = 4, 128
     q, kv, bt, cl = make_case(B, 1, H, L, R, 64, [1500] * B, "cuda", seed=21)
-
-    def step(q, kv, bt, cl):
-        out, lse = _run(q * 1.0, kv, bt, cl)
-        return out.float().sum(-1), lse
-
-    from torch._inductor.utils import run_and_get_code
-    compiled = torch.compile(step, fullgraph=True)
-    (c_out, c_lse), codes = run_and_get_code(compiled, q, kv, bt, cl)
-    assert any("gluon_decode" in c for c in codes)
-    e_out, e_lse = step(q, kv, bt, cl)
-    assert torch.allclose(c_out, e_out, rtol=1e-3, atol=1e-2) and torch.allclose(c_lse, e_lse)
-    graphed = torch.compile(step, mode="reduce-overhead", fullgraph=True)
-    for n in (1500, 700, 1499, 3):
-        cl.fill_(n)
-        for _ in range(2):
-            g_out, g_lse = graphed(q, kv, bt, cl)
-        e_out, e_lse = step(q, kv, bt, cl)
-        assert torch.allclose(g_out, e_out, rtol=1e-3, atol=1e-2)
-        assert torch.allclose(g_lse, e_lse)
+    check_compiled_and_graphed(_run, "gluon_decode", q, kv, bt, cl)
 
 
 def test_layer_decode_rows_on_the_gluon_backend():
