@@ -10,6 +10,11 @@
         FlashMLA's per-step work split, computed once and shared by every layer's call
         (uses_flashmla() says whether the calls will read it).
 
+    mla_decode_fp8q(q8, kv_cache8, block_table, cache_seqlens, softmax_scale, *, q_scale,
+                    k_scale, causal=True, head_dim_v=None, out_dtype=bf16, backend="auto")
+        fp8 e4m3 query and cache (true values = stored * scale), fp8 tensor-core dots:
+        the Gluon kernel on Hopper where it serves the call, else the Triton kernel.
+
     bound_decode_inputs(kv_cache, block_table, cache_seqlens) -> (block_table, cache_seqlens)
         Clamped to what a kernel may read. Under CUDA-graph capture (no host checks) every
         call bounds its inputs unless its backend does so in-kernel; a caller that bounds
@@ -29,7 +34,7 @@ import torch
 from .backends import BACKENDS, BACKEND_ORDER, BackendUnavailable, unmet_condition
 from .checks import bound_decode_inputs, bound_for_capture, check_decode_args
 
-__all__ = ["mla_decode", "BACKENDS", "BACKEND_ORDER", "BackendUnavailable",
+__all__ = ["mla_decode", "mla_decode_fp8q", "BACKENDS", "BACKEND_ORDER", "BackendUnavailable",
            "select_backend", "backend_choices", "decode_schedule", "uses_flashmla",
            "bound_decode_inputs"]
 
@@ -122,3 +127,37 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, causal
     return BACKENDS[name](q, kv_cache, block_table, cache_seqlens, float(softmax_scale),
                           causal=bool(causal), kind=kind, k_scale=k_scale, head_dim_v=head_dim_v,
                           **extra)
+
+
+def mla_decode_fp8q(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, q_scale, k_scale,
+                    causal=True, head_dim_v=None, out_dtype=torch.bfloat16, backend="auto"):
+    """Decode with an fp8 query over an fp8 cache (see the module docstring).
+
+    backend: "gluon" (SM90; H a multiple of 64, block_size of 32, bf16 out), "triton", or
+    "auto": gluon where it serves the call and the batch-invariant mode is off, else triton.
+    Eager calls are counted in backend_choices as "gluon-fp8q" / "triton-fp8q".
+    """
+    from .checks import check_fp8q_args
+    from .triton_decode import batch_invariant_enabled
+    from .triton_decode import mla_decode_fp8q as triton_fp8q
+    if backend not in ("auto", "gluon", "triton"):
+        raise ValueError(f"backend must be 'auto', 'gluon' or 'triton', got {backend!r}")
+    head_dim_v = check_fp8q_args(q, kv_cache, block_table, cache_seqlens, softmax_scale,
+                                 q_scale, k_scale, head_dim_v, out_dtype)
+    if backend != "triton":
+        reason = "q is not on a CUDA device"
+        if q.device.type == "cuda":
+            from .gluon_decode import gluon_fp8q_unmet
+            reason = gluon_fp8q_unmet(q, kv_cache, head_dim_v, out_dtype)
+        if reason is None and backend == "auto" and batch_invariant_enabled():
+            reason = "the batch-invariant mode is on (the Triton kernel provides it)"
+        if reason is None:
+            from .gluon_decode import gluon_decode_fp8q_op
+            record_choice("gluon-fp8q")
+            return gluon_decode_fp8q_op(q, kv_cache, block_table, cache_seqlens,
+                                        q_scale.reshape(1), k_scale.reshape(1),
+                                        float(softmax_scale), bool(causal))
+        if backend == "gluon":
+            raise BackendUnavailable(f"backend 'gluon' cannot serve this call: {reason}")
+    return triton_fp8q(q, kv_cache, block_table, cache_seqlens, softmax_scale, q_scale=q_scale,
+                       k_scale=k_scale, causal=causal, head_dim_v=head_dim_v, out_dtype=out_dtype)

@@ -144,3 +144,24 @@ def bound_decode_inputs(kv_cache, block_table, cache_seqlens):
     nb, bs, _ = kv_cache.shape
     return (block_table.clamp(0, nb - 1),
             cache_seqlens.clamp(1, block_table.shape[1] * bs))
+
+
+def check_fp8q_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, q_scale, k_scale,
+                    head_dim_v, out_dtype):
+    """Checks of a decode call with an fp8 query (mla_decode_fp8q); returns head_dim_v."""
+    check_tensor("q", q, ndim=4, dtypes=(torch.float8_e4m3fn,))
+    for name, t in (("q_scale", q_scale), ("k_scale", k_scale)):
+        check_tensor(name, t, dtypes=(torch.float32,))
+        if t.numel() != 1:
+            raise ValueError(f"{name} must hold one value (per-tensor scale), got shape "
+                             f"{tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
+    # the rest as mla_decode checks it, with a bf16 stand-in of q's shape (no copy)
+    stand_in = torch.empty((1, 1, 1, q.shape[-1]), dtype=torch.bfloat16,
+                           device=q.device).expand(*q.shape)
+    _, head_dim_v = check_decode_args(stand_in, kv_cache, block_table, cache_seqlens,
+                                      softmax_scale, "fp8", k_scale, head_dim_v)
+    return head_dim_v

@@ -1,5 +1,7 @@
-"""Backend "gluon": the Hopper ping-pong decode kernel (gluon_decode_kernel.py) as the
-custom op mla::gluon_decode.
+"""Backend "gluon": the Hopper ping-pong decode kernels as custom ops:
+mla::gluon_decode (bf16 q and cache, gluon_decode_kernel.py) and mla::gluon_decode_fp8q
+(fp8 q and cache with per-tensor scales, gluon_fp8_decode_kernel.py; the "gluon" route
+of lowering.mla_decode_fp8q, conditions in gluon_fp8q_unmet()).
 
 Serves: q on an SM90 GPU, triton with Gluon's Hopper API, q bf16 with a bf16 cache
 (kind "auto"), rows of 576 = 512 + 64, head_dim_v 512, H a multiple of 64, a page size
@@ -24,6 +26,8 @@ import torch
 # ring. 4 x 32 keys is what shared memory allows beside q (226 KB); 2 and 3 stages ran
 # 2.0x and 1.2x slower on an H200 (benchmarks/NOTES-decode.md).
 CONFIG = dict(BN=32, STAGES=4)
+# the fp8 kernel's tiles are half the bytes: 8 x 32 keys beside q (224 KB)
+FP8_CONFIG = dict(BN=32, STAGES=8)
 MIN_SPLIT_KEYS = 256
 NUM_WARPS = 4           # the default partition: consumer warpgroup 0
 
@@ -75,36 +79,62 @@ def gluon_decode_op(
     causal: bool,
     num_splits: int = 0,          # 0: from the shapes and SM count
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    from .gluon_decode_kernel import mla_decode_gluon_kernel
+    return _launch(mla_decode_gluon_kernel, CONFIG, q, kv_cache, block_table, cache_seqlens,
+                   (), softmax_scale, causal, num_splits)
+
+
+@torch.library.custom_op("mla::gluon_decode_fp8q", mutates_args=())
+def gluon_decode_fp8q_op(
+    q: torch.Tensor,              # [B, s_q, H, 576] float8_e4m3fn (true value = q * q_scale)
+    kv_cache: torch.Tensor,       # [num_blocks, PAGE, 576] float8_e4m3fn (x k_scale)
+    block_table: torch.Tensor,    # [B, max_blocks] int32
+    cache_seqlens: torch.Tensor,  # [B] int32
+    q_scale: torch.Tensor,        # [1] fp32
+    k_scale: torch.Tensor,        # [1] fp32
+    softmax_scale: float,
+    causal: bool,
+    num_splits: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from .gluon_fp8_decode_kernel import mla_decode_fp8_kernel
+    return _launch(mla_decode_fp8_kernel, FP8_CONFIG, q, kv_cache, block_table, cache_seqlens,
+                   (q_scale, k_scale), softmax_scale, causal, num_splits)
+
+
+def _launch(kernel, config, q, kv_cache, block_table, cache_seqlens, scales, softmax_scale,
+            causal, num_splits):
+    """Stage 1 (kernel) and, with more than one split, the merge. Returns (out, lse)."""
     import triton
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .gluon_decode_kernel import LOG2E, mla_decode_gluon_kernel
+    from .gluon_decode_kernel import LOG2E
     from .triton_decode import choose_num_splits, stage1_outputs
     from .triton_merge_kernel import mla_decode_merge_kernel
 
     B, s_q, H, D = q.shape
     num_blocks, page, _ = kv_cache.shape
-    L, BN = 512, CONFIG["BN"]
+    L, BN = 512, config["BN"]
     rows = s_q * H
     q2 = q.contiguous().view(B * rows, D)                                       # [B * rows, 576]
     for name, t in (("q", q2), ("kv_cache", kv_cache)):
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must start at a 16-byte aligned address for the gluon "
                              f"backend's TMA loads (it is offset by {t.data_ptr() % 16} bytes)")
-    lay_q = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    lay_k = gl.NVMMASharedLayout.get_default_for([BN, 64], gl.bfloat16)
+    el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float8e4nv
+    lay_q = gl.NVMMASharedLayout.get_default_for([64, 64], el)
+    lay_k = gl.NVMMASharedLayout.get_default_for([BN, 64], el)
     q_desc = TensorDescriptor.from_tensor(q2, [64, 64], lay_q)
     kv_desc = TensorDescriptor.from_tensor(kv_cache.view(num_blocks * page, D), [BN, 64], lay_k)
     m_blocks = rows // 64
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     splits = num_splits or choose_num_splits(B, m_blocks, block_table.shape[1] * page, sms,
                                              min_split_keys=MIN_SPLIT_KEYS)
-    out, lse, o1, l1 = stage1_outputs(B, s_q, H, L, splits, q.dtype, q.device)
-    mla_decode_gluon_kernel[(m_blocks, B, splits)](
-        q_desc, kv_desc, block_table, cache_seqlens, o1, l1, softmax_scale * LOG2E,
+    out, lse, o1, l1 = stage1_outputs(B, s_q, H, L, splits, torch.bfloat16, q.device)
+    kernel[(m_blocks, B, splits)](
+        q_desc, kv_desc, block_table, cache_seqlens, *scales, o1, l1, softmax_scale * LOG2E,
         block_table.stride(0), block_table.shape[1], num_blocks, splits,
-        S_Q=s_q, H=H, PAGE=page, BN=BN, STAGES=CONFIG["STAGES"], DIRECT=splits == 1,
+        S_Q=s_q, H=H, PAGE=page, BN=BN, STAGES=config["STAGES"], DIRECT=splits == 1,
         CAUSAL=causal, num_warps=NUM_WARPS)
     if splits > 1:
         mla_decode_merge_kernel[(rows, B)](
@@ -113,10 +143,14 @@ def gluon_decode_op(
     return out, lse
 
 
-@gluon_decode_op.register_fake
-def _(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits=0):
+def _fake(q, kv_cache, *args):
     B, s_q, H, _ = q.shape
-    return (q.new_empty((B, s_q, H, 512)), q.new_empty((B, H, s_q), dtype=torch.float32))
+    return (torch.empty((B, s_q, H, 512), dtype=torch.bfloat16, device=q.device),
+            q.new_empty((B, H, s_q), dtype=torch.float32))
+
+
+gluon_decode_op.register_fake(_fake)
+gluon_decode_fp8q_op.register_fake(_fake)
 
 
 def gluon_mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, causal, kind,
@@ -127,3 +161,26 @@ def gluon_mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, 
         raise BackendUnavailable(f"backend 'gluon' needs head_dim_v 512, got {head_dim_v}")
     return gluon_decode_op(q, kv_cache, block_table, cache_seqlens, float(softmax_scale),
                            bool(causal), int(num_splits))
+
+
+def gluon_fp8q_unmet(q, kv_cache, head_dim_v, out_dtype):
+    """None if the fp8 Gluon kernel serves this mla_decode_fp8q call, else why not."""
+    if q.device.type != "cuda":
+        return f"q is on {q.device.type}; the gluon backend needs a CUDA device"
+    cap = torch.cuda.get_device_capability(q.device)
+    if cap != (9, 0):
+        return (f"the gluon kernel uses Hopper's wgmma and TMA (SM90); this GPU is "
+                f"SM{cap[0]}{cap[1]}")
+    if IMPORT_ERROR is not None:
+        return IMPORT_ERROR
+    if q.shape[-1] != 576 or head_dim_v != 512:
+        return (f"the gluon fp8 kernel needs rows of 576 (512 + 64) and head_dim_v 512, got "
+                f"{q.shape[-1]} and {head_dim_v}")
+    if q.shape[2] % 64:
+        return f"the gluon backend needs the head count to be a multiple of 64, got {q.shape[2]}"
+    if kv_cache.shape[1] % FP8_CONFIG["BN"]:
+        return (f"the gluon fp8 kernel needs block_size to be a multiple of {FP8_CONFIG['BN']}, "
+                f"kv_cache has block_size {kv_cache.shape[1]}")
+    if out_dtype != torch.bfloat16:
+        return f"the gluon fp8 kernel writes bfloat16 only, out_dtype is {out_dtype}"
+    return None

@@ -196,9 +196,7 @@ def _consumer(W: gl.constexpr, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sQ
         mbarrier.arrive(kv_empty.index(so), count=1)
 
     # ---- epilogue: this warpgroup's 256 columns ------------------------------------------
-    has = l_prev > 0.0
-    l_safe = gl.where(has, l_prev, 1.0)
-    lse = gl.where(has, (m_prev + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    l_safe = finish_rows(W, m_prev, l_prev, lse_ptr, lse_row0, lse_stride, row_s)
     inv = gl.convert_layout(1.0 / l_safe, row_o)[:, None]
     rows = gl.arange(0, 64, layout=row_o)
     cols64 = gl.arange(0, 64, layout=gl.SliceLayout(0, o_l))
@@ -213,8 +211,6 @@ def _consumer(W: gl.constexpr, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sQ
         gl.store(base + 64, acc1 * inv)
         gl.store(base + 128, acc2 * inv)
         gl.store(base + 192, acc3 * inv)
-    if W == 0:
-        gl.store(lse_ptr + lse_row0 + gl.arange(0, 64, layout=row_s) * lse_stride, lse)
 
 
 @gluon.jit
@@ -235,6 +231,37 @@ def _load(cargs, pargs, W: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
      start, n_tiles, stride_bt, num_blocks) = pargs
     _producer(q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sQr, sK, sKr,
               q_row0, b, start, n_tiles, stride_bt, num_blocks, BN, PAGE, STAGES, NCH)
+
+
+@gluon.jit
+def ring_barriers(STAGES: gl.constexpr):
+    """The mbarriers of a CTA: q loaded; each ring stage full / empty (both consumer
+    warpgroups release a stage); each warpgroup's P and row state published / read."""
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    p_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(kv_full.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(p_full.index(i), count=1)
+        mbarrier.init(p_empty.index(i), count=1)
+    return q_bar, kv_full, kv_empty, p_full, p_empty
+
+
+@gluon.jit
+def finish_rows(W: gl.constexpr, m, l, lse_ptr, lse_row0, lse_stride, row_l: gl.constexpr):
+    """The rows' natural-log LSE from base-2 (m, l), stored by warpgroup 0 (-inf where a
+    row saw no key); returns l, 1 where it is 0, to normalize O by."""
+    has = l > 0.0
+    l_safe = gl.where(has, l, 1.0)
+    if W == 0:
+        lse = gl.where(has, (m + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        gl.store(lse_ptr + lse_row0 + gl.arange(0, 64, layout=row_l) * lse_stride, lse)
+    return l_safe
 
 
 @gluon.jit
@@ -290,18 +317,7 @@ def mla_decode_gluon_kernel(q_desc, kv_desc, table_ptr, lens_ptr, o_ptr, lse_ptr
     sP = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BN], slp)
     sStat = gl.allocate_shared_memory(gl.float32, [8 * 64],      # 6 used: (m, l, alpha) x 2
                                       gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    p_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    p_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(kv_full.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)      # both warpgroups release a stage
-    for i in gl.static_range(2):
-        mbarrier.init(p_full.index(i), count=1)
-        mbarrier.init(p_empty.index(i), count=1)
+    q_bar, kv_full, kv_empty, p_full, p_empty = ring_barriers(STAGES)
 
     cargs = (q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sQr, sK, sKr, sP, sStat, o_ptr,
              lse_ptr, o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2)

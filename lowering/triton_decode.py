@@ -224,27 +224,16 @@ def triton_mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *,
 def mla_decode_fp8q(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, q_scale, k_scale,
                     causal=True, head_dim_v=None, out_dtype=torch.bfloat16, batch_invariant=None,
                     **tuning):
-    """fp8 query and fp8 cache (true values = stored * scale), fp8 tensor-core dots.
+    """fp8 query and fp8 cache (true values = stored * scale), fp8 tensor-core dots: the
+    Triton route of lowering.mla_decode_fp8q (which picks between it and the Gluon kernel).
 
     q [B, s_q, H, L+R] float8_e4m3fn, kv_cache [num_blocks, page, L+R] float8_e4m3fn,
     q_scale and k_scale one-element fp32 tensors. Returns (out [B, s_q, H, L] out_dtype,
     lse [B, H, s_q] fp32).
     """
-    from .checks import check_decode_args, check_tensor
-    check_tensor("q", q, ndim=4, dtypes=(torch.float8_e4m3fn,))
-    for name, t in (("q_scale", q_scale), ("k_scale", k_scale)):
-        check_tensor(name, t, dtypes=(torch.float32,))
-        if t.numel() != 1:
-            raise ValueError(f"{name} must hold one value (per-tensor scale), got shape {tuple(t.shape)}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if out_dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
-    # Validate the rest as mla_decode would, with a bf16 stand-in of q's shape (no copy).
-    stand_in = torch.empty((1, 1, 1, q.shape[-1]), dtype=torch.bfloat16,
-                           device=q.device).expand(*q.shape)
-    _, head_dim_v = check_decode_args(stand_in, kv_cache, block_table, cache_seqlens,
-                                      softmax_scale, "fp8", k_scale, head_dim_v)
+    from .checks import check_fp8q_args
+    head_dim_v = check_fp8q_args(q, kv_cache, block_table, cache_seqlens, softmax_scale,
+                                 q_scale, k_scale, head_dim_v, out_dtype)
     _check_widths(q.shape[-1], head_dim_v, least=32)
     if batch_invariant is None:
         batch_invariant = _batch_invariant

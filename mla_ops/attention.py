@@ -193,17 +193,18 @@ def build_decode_query(q, W_UK_T):
 
 def _fp8_query_decode(q8, q_scale, kv_cache, block_table, lens, softmax_scale, kind, k_scale,
                       backend, L, out_dtype):
-    """Decode with an fp8 query: the fp8 x fp8 Triton kernel where it serves the call,
-    else any backend on the dequantized query (fp32, exact: stored * scale)."""
-    if kind == "fp8" and q8.is_cuda and backend in ("auto", "triton"):
+    """Decode with an fp8 query: the fp8 x fp8 kernels (Gluon on Hopper, else Triton) over
+    an fp8 cache, else any backend on the dequantized query (fp32, exact: stored * scale)."""
+    if kind == "fp8" and q8.is_cuda and backend in ("auto", "gluon", "triton"):
         try:
-            from lowering.triton_decode import mla_decode_fp8q
+            from lowering import triton_decode  # noqa: F401  (the fp8 kernels need triton)
+            have_triton = True
         except ImportError:
-            mla_decode_fp8q = None
-        if mla_decode_fp8q is not None:
-            return mla_decode_fp8q(q8, kv_cache, block_table, lens, softmax_scale,
-                                   q_scale=q_scale, k_scale=k_scale, causal=True,
-                                   head_dim_v=L, out_dtype=out_dtype)
+            have_triton = False
+        if have_triton:
+            return lowering.mla_decode_fp8q(q8, kv_cache, block_table, lens, softmax_scale,
+                                            q_scale=q_scale, k_scale=k_scale, causal=True,
+                                            head_dim_v=L, out_dtype=out_dtype, backend=backend)
     q_deq = q8.float() * q_scale.float().reshape(())
     return lowering.mla_decode(q_deq, kv_cache, block_table, lens, softmax_scale, causal=True,
                                kv_cache_dtype=kind, k_scale=k_scale, backend=backend,

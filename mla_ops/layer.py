@@ -132,7 +132,7 @@ class MLAAttention(nn.Module):
             q_mqa = build_decode_query(q[:nd], self.W_UK_T)                # [nd, N, L + R]
             decode_q = torch.ops.mla.quant_fp8_static(q_mqa, self.q_scale)
             decode_q_scale = self.q_scale
-        # FlashMLA's schedule serves 16-bit queries; the fp8 one runs the Triton kernel
+        # FlashMLA's schedule serves 16-bit queries; the fp8 one runs our fp8 kernels
         sched = meta.decode_schedule if decode_q_scale is None else None
         torch.ops.mla.attention_with_output(
             q, kv_c_normed, k_pe, kv_cache, self.W_UK_T, self.W_UV, meta.block_table,

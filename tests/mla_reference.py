@@ -72,6 +72,23 @@ def make_case(B, s_q, H, L, R, page, lens, device, dtype=torch.bfloat16, seed=0,
     return q.to(device), kv.to(device), bt.to(device), lens.to(device)
 
 
+def poison_unwritten_rows(kv, block_table, cache_seqlens):
+    """A copy of kv with NaN in every row past a request's length in its last page (what
+    an unwritten or freed slot may hold; e4m3's NaN byte for an fp8 cache): a kernel must
+    not let it reach P @ V."""
+    page = kv.shape[1]
+    kv = kv.clone()
+    raw = kv.view(torch.uint8) if kv.dtype == torch.float8_e4m3fn else None
+    for b, n in enumerate(cache_seqlens.tolist()):
+        if n % page:
+            blk = int(block_table[b, n // page])
+            if raw is not None:
+                raw[blk, n % page:] = 0x7F                                   # e4m3fn NaN
+            else:
+                kv[blk, n % page:] = float("nan")
+    return kv
+
+
 def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 

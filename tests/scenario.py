@@ -64,6 +64,18 @@ class Step:
         k_pe = torch.cat([k[c:] for k, c in zip(self.k_pe, self.contexts)])[:, None]
         return q, kv_c, k_pe
 
+    def run_on_cuda(self, layer):
+        """Move this step's cache and `layer` to the GPU and run the layer on the step's
+        tokens: [T, N*V] on the GPU."""
+        self.cache.kv[0] = self.cache.kv[0].cuda()
+        self.cache.k_scale = self.cache.k_scale.cuda()
+        layer.cuda()
+        m = self.meta
+        meta = MLAMetadata(m.slot_mapping.cuda(), m.block_table.cuda(), m.seq_lens.cuda(),
+                           m.query_start_loc.cuda(), m.num_decode_tokens)
+        q, kv_c, k_pe = (t.cuda() for t in self.inputs())
+        return layer(q, kv_c, k_pe, self.cache.kv[0], self.cache.k_scale, meta)
+
     def reference(self, kv_b, scale):
         """Expected [T, N*V] float64; an fp8 cache is read back dequantized, as the op does."""
         d, outs = self.d, []

@@ -1,6 +1,6 @@
-"""The Gluon decode kernel without a GPU: it compiles for SM90 with the installed triton
-(Gluon has no CPU interpreter; its numerics are tested on the GPU in test_gpu_gluon.py),
-and the backend refuses CPU tensors with a reason."""
+"""The Gluon decode kernels (bf16, and fp8 q x fp8 cache) without a GPU: they compile for
+SM90 with the installed triton (Gluon has no CPU interpreter; their numerics are tested
+on the GPU in test_gpu_gluon.py), and both routes refuse CPU tensors with a reason."""
 from __future__ import annotations
 
 import json
@@ -18,56 +18,74 @@ import lowering
 HOPPER_SMEM = 232448        # bytes of shared memory one Hopper CTA may use
 
 
-def _compile_for_sm90(constexprs):
-    """Compile the kernel for SM90 and return its facts (run in a child process: the
-    test session's TRITON_INTERPRET=1 turns triton's own helpers into interpreted ones,
-    which a compiled kernel cannot call)."""
+def _compile_for_sm90(constexprs, fp8):
+    """Compile a kernel (bf16, or the fp8 one) for SM90 and return its facts (run in a
+    child process: the test session's TRITON_INTERPRET=1 turns triton's own helpers into
+    interpreted ones, which a compiled kernel cannot call)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
-    from lowering.gluon_decode_kernel import mla_decode_gluon_kernel
+    if fp8:
+        from lowering.gluon_fp8_decode_kernel import mla_decode_fp8_kernel as kernel
+        el, ty = gl.float8e4nv, "fp8e4nv"
+    else:
+        from lowering.gluon_decode_kernel import mla_decode_gluon_kernel as kernel
+        el, ty = gl.bfloat16, "bf16"
     bn = constexprs["BN"]
-    layouts = {n: gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)
+    layouts = {n: gl.NVMMASharedLayout.get_default_for(shape, el)
                for n, shape in (("q", [64, 64]), ("kv", [bn, 64]))}
-    sig = {"q_desc": f"tensordesc<bf16[64, 64],{layouts['q']!r}>",
-           "kv_desc": f"tensordesc<bf16[{bn}, 64],{layouts['kv']!r}>",
-           "table_ptr": "*i32", "lens_ptr": "*i32",
-           "o_ptr": "*bf16" if constexprs["DIRECT"] else "*fp32", "lse_ptr": "*fp32",
-           "scale_log2": "fp32", "stride_bt": "i32", "max_blocks": "i32", "num_blocks": "i32",
-           "num_splits": "i32"}
+    sig = {"q_desc": f"tensordesc<{ty}[64, 64],{layouts['q']!r}>",
+           "kv_desc": f"tensordesc<{ty}[{bn}, 64],{layouts['kv']!r}>",
+           "table_ptr": "*i32", "lens_ptr": "*i32"}
+    if fp8:
+        sig.update(qs_ptr="*fp32", ks_ptr="*fp32")
+    sig.update({"o_ptr": "*bf16" if constexprs["DIRECT"] else "*fp32", "lse_ptr": "*fp32",
+                "scale_log2": "fp32", "stride_bt": "i32", "max_blocks": "i32",
+                "num_blocks": "i32", "num_splits": "i32"})
+    if fp8:
+        sig = {("sm_scale_log2" if k == "scale_log2" else k): v for k, v in sig.items()}
     sig.update({k: "constexpr" for k in constexprs})
-    src = GluonASTSource(mla_decode_gluon_kernel, signature=sig, constexprs=constexprs)
+    src = GluonASTSource(kernel, signature=sig, constexprs=constexprs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     ptx = k.asm["ptx"]
     return {"wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
-            "wait4": bool(re.search(r"wgmma\.wait_group\.sync\.aligned 4;", ptx)),
+            "waits": sorted(set(int(n) for n in
+                                re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx))),
             "tma": "cp.async.bulk.tensor" in ptx, "shared": k.metadata.shared}
 
 
-@pytest.mark.parametrize("s_q,H,page,direct,causal", [(1, 128, 64, False, True),
-                                                     (2, 64, 32, True, False)])
-def test_kernel_compiles_for_sm90(s_q, H, page, direct, causal):
+@pytest.mark.parametrize("fp8,s_q,H,page,direct,causal", [
+    (False, 1, 128, 64, False, True), (False, 2, 64, 32, True, False),
+    (True, 1, 128, 64, False, True), (True, 2, 64, 32, True, False)])
+def test_kernel_compiles_for_sm90(fp8, s_q, H, page, direct, causal):
     pytest.importorskip("triton")
-    from lowering.gluon_decode import CONFIG
+    from lowering.gluon_decode import CONFIG, FP8_CONFIG
     try:
         import triton.experimental.gluon._runtime  # noqa: F401
         from triton.backends.compiler import GPUTarget  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"this triton cannot compile Gluon kernels offline: {exc}")
-    cs = dict(S_Q=s_q, H=H, PAGE=page, BN=CONFIG["BN"], STAGES=CONFIG["STAGES"],
+    config = FP8_CONFIG if fp8 else CONFIG
+    cs = dict(S_Q=s_q, H=H, PAGE=page, BN=config["BN"], STAGES=config["STAGES"],
               DIRECT=direct, CAUSAL=causal)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, __file__, json.dumps(cs)], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, __file__, json.dumps(cs), json.dumps(fp8)], env=env,
+                         cwd=root, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     facts = json.loads(run.stdout.strip().splitlines()[-1])
-    # per consumer step 9 QK and 8 P V wgmma groups (BN = 32: 4 and 2 instructions each),
-    # in both warpgroups' first-tile, steady and last-tile paths
-    assert facts["wgmma"] >= 100
-    assert facts["wait4"], "the QK / P V overlap (wait until 4 groups remain) is gone"
+    if fp8:
+        # per consumer step 9 QK instructions (k = 32) and one P V of N = 256 per tile, in
+        # both warpgroups' first-tile, steady and last-tile paths
+        assert facts["wgmma"] >= 50
+        assert 1 in facts["waits"], "the QK / P V overlap (wait until 1 group remains) is gone"
+    else:
+        # per consumer step 9 QK and 8 P V wgmma groups (BN = 32: 4 and 2 instructions
+        # each), in both warpgroups' first-tile, steady and last-tile paths
+        assert facts["wgmma"] >= 100
+        assert 4 in facts["waits"], "the QK / P V overlap (wait until 4 groups remain) is gone"
     assert facts["tma"]
     assert 0 < facts["shared"] <= HOPPER_SMEM
 
@@ -83,4 +101,30 @@ def test_backend_names_what_is_missing_on_cpu():
 
 
 if __name__ == "__main__":
-    print(json.dumps(_compile_for_sm90(json.loads(sys.argv[1]))))
+    print(json.dumps(_compile_for_sm90(json.loads(sys.argv[1]), json.loads(sys.argv[2]))))
+
+
+def test_fp8q_routes_on_cpu():
+    """On CPU, backend="gluon" names what is missing; "auto" takes the Triton kernel (the
+    interpreter here) and agrees with it called directly."""
+    from lowering import triton_decode as td
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton route on CPU tensors needs TRITON_INTERPRET=1 (a CPU session)")
+    g = torch.Generator().manual_seed(4)
+    q8 = (torch.randn(1, 1, 64, 96, generator=g) * 20).to(torch.float8_e4m3fn)
+    kv8 = (torch.randn(3, 16, 96, generator=g) * 20).to(torch.float8_e4m3fn)
+    bt = torch.tensor([[2, 0, 1]], dtype=torch.int32)
+    cl = torch.tensor([37], dtype=torch.int32)
+    qs, ks = torch.tensor([0.05]), torch.tensor([0.04])
+    with pytest.raises(lowering.BackendUnavailable, match="gluon.*CUDA"):
+        lowering.mla_decode_fp8q(q8, kv8, bt, cl, 0.1, q_scale=qs, k_scale=ks, head_dim_v=64,
+                                 backend="gluon")
+    with pytest.raises(ValueError, match="backend must be"):
+        lowering.mla_decode_fp8q(q8, kv8, bt, cl, 0.1, q_scale=qs, k_scale=ks, head_dim_v=64,
+                                 backend="flashmla")
+    n = lowering.backend_choices["triton-fp8q"]
+    out, lse = lowering.mla_decode_fp8q(q8, kv8, bt, cl, 0.1, q_scale=qs, k_scale=ks,
+                                        head_dim_v=64)
+    assert lowering.backend_choices["triton-fp8q"] == n + 1
+    out_t, lse_t = td.mla_decode_fp8q(q8, kv8, bt, cl, 0.1, q_scale=qs, k_scale=ks, head_dim_v=64)
+    assert torch.equal(out, out_t) and torch.equal(lse, lse_t)

@@ -1,6 +1,8 @@
-"""GPU tests of the "gluon" decode backend (Hopper ping-pong kernel) against the float64
-reference: edge lengths, many and empty splits, s_q > 1 (causal or not), page sizes,
-NaN in unwritten cache rows, capability errors, torch.compile and CUDA graphs.
+"""GPU tests of the Gluon decode kernels (Hopper ping-pong) against the float64 reference:
+the "gluon" backend (bf16) and lowering.mla_decode_fp8q's "gluon" route (fp8 q and cache,
+against float64 on the dequantized values). Edge lengths, many and empty splits, the
+direct path, s_q > 1 (causal or not), page sizes, NaN in unwritten cache rows, capability
+errors and the routes "auto" takes, torch.compile and CUDA graphs, the MLA layer.
 
 Skipped cleanly without a CUDA device, and where the backend cannot serve (not SM90, or
 a triton without Gluon's Hopper API).
@@ -14,10 +16,23 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 import lowering  # noqa: E402
-from mla_reference import check_compiled_and_graphed, decode_ref64, make_case, rel_err  # noqa: E402
+from mla_reference import (check_compiled_and_graphed, decode_ref64, make_case,  # noqa: E402
+                           poison_unwritten_rows, rel_err)
 
 L, R = 512, 64
 SCALE = 192 ** -0.5
+
+
+# (B, s_q, H, page, lengths, splits; 0: chosen from the shapes) for both kernels
+CASES = [
+    (4, 1, 128, 64, [3000, 2999, 1, 64], 0),       # length 1, a full page, odd lengths
+    (3, 1, 64, 64, [1, 100, 777], 4),             # more splits than tiles: empty splits
+    (2, 2, 128, 64, [1500, 33], 0),               # two query tokens, causal
+    (1, 3, 64, 128, [700], 0),                    # page 128, three tokens
+    (5, 1, 64, 32, [9000, 31, 32, 4097, 250], 0),  # page 32 (one tile per page)
+    (2, 1, 128, 64, [5000, 40], 48),              # many splits, most of row 2's empty
+    (2, 1, 128, 64, [4096, 33], 1),               # one split: the direct (unmerged) path
+]
 
 
 @pytest.fixture(autouse=True)
@@ -36,30 +51,11 @@ def _run(q, kv, bt, cl, causal=True, num_splits=0):
                             head_dim_v=L, num_splits=num_splits)
 
 
-def _poison_unwritten_rows(kv, bt, cl):
-    """NaN in every cache row past a request's length in its last page (what an
-    unwritten or freed slot may hold): the kernel must not let it reach P @ V."""
-    page = kv.shape[1]
-    kv = kv.clone()
-    for b, n in enumerate(cl.tolist()):
-        if n % page:
-            kv[int(bt[b, n // page]), n % page:] = float("nan")
-    return kv
-
-
-@pytest.mark.parametrize("B,s_q,H,page,lens,splits", [
-    (4, 1, 128, 64, [3000, 2999, 1, 64], 0),       # length 1, a full page, odd lengths
-    (3, 1, 64, 64, [1, 100, 777], 4),             # more splits than tiles: empty splits
-    (2, 2, 128, 64, [1500, 33], 0),               # two query tokens, causal
-    (1, 3, 64, 128, [700], 0),                    # page 128, three tokens
-    (5, 1, 64, 32, [9000, 31, 32, 4097, 250], 0),  # page 32 (one tile per page)
-    (2, 1, 128, 64, [5000, 40], 48),              # many splits, most of row 2's empty
-    (1, 1, 128, 64, [4096], 1),                   # one split: the direct (unmerged) path
-])
+@pytest.mark.parametrize("B,s_q,H,page,lens,splits", CASES)
 def test_gluon_vs_fp64(B, s_q, H, page, lens, splits):
     q, kv, bt, cl = make_case(B, s_q, H, L, R, page, lens, "cuda", seed=B * 13 + H + page)
     ref, ref_lse = decode_ref64(q, kv, bt, cl, SCALE, True, L)
-    out, lse = _run(q, _poison_unwritten_rows(kv, bt, cl), bt, cl, num_splits=splits)
+    out, lse = _run(q, poison_unwritten_rows(kv, bt, cl), bt, cl, num_splits=splits)
     assert out.dtype == torch.bfloat16 and out.shape == (B, s_q, H, L)
     assert lse.shape == (B, H, s_q) and lse.dtype == torch.float32
     assert torch.isfinite(out).all()
@@ -112,22 +108,123 @@ def test_gluon_under_compile_and_cuda_graphs():
 
 def test_layer_decode_rows_on_the_gluon_backend():
     """The MLA layer (64 heads, decode rows only) with backend="gluon" against float64."""
-    from mla_ops import MLAMetadata
     from scenario import Dims, Step, make_layer
     d = Dims(N=64, P=128, R=64, V=128, L=512)
     layer, kv_b = make_layer(d, torch.bfloat16)
     layer.backend = "gluon"
     step = Step(d, [300, 64, 5, 1000], [1, 1, 1, 1], block_size=64, dtype=torch.bfloat16)
     ref = step.reference(kv_b, layer.softmax_scale)
-    step.cache.kv[0] = step.cache.kv[0].cuda()
-    step.cache.k_scale = step.cache.k_scale.cuda()
-    layer.cuda()
-    m = step.meta
-    meta = MLAMetadata(m.slot_mapping.cuda(), m.block_table.cuda(), m.seq_lens.cuda(),
-                       m.query_start_loc.cuda(), m.num_decode_tokens)
     before = lowering.backend_choices["gluon"]
-    q, kv_c, k_pe = (t.cuda() for t in step.inputs())
-    out = layer(q, kv_c, k_pe, step.cache.kv[0], step.cache.k_scale, meta)
+    out = step.run_on_cuda(layer)
     assert lowering.backend_choices["gluon"] > before
     err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
     assert err < 2e-2, err
+
+
+# ---- fp8 q x fp8 cache (gluon_fp8_decode_kernel.py) ------------------------------------
+
+def _quantize(x):
+    """e4m3 values and the per-tensor scale (true value = stored * scale)."""
+    scale = (x.float().abs().amax() / 448.0).reshape(1)
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def _fp8_case(B, s_q, H, page, lens, seed):
+    q, kv, bt, cl = make_case(B, s_q, H, L, R, page, lens, "cuda", seed=seed)
+    q8, q_scale = _quantize(q)
+    kv8, k_scale = _quantize(kv)
+    return q8, q_scale, kv8, k_scale, bt, cl
+
+
+def _ref(q8, q_scale, kv8, k_scale, bt, cl, causal=True):
+    return decode_ref64(q8.double() * q_scale.double(), kv8.double() * k_scale.double(), bt, cl,
+                        SCALE, causal, L)
+
+
+def _gluon(q8, kv8, bt, cl, q_scale, k_scale, causal=True, num_splits=0):
+    from lowering.gluon_decode import gluon_decode_fp8q_op
+    return gluon_decode_fp8q_op(q8, kv8, bt, cl, q_scale, k_scale, SCALE, causal, num_splits)
+
+
+@pytest.mark.parametrize("B,s_q,H,page,lens,splits", CASES)
+def test_gluon_fp8_vs_fp64(B, s_q, H, page, lens, splits):
+    q8, q_scale, kv8, k_scale, bt, cl = _fp8_case(B, s_q, H, page, lens, B * 13 + H + page)
+    ref, ref_lse = _ref(q8, q_scale, kv8, k_scale, bt, cl)
+    out, lse = _gluon(q8, poison_unwritten_rows(kv8, bt, cl), bt, cl, q_scale, k_scale,
+                      num_splits=splits)
+    assert out.dtype == torch.bfloat16 and out.shape == (B, s_q, H, L)
+    assert lse.shape == (B, H, s_q) and lse.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 5e-2          # P @ V with P in e4m3, as the Triton fp8 path
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-2
+
+
+def test_gluon_fp8_not_causal():
+    q8, q_scale, kv8, k_scale, bt, cl = _fp8_case(2, 2, 128, 64, [900, 130], seed=3)
+    ref, ref_lse = _ref(q8, q_scale, kv8, k_scale, bt, cl, causal=False)
+    out, lse = lowering.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale,
+                                        k_scale=k_scale, causal=False, backend="gluon")
+    assert rel_err(out, ref) < 5e-2
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-2
+
+
+def test_auto_route_and_errors():
+    q8, q_scale, kv8, k_scale, bt, cl = _fp8_case(2, 1, 128, 64, [700, 90], seed=5)
+    ref, _ = _ref(q8, q_scale, kv8, k_scale, bt, cl)
+    before = dict(lowering.backend_choices)
+    out_a, _ = lowering.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale, k_scale=k_scale)
+    assert lowering.backend_choices["gluon-fp8q"] == before.get("gluon-fp8q", 0) + 1
+    out_t, _ = lowering.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale, k_scale=k_scale,
+                                        backend="triton")
+    assert lowering.backend_choices["triton-fp8q"] == before.get("triton-fp8q", 0) + 1
+    assert rel_err(out_a, ref) < 5e-2 and rel_err(out_t, ref) < 5e-2
+    # what the kernel cannot serve: named for backend="gluon", the Triton kernel for "auto"
+    for H, page, out_dtype, match in ((16, 64, torch.bfloat16, "multiple of 64"),
+                                      (64, 16, torch.bfloat16, "block_size"),
+                                      (64, 64, torch.float16, "bfloat16")):
+        q8, q_scale, kv8, k_scale, bt, cl = _fp8_case(2, 1, H, page, [100, 40], seed=7)
+        with pytest.raises(lowering.BackendUnavailable, match=match):
+            lowering.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale, k_scale=k_scale,
+                                     out_dtype=out_dtype, backend="gluon")
+        n = lowering.backend_choices["triton-fp8q"]
+        out, _ = lowering.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale,
+                                          k_scale=k_scale, out_dtype=out_dtype)
+        assert lowering.backend_choices["triton-fp8q"] == n + 1 and out.dtype == out_dtype
+    # bad scales and misaligned tensors: errors before any launch
+    q8, q_scale, kv8, k_scale, bt, cl = _fp8_case(2, 1, 64, 64, [100, 40], seed=8)
+    with pytest.raises(ValueError, match="q_scale must hold one value"):
+        lowering.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale.repeat(2),
+                                 k_scale=k_scale, backend="gluon")
+    flat = torch.empty(2 * 64 * 576 + 16, device="cuda", dtype=torch.uint8)
+    q_off = flat[8:8 + 2 * 64 * 576].view(torch.float8_e4m3fn).view(2, 1, 64, 576)
+    q_off.copy_(q8)
+    with pytest.raises(ValueError, match="q must start at a 16-byte aligned"):
+        lowering.mla_decode_fp8q(q_off, kv8, bt, cl, SCALE, q_scale=q_scale, k_scale=k_scale,
+                                 backend="gluon")
+
+
+def test_gluon_fp8_under_compile_and_cuda_graphs():
+    q8, q_scale, kv8, k_scale, bt, cl = _fp8_case(4, 1, 128, 64, [1500] * 4, seed=21)
+
+    def run(q, kv, bt, cl):
+        return _gluon(q.to(torch.float8_e4m3fn), kv, bt, cl, q_scale, k_scale)
+    check_compiled_and_graphed(run, "gluon_decode_fp8q", q8.float(), kv8, bt, cl)
+
+
+def test_layer_fp8_decode_takes_the_gluon_kernel():
+    """The MLA layer with an fp8 cache and an fp8 decode query (64 heads) on the GPU: the
+    fp8 x fp8 call goes to the Gluon kernel, and the output matches float64."""
+    from mla_ops.attention import build_decode_query
+    from scenario import Dims, Step, make_layer
+    d = Dims(N=64, P=128, R=64, V=128, L=512)
+    layer, kv_b = make_layer(d, torch.bfloat16, kv_cache_dtype="fp8")
+    step = Step(d, [300, 64, 5, 1000], [1, 1, 1, 1], block_size=64, dtype=torch.bfloat16,
+                kv_cache_dtype="fp8")
+    q_mqa = build_decode_query(step.inputs()[0], layer.W_UK_T)           # [4, N, 576]
+    layer.enable_fp8_decode_query(q_mqa.float().abs().amax() / 448.0)
+    ref = step.reference(kv_b, layer.softmax_scale)     # the unquantized query: ~2 % off
+    before = lowering.backend_choices["gluon-fp8q"]
+    out = step.run_on_cuda(layer)
+    assert lowering.backend_choices["gluon-fp8q"] > before
+    err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+    assert err < 6e-2, err

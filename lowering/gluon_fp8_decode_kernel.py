@@ -1,36 +1,31 @@
-"""Gluon MLA decode for fp8 q x fp8 cache on Hopper, a prototype (not used by the library).
+"""Hopper MLA decode for an fp8 query and an fp8 cache, in Gluon: stage 1 of the
+"gluon" route of lowering.mla_decode_fp8q (launcher: gluon_decode.py).
 
-The bf16 kernel (lowering/gluon_decode_kernel.py) with e4m3 operands: the same ping-pong
-of two consumer warpgroups and a one-warp TMA producer, but
-  - QK^T is an fp8 wgmma (k = 32 per instruction): half the shared-memory bytes per FLOP,
-    the bound of the bf16 kernel's N = 32 scores;
+The bf16 kernel's design (gluon_decode_kernel.py: two consumer warpgroups in ping-pong,
+a one-warp TMA producer, tiles of BN keys) with e4m3 operands:
+  - QK^T is an fp8 wgmma (k = 32 per instruction): half the shared-memory bytes per FLOP
+    of the bf16 kernel's N = 32 scores;
   - tiles are half the size, so the ring holds STAGES = 8 tiles of 32 keys (the bf16
     kernel fits 4 beside q);
-  - P V is an fp8 wgmma of N = 256 (each warpgroup's half of O in one instruction per
-    tile). fp8 wgmma reads B K-major only, and the cache rows are value-column-major, so
-    each warpgroup transposes its half of a tile's values through registers into its own
-    buffer (and zeroes keys past the split's end there: no NaN x 0 from unwritten rows);
+  - P V is one fp8 wgmma of N = 256 per warpgroup and tile (its half of O). fp8 wgmma
+    reads B K-major only and the cache rows are value-column-major, so each warpgroup
+    transposes its half of a tile's values through registers into its own buffer, and
+    zeroes keys past the split's end there (no NaN x 0 from unwritten rows);
   - P goes to e4m3 scaled by P_SCALE (p in [0, 1] -> [0, 256]), as the Triton fp8 path;
     the row sums use the unrounded p.
 Scores = (q8 . k8) * q_scale * k_scale * softmax_scale; O = sum(P8 V8) * k_scale /
-(P_SCALE * l). Output and partials as the bf16 kernel (merge: triton_merge_kernel).
-
-It compiles for sm_90 without a GPU (`python benchmarks/gluon_fp8_proto.py` prints its
-wgmma count, shared memory and spills); `benchmarks/bench_gluon_fp8.py` checks it against
-float64 and times it on an H200. It has not run on a GPU yet.
+(P_SCALE * l). Output as the bf16 kernel's stage 1: DIRECT -> out [B, ROWS, 512] bf16 +
+lse [B, H, S_Q]; else fp32 partials + lse for triton_merge_kernel.
 """
 from __future__ import annotations
-
-import os
-import sys
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from lowering.gluon_decode_kernel import LOG2E, _tma_load, cta_work  # noqa: E402,F401
+from .gluon_decode_kernel import _tma_load, cta_work, finish_rows, ring_barriers
+
 P_SCALE = gl.constexpr(256.0)      # P to e4m3 as p * P_SCALE
 
 
@@ -193,9 +188,7 @@ def _consumer(W: gl.constexpr, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sK
         mbarrier.arrive(kv_empty.index(so), count=1)
 
     # ---- epilogue: this warpgroup's 256 columns ------------------------------------------
-    has = l_prev > 0.0
-    l_safe = gl.where(has, l_prev, 1.0)
-    lse = gl.where(has, (m_prev + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    l_safe = finish_rows(W, m_prev, l_prev, lse_ptr, lse_row0, lse_stride, row_s)
     inv = gl.convert_layout(k_scale / (P_SCALE * l_safe), row_o)[:, None]
     rows = gl.arange(0, 64, layout=row_o)
     cols = gl.arange(0, 256, layout=gl.SliceLayout(0, o_l))
@@ -204,8 +197,6 @@ def _consumer(W: gl.constexpr, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sK
         gl.store(ptrs, (acc * inv).to(gl.bfloat16))
     else:
         gl.store(ptrs, acc * inv)
-    if W == 0:
-        gl.store(lse_ptr + lse_row0 + gl.arange(0, 64, layout=row_s) * lse_stride, lse)
 
 
 @gluon.jit
@@ -246,19 +237,9 @@ def mla_decode_fp8_kernel(q_desc, kv_desc, table_ptr, lens_ptr, qs_ptr, ks_ptr, 
     sK = gl.allocate_shared_memory(f8, [STAGES * NCH, BN, 64], slk)
     sP = gl.allocate_shared_memory(f8, [2, 64, BN], slp)
     sVT = gl.allocate_shared_memory(f8, [4, 256, BN], slv)                # per WG: other, own
-    sStat = gl.allocate_shared_memory(gl.float32, [8 * 64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    p_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    p_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(kv_full.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)
-    for i in gl.static_range(2):
-        mbarrier.init(p_full.index(i), count=1)
-        mbarrier.init(p_empty.index(i), count=1)
+    sStat = gl.allocate_shared_memory(gl.float32, [8 * 64],       # (m, l, alpha) x 2 slots
+                                      gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    q_bar, kv_full, kv_empty, p_full, p_empty = ring_barriers(STAGES)
 
     cargs = (q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sK, sP, sVT, sStat, o_ptr, lse_ptr,
              qs_ptr, ks_ptr, o_row0, lse_row0, lse_stride, start, end, n_tiles, sm_scale_log2)
@@ -269,40 +250,3 @@ def mla_decode_fp8_kernel(q_desc, kv_desc, table_ptr, lens_ptr, qs_ptr, ks_ptr, 
                         (_load, (cargs, pargs, 1, BN, STAGES, NCH, DIRECT, PAGE))],
                        [4, 1], [240, 24])
 
-
-def compile_offline(BN=32, STAGES=8, DIRECT=False, H=128, PAGE=64, S_Q=1, CAUSAL=True):
-    """Compile for sm_90 without a GPU; returns the CompiledKernel."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    lay = {n: repr(gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv))
-           for n, shape in (("q", [64, 64]), ("kv", [BN, 64]))}
-    sig = {"q_desc": f"tensordesc<fp8e4nv[64, 64],{lay['q']}>",
-           "kv_desc": f"tensordesc<fp8e4nv[{BN}, 64],{lay['kv']}>",
-           "table_ptr": "*i32", "lens_ptr": "*i32", "qs_ptr": "*fp32", "ks_ptr": "*fp32",
-           "o_ptr": "*bf16" if DIRECT else "*fp32", "lse_ptr": "*fp32",
-           "sm_scale_log2": "fp32", "stride_bt": "i32", "max_blocks": "i32",
-           "num_blocks": "i32", "num_splits": "i32"}
-    cs = dict(S_Q=S_Q, H=H, PAGE=PAGE, BN=BN, STAGES=STAGES, DIRECT=DIRECT, CAUSAL=CAUSAL)
-    sig.update({k: "constexpr" for k in cs})
-    src = GluonASTSource(mla_decode_fp8_kernel, signature=sig, constexprs=cs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-
-
-if __name__ == "__main__":
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    k = compile_offline(*(int(a) for a in sys.argv[1:3]))           # [BN [STAGES]]
-    ptx = k.asm["ptx"]
-    print("wgmma:", len(re.findall(r"wgmma\.mma_async", ptx)), "smem:", k.metadata.shared,
-          "waits:", sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned \d+", ptx))))
-    f = tempfile.NamedTemporaryFile(suffix=".cubin", delete=False)
-    f.write(k.asm["cubin"])
-    f.close()
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-    print("HGMMA", sass.count("HGMMA"), "DEPBAR", sass.count("WARPGROUP.DEPBAR"),
-          "STL", sass.count("STL"), "LDL", sass.count("LDL"))
