@@ -1,5 +1,5 @@
-"""Decode attention alone: our Gluon (Hopper) and Triton kernels (BF16, FP8 cache, FP8 q+cache),
-FlashMLA, pure torch.
+"""Decode attention alone: our Gluon (Hopper: BF16, FP8 q+cache) and Triton (BF16, FP8 cache,
+FP8 q+cache) kernels, FlashMLA, pure torch.
 
     python benchmarks/bench_decode.py --json results.json [--sweep] [--budget-s 400]
 
@@ -165,12 +165,19 @@ def bench_shape(B, H, S, args, ceilings, log):
                 q, kv, bt, lens, scale, True, L, *sched), "bf16")
     except ImportError as exc:
         log(f"  flashmla unavailable: {exc}")
-    from lowering.gluon_decode import gluon_decode_op, gluon_unmet
+    from lowering.gluon_decode import (gluon_decode_fp8q_op, gluon_decode_op, gluon_fp8q_unmet,
+                                       gluon_unmet)
     reason = gluon_unmet(q, kv, "auto")
     if reason is None:
         record("gluon_bf16", lambda: gluon_decode_op(q, kv, bt, lens, scale, True), "bf16")
     else:
         log(f"  gluon: {reason}")
+    reason = gluon_fp8q_unmet(q8, kv8, L, torch.bfloat16)
+    if reason is None:
+        record("gluon_fp8q", lambda: gluon_decode_fp8q_op(q8, kv8, bt, lens, q_scale, k_scale,
+                                                          scale, True), "fp8")
+    else:
+        log(f"  gluon fp8: {reason}")
     if not args.no_reference:
         record("reference", lambda: mla_decode_reference(q, kv, bt, lens, scale, causal=True,
                                                          kind="auto", k_scale=None, head_dim_v=L),
