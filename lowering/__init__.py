@@ -133,8 +133,9 @@ def mla_decode_fp8q(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, q
                     causal=True, head_dim_v=None, out_dtype=torch.bfloat16, backend="auto"):
     """Decode with an fp8 query over an fp8 cache (see the module docstring).
 
-    backend: "gluon" (SM90; H a multiple of 64, block_size of 32, bf16 out), "triton", or
-    "auto": gluon where it serves the call and the batch-invariant mode is off, else triton.
+    backend: "gluon" (SM90; H a multiple of 64, block_size a multiple of 32, bf16 out),
+    "triton", or "auto": gluon where it serves the call and the batch-invariant mode is
+    off, else triton.
     Eager calls are counted in backend_choices as "gluon-fp8q" / "triton-fp8q".
     """
     from .checks import check_fp8q_args
