@@ -26,8 +26,12 @@ import torch
 # ring. 4 x 32 keys is what shared memory allows beside q (226 KB); 2 and 3 stages ran
 # 2.0x and 1.2x slower on an H200 (benchmarks/NOTES-decode.md).
 CONFIG = dict(BN=32, STAGES=4)
-# the fp8 kernel's tiles are half the bytes: 8 x 32 keys beside q (224 KB)
-FP8_CONFIG = dict(BN=32, STAGES=8)
+# fp8 tiles are half the bytes of bf16 ones: 3 x 64 or 8 x 32 keys fit beside q (224 KB).
+# 64-key tiles halve the hand-overs between the warpgroups per key but leave a ring of 3;
+# they win once a split holds FP8_LONG_SPLIT keys (H200: 1.13-1.19x at 2048-8192 keys per
+# split, 0.88x at 256; benchmarks/NOTES-decode.md). See fp8_config().
+FP8_CONFIGS = (dict(BN=64, STAGES=3), dict(BN=32, STAGES=8))
+FP8_LONG_SPLIT = 1024
 MIN_SPLIT_KEYS = 256
 NUM_WARPS = 4           # the default partition: consumer warpgroup 0
 
@@ -97,13 +101,22 @@ def gluon_decode_fp8q_op(
     num_splits: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from .gluon_fp8_decode_kernel import mla_decode_fp8_kernel
-    return _launch(mla_decode_fp8_kernel, FP8_CONFIG, q, kv_cache, block_table, cache_seqlens,
+    return _launch(mla_decode_fp8_kernel, fp8_config, q, kv_cache, block_table, cache_seqlens,
                    (q_scale, k_scale), softmax_scale, causal, num_splits)
+
+
+def fp8_config(page: int, keys_per_split: int) -> dict:
+    """The fp8 kernel's tile size and ring depth for splits of up to keys_per_split keys."""
+    long_tiles, short_tiles = FP8_CONFIGS
+    if page % long_tiles["BN"] == 0 and keys_per_split >= FP8_LONG_SPLIT:
+        return long_tiles
+    return short_tiles
 
 
 def _launch(kernel, config, q, kv_cache, block_table, cache_seqlens, scales, softmax_scale,
             causal, num_splits):
-    """Stage 1 (kernel) and, with more than one split, the merge. Returns (out, lse)."""
+    """Stage 1 (kernel) and, with more than one split, the merge. Returns (out, lse).
+    config: dict(BN, STAGES), or a function (page, keys per split) -> one."""
     import triton
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -114,8 +127,15 @@ def _launch(kernel, config, q, kv_cache, block_table, cache_seqlens, scales, sof
 
     B, s_q, H, D = q.shape
     num_blocks, page, _ = kv_cache.shape
-    L, BN = 512, config["BN"]
     rows = s_q * H
+    m_blocks = rows // 64
+    capacity = block_table.shape[1] * page                      # keys the table can address
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    splits = num_splits or choose_num_splits(B, m_blocks, capacity, sms,
+                                             min_split_keys=MIN_SPLIT_KEYS)
+    if callable(config):
+        config = config(page, -(-capacity // splits))
+    L, BN = 512, config["BN"]
     q2 = q.contiguous().view(B * rows, D)                                       # [B * rows, 576]
     for name, t in (("q", q2), ("kv_cache", kv_cache)):
         if t.data_ptr() % 16:
@@ -126,10 +146,6 @@ def _launch(kernel, config, q, kv_cache, block_table, cache_seqlens, scales, sof
     lay_k = gl.NVMMASharedLayout.get_default_for([BN, 64], el)
     q_desc = TensorDescriptor.from_tensor(q2, [64, 64], lay_q)
     kv_desc = TensorDescriptor.from_tensor(kv_cache.view(num_blocks * page, D), [BN, 64], lay_k)
-    m_blocks = rows // 64
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    splits = num_splits or choose_num_splits(B, m_blocks, block_table.shape[1] * page, sms,
-                                             min_split_keys=MIN_SPLIT_KEYS)
     out, lse, o1, l1 = stage1_outputs(B, s_q, H, L, splits, torch.bfloat16, q.device)
     kernel[(m_blocks, B, splits)](
         q_desc, kv_desc, block_table, cache_seqlens, *scales, o1, l1, softmax_scale * LOG2E,
@@ -178,8 +194,9 @@ def gluon_fp8q_unmet(q, kv_cache, head_dim_v, out_dtype):
                 f"{q.shape[-1]} and {head_dim_v}")
     if q.shape[2] % 64:
         return f"the gluon backend needs the head count to be a multiple of 64, got {q.shape[2]}"
-    if kv_cache.shape[1] % FP8_CONFIG["BN"]:
-        return (f"the gluon fp8 kernel needs block_size to be a multiple of {FP8_CONFIG['BN']}, "
+    bn = FP8_CONFIGS[-1]["BN"]
+    if kv_cache.shape[1] % bn:
+        return (f"the gluon fp8 kernel needs block_size to be a multiple of {bn}, "
                 f"kv_cache has block_size {kv_cache.shape[1]}")
     if out_dtype != torch.bfloat16:
         return f"the gluon fp8 kernel writes bfloat16 only, out_dtype is {out_dtype}"

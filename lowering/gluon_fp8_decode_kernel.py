@@ -5,8 +5,8 @@ The bf16 kernel's design (gluon_decode_kernel.py: two consumer warpgroups in pin
 a one-warp TMA producer, tiles of BN keys) with e4m3 operands:
   - QK^T is an fp8 wgmma (k = 32 per instruction): half the shared-memory bytes per FLOP
     of the bf16 kernel's N = 32 scores;
-  - tiles are half the size, so the ring holds STAGES = 8 tiles of 32 keys (the bf16
-    kernel fits 4 beside q);
+  - tiles are half the size, so the ring holds 8 tiles of 32 keys or 3 of 64 (the bf16
+    kernel fits 4 of 32 beside q); the launcher picks by split length (fp8_config);
   - P V is one fp8 wgmma of N = 256 per warpgroup and tile (its half of O). fp8 wgmma
     reads B K-major only and the cache rows are value-column-major, so each warpgroup
     transposes its half of a tile's values through registers into its own buffer, and

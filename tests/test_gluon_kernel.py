@@ -59,14 +59,15 @@ def _compile_for_sm90(constexprs, fp8):
     (False, 1, 128, 64, False, True), (False, 2, 64, 32, True, False),
     (True, 1, 128, 64, False, True), (True, 2, 64, 32, True, False)])
 def test_kernel_compiles_for_sm90(fp8, s_q, H, page, direct, causal):
+    """Each kernel at its configs: fp8 with 64-key tiles (page 64) and with 32-key ones."""
     pytest.importorskip("triton")
-    from lowering.gluon_decode import CONFIG, FP8_CONFIG
+    from lowering.gluon_decode import CONFIG, fp8_config
     try:
         import triton.experimental.gluon._runtime  # noqa: F401
         from triton.backends.compiler import GPUTarget  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"this triton cannot compile Gluon kernels offline: {exc}")
-    config = FP8_CONFIG if fp8 else CONFIG
+    config = fp8_config(page, 4096) if fp8 else CONFIG
     cs = dict(S_Q=s_q, H=H, PAGE=page, BN=config["BN"], STAGES=config["STAGES"],
               DIRECT=direct, CAUSAL=causal)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -77,6 +78,7 @@ def test_kernel_compiles_for_sm90(fp8, s_q, H, page, direct, causal):
     assert run.returncode == 0, run.stderr[-3000:]
     facts = json.loads(run.stdout.strip().splitlines()[-1])
     if fp8:
+        assert config["BN"] == page
         # per consumer step 9 QK instructions (k = 32) and one P V of N = 256 per tile, in
         # both warpgroups' first-tile, steady and last-tile paths
         assert facts["wgmma"] >= 50
@@ -128,3 +130,13 @@ def test_fp8q_routes_on_cpu():
     assert lowering.backend_choices["triton-fp8q"] == n + 1
     out_t, lse_t = td.mla_decode_fp8q(q8, kv8, bt, cl, 0.1, q_scale=qs, k_scale=ks, head_dim_v=64)
     assert torch.equal(out, out_t) and torch.equal(lse, lse_t)
+
+
+def test_fp8_config_by_split_length():
+    from lowering.gluon_decode import FP8_CONFIGS, FP8_LONG_SPLIT, fp8_config
+    long_tiles, short_tiles = FP8_CONFIGS
+    assert fp8_config(64, FP8_LONG_SPLIT) is long_tiles
+    assert fp8_config(128, 8192) is long_tiles
+    assert fp8_config(64, FP8_LONG_SPLIT - 1) is short_tiles      # short splits: a deep ring
+    assert fp8_config(32, 8192) is short_tiles                      # a page holds whole tiles
+    assert long_tiles["BN"] == 64 and short_tiles["BN"] == 32
