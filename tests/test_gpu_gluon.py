@@ -146,8 +146,12 @@ def _gluon(q8, kv8, bt, cl, q_scale, k_scale, causal=True, num_splits=0):
     return gluon_decode_fp8q_op(q8, kv8, bt, cl, q_scale, k_scale, SCALE, causal, num_splits)
 
 
+@pytest.mark.parametrize("tiles", ["64-key where the page allows", "32-key"])
 @pytest.mark.parametrize("B,s_q,H,page,lens,splits", CASES)
-def test_gluon_fp8_vs_fp64(B, s_q, H, page, lens, splits):
+def test_gluon_fp8_vs_fp64(B, s_q, H, page, lens, splits, tiles, monkeypatch):
+    from lowering import gluon_decode
+    # fp8_config takes 64-key tiles from FP8_LONG_SPLIT keys per split: force each way
+    monkeypatch.setattr(gluon_decode, "FP8_LONG_SPLIT", 0 if tiles.startswith("64") else 1 << 40)
     q8, q_scale, kv8, k_scale, bt, cl = _fp8_case(B, s_q, H, page, lens, B * 13 + H + page)
     ref, ref_lse = _ref(q8, q_scale, kv8, k_scale, bt, cl)
     out, lse = _gluon(q8, poison_unwritten_rows(kv8, bt, cl), bt, cl, q_scale, k_scale,
