@@ -140,7 +140,7 @@ def mla_decode_fp8q(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, q
     """
     from .checks import check_fp8q_args
     from .triton_decode import batch_invariant_enabled
-    from .triton_decode import mla_decode_fp8q as triton_fp8q
+    from .triton_decode import triton_fp8q_checked
     if backend not in ("auto", "gluon", "triton"):
         raise ValueError(f"backend must be 'auto', 'gluon' or 'triton', got {backend!r}")
     head_dim_v = check_fp8q_args(q, kv_cache, block_table, cache_seqlens, softmax_scale,
@@ -160,5 +160,5 @@ def mla_decode_fp8q(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, q
                                         float(softmax_scale), bool(causal))
         if backend == "gluon":
             raise BackendUnavailable(f"backend 'gluon' cannot serve this call: {reason}")
-    return triton_fp8q(q, kv_cache, block_table, cache_seqlens, softmax_scale, q_scale=q_scale,
-                       k_scale=k_scale, causal=causal, head_dim_v=head_dim_v, out_dtype=out_dtype)
+    return triton_fp8q_checked(q, kv_cache, block_table, cache_seqlens, softmax_scale, q_scale,
+                               k_scale, causal, head_dim_v, out_dtype)

@@ -51,7 +51,9 @@ def _gluon_import_error():
 IMPORT_ERROR = _gluon_import_error()
 
 
-def gluon_unmet(q, kv_cache, kind):
+def _kernel_unmet(q, kv_cache, block_n):
+    """What both Gluon kernels need: a Hopper GPU with Gluon's API, rows of 576, H a
+    multiple of 64, pages of whole block_n-key tiles. None if all hold."""
     if q.device.type != "cuda":
         return f"q is on {q.device.type}; the gluon backend needs a CUDA device"
     cap = torch.cuda.get_device_capability(q.device)
@@ -59,18 +61,22 @@ def gluon_unmet(q, kv_cache, kind):
         return f"the gluon kernel uses Hopper's wgmma and TMA (SM90); this GPU is SM{cap[0]}{cap[1]}"
     if IMPORT_ERROR is not None:
         return IMPORT_ERROR
-    if kind != "auto":
-        return "the gluon backend serves a bf16 cache only (kv_cache_dtype='auto')"
-    if q.dtype != torch.bfloat16:
-        return f"the gluon backend needs q in bfloat16, got {q.dtype}"
     if q.shape[-1] != 576:
         return f"the gluon backend needs q/cache rows of 576 (512 + 64), got {q.shape[-1]}"
     if q.shape[2] % 64:
         return f"the gluon backend needs the head count to be a multiple of 64, got {q.shape[2]}"
-    if kv_cache.shape[1] % CONFIG["BN"]:
-        return (f"the gluon backend needs block_size to be a multiple of {CONFIG['BN']}, "
+    if kv_cache.shape[1] % block_n:
+        return (f"the gluon backend needs block_size to be a multiple of {block_n}, "
                 f"kv_cache has block_size {kv_cache.shape[1]}")
     return None
+
+
+def gluon_unmet(q, kv_cache, kind):
+    if kind != "auto":
+        return "the gluon backend serves a bf16 cache only (kv_cache_dtype='auto')"
+    if q.dtype != torch.bfloat16:
+        return f"the gluon backend needs q in bfloat16, got {q.dtype}"
+    return _kernel_unmet(q, kv_cache, CONFIG["BN"])
 
 
 @torch.library.custom_op("mla::gluon_decode", mutates_args=())
@@ -181,23 +187,8 @@ def gluon_mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, 
 
 def gluon_fp8q_unmet(q, kv_cache, head_dim_v, out_dtype):
     """None if the fp8 Gluon kernel serves this mla_decode_fp8q call, else why not."""
-    if q.device.type != "cuda":
-        return f"q is on {q.device.type}; the gluon backend needs a CUDA device"
-    cap = torch.cuda.get_device_capability(q.device)
-    if cap != (9, 0):
-        return (f"the gluon kernel uses Hopper's wgmma and TMA (SM90); this GPU is "
-                f"SM{cap[0]}{cap[1]}")
-    if IMPORT_ERROR is not None:
-        return IMPORT_ERROR
-    if q.shape[-1] != 576 or head_dim_v != 512:
-        return (f"the gluon fp8 kernel needs rows of 576 (512 + 64) and head_dim_v 512, got "
-                f"{q.shape[-1]} and {head_dim_v}")
-    if q.shape[2] % 64:
-        return f"the gluon backend needs the head count to be a multiple of 64, got {q.shape[2]}"
-    bn = FP8_CONFIGS[-1]["BN"]
-    if kv_cache.shape[1] % bn:
-        return (f"the gluon fp8 kernel needs block_size to be a multiple of {bn}, "
-                f"kv_cache has block_size {kv_cache.shape[1]}")
+    if head_dim_v != 512:
+        return f"the gluon fp8 kernel needs head_dim_v 512, got {head_dim_v}"
     if out_dtype != torch.bfloat16:
         return f"the gluon fp8 kernel writes bfloat16 only, out_dtype is {out_dtype}"
-    return None
+    return _kernel_unmet(q, kv_cache, FP8_CONFIGS[-1]["BN"])

@@ -234,6 +234,14 @@ def mla_decode_fp8q(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, q
     from .checks import check_fp8q_args
     head_dim_v = check_fp8q_args(q, kv_cache, block_table, cache_seqlens, softmax_scale,
                                  q_scale, k_scale, head_dim_v, out_dtype)
+    return triton_fp8q_checked(q, kv_cache, block_table, cache_seqlens, softmax_scale,
+                               q_scale, k_scale, causal, head_dim_v, out_dtype, batch_invariant,
+                               **tuning)
+
+
+def triton_fp8q_checked(q, kv_cache, block_table, cache_seqlens, softmax_scale, q_scale, k_scale,
+                        causal, head_dim_v, out_dtype, batch_invariant=None, **tuning):
+    """mla_decode_fp8q after checks.check_fp8q_args (head_dim_v resolved)."""
     _check_widths(q.shape[-1], head_dim_v, least=32)
     if batch_invariant is None:
         batch_invariant = _batch_invariant
