@@ -14,12 +14,17 @@
     --part prefetch   FlashMLA then a W_UV-sized GEMM before o_proj; variants ask the L2
                     for the first 1 / 2 / 4 KB of every o_proj row on a side stream beside
                     that GEMM (DRAM has room there): o_proj's and the step's times.
+    --part flash-l2   the prefetch moved before FlashMLA (compute-bound, DRAM half idle):
+                    the first 2 / 4 KB of every o_proj row asked of the L2 on a side stream
+                    as the attention starts, with the default eviction priority or
+                    evict_last (so the 151 MB of KV streaming through may not push the rows
+                    out before o_proj reads them); o_proj's, FlashMLA's and the step's times.
     --part k-order  o_proj, down_proj and gate + up alone (kernel timer, L2 flushed) with
                     program p starting its K loop at tile (p * ROT) % k_tiles, so that
                     programs do not read the same columns (rows 32 KB apart) at once.
     --part norm     lowering/rms_norm_kernel.py alone at 32 / 1 rows by num_warps.
 
-    python benchmarks/probe_kernel_chain.py [--part pdl,attention,prefetch,k-order,norm]
+    python benchmarks/probe_kernel_chain.py [--part pdl,attention,prefetch,flash-l2,k-order,norm]
 """
 from __future__ import annotations
 
@@ -281,6 +286,69 @@ def attention_prefetch():
               f"({m / base:.3f}x); GEMMs (q_a+kv_a, q_b, W_UV, o_proj, gate+up, down) {per}")
 
 
+@triton.jit
+def l2_keep_kernel(w_ptr, N, stride_w, PF: tl.constexpr, BLOCK: tl.constexpr,
+                   EVICT_LAST: tl.constexpr):
+    """l2_prefetch_kernel with an L2 eviction-priority hint on the prefetched lines."""
+    rows = tl.minimum(tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), N - 1)
+    p = w_ptr + rows.to(tl.int64) * stride_w
+    if EVICT_LAST:
+        tl.inline_asm_elementwise(
+            "{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+            f"cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], {PF}, pol; mov.u32 $0, 0; }}",
+            "=r,l", [p], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise(
+            f"cp.async.bulk.prefetch.L2.global [$1], {PF};\n mov.u32 $0, 0;",
+            "=r,l", [p], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def flash_l2():
+    """o_proj rows asked of the L2 as FlashMLA starts (side stream), then W_UV, o_proj."""
+    flash = _flashmla_standin()
+    if flash is None:
+        return
+    step, _, att = _chain()
+    dev, dt = "cuda", torch.bfloat16
+    lat = torch.randn(32, 512, device=dev, dtype=dt)
+    w_uv = torch.randn(16384, 512, device=dev, dtype=dt) * 0.05
+    side = torch.cuda.Stream()
+
+    def attention(pf, last):
+        def run(L):
+            main = torch.cuda.current_stream()
+            if pf:
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    w = L["o"]
+                    l2_keep_kernel[(triton.cdiv(w.shape[0], 128),)](
+                        w, w.shape[0], w.stride(0), PF=pf, BLOCK=128, EVICT_LAST=last,
+                        num_warps=4)
+            flash(L)
+            lin(lat, w_uv, None, 0, att, None, linear.DEFAULT_CONFIG, False, 0)
+            if pf:
+                main.wait_stream(side)
+        return run
+
+    variants = {"none": (0, False), "2 KB": (2048, False), "4 KB": (4096, False),
+                "2 KB evict_last": (2048, True), "4 KB evict_last": (4096, True)}
+    graphs = {n: _capture(lambda f=attention(*v): step(False, 0, f)) for n, v in variants.items()}
+    times = _alternate(graphs)
+    base = statistics.median(times["none"])
+    for name, g in graphs.items():
+        ks = _kernels(g)
+        gemms = [us for k, us in ks if "pdl_linear_kernel" in k]
+        per = [round(statistics.mean(gemms[i::6]), 1) for i in range(6)]
+        fl = [us for k, us in ks if "flash" in k.lower() and "combine" not in k.lower()
+              and "metadata" not in k.lower()]
+        m = statistics.median(times[name])
+        print(f"{name:16s} step {m:7.1f} µs/layer ({m / base:.3f}x, spread "
+              f"{min(times[name]):.1f}-{max(times[name]):.1f}); FlashMLA "
+              f"{[round(x, 1) for x in fl]}; GEMMs (q_a+kv_a, q_b, W_UV, o_proj, gate+up, down) "
+              f"{per}", flush=True)
+    print("kernel names:", sorted({k[:50] for k, _ in _kernels(graphs["none"])}))
+
+
 def attention_standins():
     """The chain with the attention stand-in a row kernel, FlashMLA at (32, 4096, 128
     heads) and a compute-bound bf16 GEMM of about FlashMLA's time: do the weight GEMMs
@@ -411,10 +479,10 @@ def norm_warps():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", default="pdl,attention,prefetch,k-order,norm")
+    ap.add_argument("--part", default="pdl,attention,prefetch,flash-l2,k-order,norm")
     args = ap.parse_args()
     parts = {"pdl": pdl_chain, "attention": attention_standins,
-             "prefetch": attention_prefetch, "k-order": k_order, "norm": norm_warps}
+             "prefetch": attention_prefetch, "flash-l2": flash_l2, "k-order": k_order, "norm": norm_warps}
     for p in args.part.split(","):
         if p not in parts:
             raise SystemExit(f"--part takes {', '.join(parts)}; got {p!r}")
