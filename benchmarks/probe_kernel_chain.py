@@ -18,7 +18,8 @@
                     the first 2 / 4 KB of every o_proj row asked of the L2 on a side stream
                     as the attention starts, with the default eviction priority or
                     evict_last (so the 151 MB of KV streaming through may not push the rows
-                    out before o_proj reads them); o_proj's, FlashMLA's and the step's times.
+                    out before o_proj reads them), or on the main stream just before it;
+                    o_proj's, FlashMLA's and the step's times.
     --part k-order  o_proj, down_proj and gate + up alone (kernel timer, L2 flushed) with
                     program p starting its K loop at tile (p * ROT) % k_tiles, so that
                     programs do not read the same columns (rows 32 KB apart) at once.
@@ -314,10 +315,15 @@ def flash_l2():
     w_uv = torch.randn(16384, 512, device=dev, dtype=dt) * 0.05
     side = torch.cuda.Stream()
 
-    def attention(pf, last):
+    def attention(pf, last, same_stream=False):
         def run(L):
             main = torch.cuda.current_stream()
-            if pf:
+            fork = pf and not same_stream
+            if pf and same_stream:                  # a kernel of its own before FlashMLA
+                w = L["o"]
+                l2_keep_kernel[(triton.cdiv(w.shape[0], 128),)](
+                    w, w.shape[0], w.stride(0), PF=pf, BLOCK=128, EVICT_LAST=last, num_warps=4)
+            if fork:
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
                     w = L["o"]
@@ -326,12 +332,13 @@ def flash_l2():
                         num_warps=4)
             flash(L)
             lin(lat, w_uv, None, 0, att, None, linear.DEFAULT_CONFIG, False, 0)
-            if pf:
+            if fork:
                 main.wait_stream(side)
         return run
 
     variants = {"none": (0, False), "2 KB": (2048, False), "4 KB": (4096, False),
-                "2 KB evict_last": (2048, True), "4 KB evict_last": (4096, True)}
+                "2 KB evict_last": (2048, True), "4 KB evict_last": (4096, True),
+                "2 KB e_l, 1 stream": (2048, True, True), "4 KB e_l, 1 stream": (4096, True, True)}
     graphs = {n: _capture(lambda f=attention(*v): step(False, 0, f)) for n, v in variants.items()}
     times = _alternate(graphs)
     base = statistics.median(times["none"])
@@ -342,7 +349,7 @@ def flash_l2():
         fl = [us for k, us in ks if "flash" in k.lower() and "combine" not in k.lower()
               and "metadata" not in k.lower()]
         m = statistics.median(times[name])
-        print(f"{name:16s} step {m:7.1f} µs/layer ({m / base:.3f}x, spread "
+        print(f"{name:18s} step {m:7.1f} µs/layer ({m / base:.3f}x, spread "
               f"{min(times[name]):.1f}-{max(times[name]):.1f}); FlashMLA "
               f"{[round(x, 1) for x in fl]}; GEMMs (q_a+kv_a, q_b, W_UV, o_proj, gate+up, down) "
               f"{per}", flush=True)
