@@ -38,8 +38,8 @@ def quantize(x):
 
 def run(config, q8, kv8, bt, cl, qs, ks, splits=0):
     from lowering.gluon_fp8_decode_kernel import mla_decode_fp8_kernel
-    return gd._launch(mla_decode_fp8_kernel, config, q8, kv8, bt, cl, (qs, ks), SCALE, True,
-                      splits)
+    return gd._launch(lambda page, keys: (mla_decode_fp8_kernel, config), q8, kv8, bt, cl,
+                      (qs, ks), SCALE, True, splits)
 
 
 def main(configs):

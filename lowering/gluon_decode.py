@@ -1,19 +1,25 @@
-"""Backend "gluon": the Hopper ping-pong decode kernels as custom ops:
-mla::gluon_decode (bf16 q and cache, gluon_decode_kernel.py) and mla::gluon_decode_fp8q
-(fp8 q and cache with per-tensor scales, gluon_fp8_decode_kernel.py; the "gluon" route
-of lowering.mla_decode_fp8q, conditions in gluon_fp8q_unmet()).
+"""Backend "gluon": the Hopper decode kernels as custom ops: mla::gluon_decode (bf16 q
+and cache) and mla::gluon_decode_fp8q (fp8 q and cache with per-tensor scales,
+gluon_fp8_decode_kernel.py; the "gluon" route of lowering.mla_decode_fp8q, conditions in
+gluon_fp8q_unmet()).
+
+bf16 has two kernels, picked by the page size (bf16_kernel()): where a page holds whole
+64-key blocks, gluon_pair_decode_kernel.py (64-key blocks in pairs, two buffers refilled
+by halves; 0.81-0.86x of FlashMLA's kernels at the compute-bound 128-head shapes on an
+H200); with pages of 32, gluon_decode_kernel.py (32-key tiles in a ring of 4 fed by a
+producer warp; 0.75-0.79x).
 
 Serves: q on an SM90 GPU, triton with Gluon's Hopper API, q bf16 with a bf16 cache
 (kind "auto"), rows of 576 = 512 + 64, head_dim_v 512, H a multiple of 64, a page size
-that is a multiple of CONFIG["BN"]. Anything else is named by gluon_unmet() (so
-backend="auto" moves on to the next backend). q and the cache must also start 16-byte
-aligned (TMA); the op checks that (a ValueError) where it sees the real tensors.
+that is a multiple of 32. Anything else is named by gluon_unmet() (so backend="auto"
+moves on to the next backend). q and the cache must also start 16-byte aligned (TMA);
+the op checks that (a ValueError) where it sees the real tensors.
 
-The op is opaque to torch.compile (Gluon kernels cannot go through wrap_triton); it has
-a fake impl, and it captures in CUDA graphs: the grid and the TMA descriptors depend on
-shapes and addresses only, and each request's split size is derived on the device from
-its length, so replays with changing lengths stay correct. Lengths and page ids are
-bounded in the kernel (as in the Triton kernel), so no clamp kernels run before it.
+The ops are opaque to torch.compile (Gluon kernels cannot go through wrap_triton); they
+have fake impls, and they capture in CUDA graphs: the grid and the TMA descriptors depend
+on shapes and addresses only, and each request's split size is derived on the device
+from its length, so replays with changing lengths stay correct. Lengths and page ids are
+bounded in the kernels (as in the Triton kernel), so no clamp kernels run before them.
 Splits: as the Triton backend sizes them (batch x row blocks x splits about fills the
 GPU once), with at least MIN_SPLIT_KEYS keys per split; the partials are merged by
 triton_merge_kernel.
@@ -22,10 +28,13 @@ from __future__ import annotations
 
 import torch
 
-# BN keys per tile (one TMA box row count; a page holds whole tiles), STAGES tiles in the
-# ring. 4 x 32 keys is what shared memory allows beside q (226 KB); 2 and 3 stages ran
-# 2.0x and 1.2x slower on an H200 (benchmarks/NOTES-decode.md).
+# The ring kernel: BN keys per tile (one TMA box row count; a page holds whole tiles),
+# STAGES tiles in the ring. 4 x 32 keys is what shared memory allows beside q (226 KB); 2
+# and 3 stages ran 2.0x and 1.2x slower on an H200 (benchmarks/NOTES-decode.md).
 CONFIG = dict(BN=32, STAGES=4)
+# The pair kernel: two buffers of one 64-key block each.
+PAIR_CONFIG = dict(BN=64, STAGES=2)
+PAIR_KERNEL = True      # take the pair kernel where the page allows (False: the ring kernel)
 # fp8 tiles are half the bytes of bf16 ones: 3 x 64 or 8 x 32 keys fit beside q (224 KB).
 # 64-key tiles halve the hand-overs between the warpgroups per key but leave a ring of 3;
 # they win once a split holds FP8_LONG_SPLIT keys (H200: 1.13-1.19x at 2048-8192 keys per
@@ -89,9 +98,8 @@ def gluon_decode_op(
     causal: bool,
     num_splits: int = 0,          # 0: from the shapes and SM count
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from .gluon_decode_kernel import mla_decode_gluon_kernel
-    return _launch(mla_decode_gluon_kernel, CONFIG, q, kv_cache, block_table, cache_seqlens,
-                   (), softmax_scale, causal, num_splits)
+    return _launch(bf16_kernel, q, kv_cache, block_table, cache_seqlens, (), softmax_scale,
+                   causal, num_splits)
 
 
 @torch.library.custom_op("mla::gluon_decode_fp8q", mutates_args=())
@@ -106,9 +114,24 @@ def gluon_decode_fp8q_op(
     causal: bool,
     num_splits: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch(fp8_kernel, q, kv_cache, block_table, cache_seqlens, (q_scale, k_scale),
+                   softmax_scale, causal, num_splits)
+
+
+def bf16_kernel(page: int, keys_per_split: int):
+    """(kernel, config) for the bf16 op: the pair kernel where a page holds whole 64-key
+    blocks (and PAIR_KERNEL is on), else the ring kernel."""
+    if PAIR_KERNEL and page % PAIR_CONFIG["BN"] == 0:
+        from .gluon_pair_decode_kernel import mla_decode_pair_kernel
+        return mla_decode_pair_kernel, PAIR_CONFIG
+    from .gluon_decode_kernel import mla_decode_gluon_kernel
+    return mla_decode_gluon_kernel, CONFIG
+
+
+def fp8_kernel(page: int, keys_per_split: int):
+    """(kernel, config) for the fp8 op: its tile config by split length (fp8_config)."""
     from .gluon_fp8_decode_kernel import mla_decode_fp8_kernel
-    return _launch(mla_decode_fp8_kernel, fp8_config, q, kv_cache, block_table, cache_seqlens,
-                   (q_scale, k_scale), softmax_scale, causal, num_splits)
+    return mla_decode_fp8_kernel, fp8_config(page, keys_per_split)
 
 
 def fp8_config(page: int, keys_per_split: int) -> dict:
@@ -119,10 +142,10 @@ def fp8_config(page: int, keys_per_split: int) -> dict:
     return short_tiles
 
 
-def _launch(kernel, config, q, kv_cache, block_table, cache_seqlens, scales, softmax_scale,
-            causal, num_splits):
-    """Stage 1 (kernel) and, with more than one split, the merge. Returns (out, lse).
-    config: dict(BN, STAGES), or a function (page, keys per split) -> one."""
+def _launch(pick, q, kv_cache, block_table, cache_seqlens, scales, softmax_scale, causal,
+            num_splits):
+    """Stage 1 and, with more than one split, the merge. Returns (out, lse).
+    pick: (page, keys per split) -> (kernel, dict(BN, STAGES))."""
     import triton
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -139,8 +162,7 @@ def _launch(kernel, config, q, kv_cache, block_table, cache_seqlens, scales, sof
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     splits = num_splits or choose_num_splits(B, m_blocks, capacity, sms,
                                              min_split_keys=MIN_SPLIT_KEYS)
-    if callable(config):
-        config = config(page, -(-capacity // splits))
+    kernel, config = pick(page, -(-capacity // splits))
     L, BN = 512, config["BN"]
     q2 = q.contiguous().view(B * rows, D)                                       # [B * rows, 576]
     for name, t in (("q", q2), ("kv_cache", kv_cache)):

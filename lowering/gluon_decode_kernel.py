@@ -1,6 +1,7 @@
 """Hopper MLA decode, stage 1, in Gluon: two consumer warpgroups in ping-pong.
 
-The kernel behind lowering's "gluon" backend (launcher: gluon_decode.py). Gluon is
+The "gluon" backend's bf16 kernel for pages of 32 (launcher: gluon_decode.py; pages of
+64 take gluon_pair_decode_kernel.py, 64-key blocks in pairs, faster). Gluon is
 Triton's lower-level dialect: explicit layouts, async wgmma with explicit waits, TMA,
 mbarriers and warp-specialized partitions, which tl.dot's single warpgroup pipeline
 hides. SM90 only; bf16; L = 512, R = 64; H a multiple of 64; page a multiple of BN.

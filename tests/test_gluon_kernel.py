@@ -1,5 +1,5 @@
-"""The Gluon decode kernels (bf16, and fp8 q x fp8 cache) without a GPU: they compile for
-SM90 with the installed triton (Gluon has no CPU interpreter; their numerics are tested
+"""The Gluon decode kernels (bf16: the pair and the ring kernel; fp8 q x fp8 cache) without
+a GPU: they compile for SM90 with the installed triton (Gluon has no CPU interpreter; their numerics are tested
 on the GPU in test_gpu_gluon.py), and both routes refuse CPU tensors with a reason."""
 from __future__ import annotations
 
@@ -18,17 +18,21 @@ import lowering
 HOPPER_SMEM = 232448        # bytes of shared memory one Hopper CTA may use
 
 
-def _compile_for_sm90(constexprs, fp8):
-    """Compile a kernel (bf16, or the fp8 one) for SM90 and return its facts (run in a
+def _compile_for_sm90(constexprs, kind):
+    """Compile a kernel ("pair", "ring" or "fp8") for SM90 and return its facts (run in a
     child process: the test session's TRITON_INTERPRET=1 turns triton's own helpers into
     interpreted ones, which a compiled kernel cannot call)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
+    fp8 = kind == "fp8"
     if fp8:
         from lowering.gluon_fp8_decode_kernel import mla_decode_fp8_kernel as kernel
         el, ty = gl.float8e4nv, "fp8e4nv"
+    elif kind == "pair":
+        from lowering.gluon_pair_decode_kernel import mla_decode_pair_kernel as kernel
+        el, ty = gl.bfloat16, "bf16"
     else:
         from lowering.gluon_decode_kernel import mla_decode_gluon_kernel as kernel
         el, ty = gl.bfloat16, "bf16"
@@ -49,40 +53,63 @@ def _compile_for_sm90(constexprs, fp8):
     src = GluonASTSource(kernel, signature=sig, constexprs=constexprs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     ptx = k.asm["ptx"]
+    # bytes of local memory per thread (spilled registers), where triton ships cuobjdump
+    stack = None
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if tool.exists():
+        import tempfile
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([str(tool), "--dump-resource-usage", f.name],
+                                   capture_output=True, text=True).stdout
+        found = re.search(r"STACK:(\d+)", usage)
+        stack = int(found.group(1)) if found else None
     return {"wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
             "waits": sorted(set(int(n) for n in
                                 re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx))),
-            "tma": "cp.async.bulk.tensor" in ptx, "shared": k.metadata.shared}
+            "tma": "cp.async.bulk.tensor" in ptx, "shared": k.metadata.shared, "stack": stack}
 
 
-@pytest.mark.parametrize("fp8,s_q,H,page,direct,causal", [
-    (False, 1, 128, 64, False, True), (False, 2, 64, 32, True, False),
-    (True, 1, 128, 64, False, True), (True, 2, 64, 32, True, False)])
-def test_kernel_compiles_for_sm90(fp8, s_q, H, page, direct, causal):
+@pytest.mark.parametrize("kind,s_q,H,page,direct,causal", [
+    ("pair", 1, 128, 64, False, True), ("pair", 2, 64, 128, True, False),
+    ("ring", 1, 128, 64, False, True), ("ring", 2, 64, 32, True, False),
+    ("fp8", 1, 128, 64, False, True), ("fp8", 2, 64, 32, True, False)])
+def test_kernel_compiles_for_sm90(kind, s_q, H, page, direct, causal):
     """Each kernel at its configs: fp8 with 64-key tiles (page 64) and with 32-key ones."""
     pytest.importorskip("triton")
-    from lowering.gluon_decode import CONFIG, fp8_config
+    from lowering.gluon_decode import CONFIG, PAIR_CONFIG, fp8_config
     try:
         import triton.experimental.gluon._runtime  # noqa: F401
         from triton.backends.compiler import GPUTarget  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"this triton cannot compile Gluon kernels offline: {exc}")
-    config = fp8_config(page, 4096) if fp8 else CONFIG
+    config = {"fp8": fp8_config(page, 4096), "pair": PAIR_CONFIG, "ring": CONFIG}[kind]
     cs = dict(S_Q=s_q, H=H, PAGE=page, BN=config["BN"], STAGES=config["STAGES"],
               DIRECT=direct, CAUSAL=causal)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, __file__, json.dumps(cs), json.dumps(fp8)], env=env,
+    run = subprocess.run([sys.executable, __file__, json.dumps(cs), json.dumps(kind)], env=env,
                          cwd=root, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     facts = json.loads(run.stdout.strip().splitlines()[-1])
-    if fp8:
+    if kind == "fp8":
         assert config["BN"] == page
         # per consumer step 9 QK instructions (k = 32) and one P V of N = 256 per tile, in
         # both warpgroups' first-tile, steady and last-tile paths
         assert facts["wgmma"] >= 50
         assert 1 in facts["waits"], "the QK / P V overlap (wait until 1 group remains) is gone"
+    elif kind == "pair":
+        # per pair and warpgroup a QK of 36 instructions (9 boxes x k = 16) and two P V of
+        # 16, plus each warpgroup's first QK and warpgroup 1's last-block path
+        assert facts["wgmma"] >= 200
+        assert 4 in facts["waits"], "the P V / next QK overlap (wait until 4 remain) is gone"
+        # with constant shared-memory indices ptxas hoists every wgmma descriptor out of
+        # the loop and spills them: 688-728 bytes of local memory, 1.65x slower on an H200.
+        # Triton 3.6 compiles it with none; 3.9 spills ~160 bytes of scalars.
+        if facts["stack"] is not None:
+            assert facts["stack"] <= 256, f"the pair kernel spills {facts['stack']} bytes"
     else:
         # per consumer step 9 QK and 8 P V wgmma groups (BN = 32: 4 and 2 instructions
         # each), in both warpgroups' first-tile, steady and last-tile paths
@@ -140,3 +167,20 @@ def test_fp8_config_by_split_length():
     assert fp8_config(64, FP8_LONG_SPLIT - 1) is short_tiles      # short splits: a deep ring
     assert fp8_config(32, 8192) is short_tiles                      # a page holds whole tiles
     assert long_tiles["BN"] == 64 and short_tiles["BN"] == 32
+
+
+def test_bf16_kernel_by_page():
+    """The pair kernel where a page holds whole 64-key blocks, the ring kernel otherwise
+    (and everywhere with PAIR_KERNEL off)."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from lowering import gluon_decode as gd
+    from lowering.gluon_decode_kernel import mla_decode_gluon_kernel
+    from lowering.gluon_pair_decode_kernel import mla_decode_pair_kernel
+    assert gd.bf16_kernel(64, 4096) == (mla_decode_pair_kernel, gd.PAIR_CONFIG)
+    assert gd.bf16_kernel(128, 64) == (mla_decode_pair_kernel, gd.PAIR_CONFIG)
+    assert gd.bf16_kernel(32, 4096) == (mla_decode_gluon_kernel, gd.CONFIG)
+    old, gd.PAIR_KERNEL = gd.PAIR_KERNEL, False
+    try:
+        assert gd.bf16_kernel(64, 4096) == (mla_decode_gluon_kernel, gd.CONFIG)
+    finally:
+        gd.PAIR_KERNEL = old

@@ -32,6 +32,7 @@ CASES = [
     (5, 1, 64, 32, [9000, 31, 32, 4097, 250], 0),  # page 32 (one tile per page)
     (2, 1, 128, 64, [5000, 40], 48),              # many splits, most of row 2's empty
     (2, 1, 128, 64, [4096, 33], 1),               # one split: the direct (unmerged) path
+    (3, 1, 128, 64, [65, 128, 129], 1),           # last 64-key block odd, even; whole pair
 ]
 
 
@@ -51,8 +52,14 @@ def _run(q, kv, bt, cl, causal=True, num_splits=0):
                             head_dim_v=L, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("kernel", ["pair where the page allows", "ring"])
 @pytest.mark.parametrize("B,s_q,H,page,lens,splits", CASES)
-def test_gluon_vs_fp64(B, s_q, H, page, lens, splits):
+def test_gluon_vs_fp64(B, s_q, H, page, lens, splits, kernel, monkeypatch):
+    from lowering import gluon_decode
+    if kernel == "ring":
+        monkeypatch.setattr(gluon_decode, "PAIR_KERNEL", False)
+    elif page % 64:
+        pytest.skip("pages of 32 take the ring kernel either way")
     q, kv, bt, cl = make_case(B, s_q, H, L, R, page, lens, "cuda", seed=B * 13 + H + page)
     ref, ref_lse = decode_ref64(q, kv, bt, cl, SCALE, True, L)
     out, lse = _run(q, poison_unwritten_rows(kv, bt, cl), bt, cl, num_splits=splits)
@@ -63,8 +70,9 @@ def test_gluon_vs_fp64(B, s_q, H, page, lens, splits):
     assert (lse.double() - ref_lse).abs().max().item() < 2e-3
 
 
-def test_gluon_not_causal():
-    q, kv, bt, cl = make_case(2, 2, 128, L, R, 64, [900, 130], "cuda", seed=3)
+@pytest.mark.parametrize("page", [64, 32])
+def test_gluon_not_causal(page):
+    q, kv, bt, cl = make_case(2, 2, 128, L, R, page, [900, 130], "cuda", seed=3)
     ref, ref_lse = decode_ref64(q, kv, bt, cl, SCALE, False, L)
     out, lse = lowering.mla_decode(q, kv, bt, cl, SCALE, causal=False, backend="gluon")
     assert rel_err(out, ref) < 1e-2
