@@ -169,7 +169,16 @@ def bench_shape(B, H, S, args, ceilings, log):
                                        gluon_unmet)
     reason = gluon_unmet(q, kv, "auto")
     if reason is None:
+        import lowering.gluon_decode as gd
         record("gluon_bf16", lambda: gluon_decode_op(q, kv, bt, lens, scale, True), "bf16")
+
+        def ring():                       # the kernel pages of 32 take, at page 64 here
+            gd.PAIR_KERNEL = False
+            try:
+                return gluon_decode_op(q, kv, bt, lens, scale, True)
+            finally:
+                gd.PAIR_KERNEL = True
+        record("gluon_bf16[ring]", ring, "bf16")
     else:
         log(f"  gluon: {reason}")
     reason = gluon_fp8q_unmet(q8, kv8, L, torch.bfloat16)

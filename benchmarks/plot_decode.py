@@ -11,7 +11,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 IMPLS = [("flashmla", "FlashMLA"), ("flashmla[kernel only]", "FlashMLA kernels only"),
-         ("gluon_bf16", "Gluon BF16 (ours, Hopper)"), ("gluon_fp8q", "Gluon FP8 q+cache (ours)"),
+         ("gluon_bf16", "Gluon BF16 (ours, Hopper, pair kernel)"),
+         ("gluon_bf16[ring]", "Gluon BF16 ring kernel (pages of 32)"),
+         ("gluon_fp8q", "Gluon FP8 q+cache (ours)"),
          ("triton_bf16[default]", "Triton BF16"),
          ("triton_fp8kv[default]", "Triton FP8 cache"), ("triton_fp8q[default]", "Triton FP8 q+cache"),
          ("reference", "pure torch")]
