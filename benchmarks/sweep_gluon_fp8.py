@@ -1,7 +1,8 @@
-"""The fp8 Gluon decode kernel at several (tile keys, ring stages): each checked against
-float64 on edge cases, then timed beside FlashMLA's kernels and the Gluon BF16 kernel.
+"""The fp8 Gluon decode kernels: the ring kernel at several (tile keys, ring stages) and
+the pair kernel ("pair"), each checked against float64 on edge cases, then timed beside
+FlashMLA's kernels and the Gluon BF16 kernel (the pair kernel at page 64).
 
-    python benchmarks/sweep_gluon_fp8.py 64x3 32x8 64x2      (H200, flash_mla on the path)
+    python benchmarks/sweep_gluon_fp8.py pair 64x3 32x8      (H200, flash_mla on the path)
 
 Checks: length 1, odd lengths, many and empty splits, the direct path, s_q > 1, e4m3 NaN in
 unwritten cache rows; relative error < 5e-2 and LSE error < 1e-2 on the dequantized values
@@ -27,7 +28,7 @@ from timing import graph_time_us  # noqa: E402
 L, R, SCALE = 512, 64, 192 ** -0.5
 CHECKS = [(4, 1, 128, [3000, 2999, 1, 64], 0), (3, 1, 64, [1, 100, 777], 4),
           (2, 2, 128, [1500, 33], 0), (2, 1, 128, [5000, 40], 48), (2, 1, 128, [4096, 33], 1),
-          (1, 3, 64, [700], 0)]
+          (1, 3, 64, [700], 0), (3, 1, 128, [65, 128, 129], 1)]
 SHAPES = [(1, 128, 4096), (32, 128, 4096), (64, 128, 8192), (8, 128, 32768)]
 
 
@@ -37,9 +38,17 @@ def quantize(x):
 
 
 def run(config, q8, kv8, bt, cl, qs, ks, splits=0):
-    from lowering.gluon_fp8_decode_kernel import mla_decode_fp8_kernel
-    return gd._launch(lambda page, keys: (mla_decode_fp8_kernel, config), q8, kv8, bt, cl,
-                      (qs, ks), SCALE, True, splits)
+    if config == "pair":
+        from lowering.gluon_fp8_pair_decode_kernel import mla_decode_fp8_pair_kernel as kernel
+        config = gd.PAIR_CONFIG
+    else:
+        from lowering.gluon_fp8_decode_kernel import mla_decode_fp8_kernel as kernel
+    return gd._launch(lambda page, keys: (kernel, config), q8, kv8, bt, cl, (qs, ks), SCALE,
+                      True, splits)
+
+
+def name(config):
+    return config if config == "pair" else f"{config['BN']}x{config['STAGES']}"
 
 
 def main(configs):
@@ -54,7 +63,7 @@ def main(configs):
             out, lse = run(c, q8, poison_unwritten_rows(kv8, bt, cl), bt, cl, qs, ks, splits)
             err, lerr = rel_err(out, ref), (lse.double() - ref_lse).abs().max().item()
             ok = err < 5e-2 and lerr < 1e-2 and bool(torch.isfinite(out).all())
-            msg += f" [{c['BN']}x{c['STAGES']}: {err:.1e} {lerr:.1e} {'OK' if ok else 'WRONG'}]"
+            msg += f" [{name(c)}: {err:.1e} {lerr:.1e} {'OK' if ok else 'WRONG'}]"
         print(msg, flush=True)
     for B, H, S in SHAPES:
         q, kv, bt, cl = make_case(B, 1, H, L, R, 64, [S] * B, "cuda", seed=1)
@@ -68,10 +77,11 @@ def main(configs):
         for _ in range(2):
             for c in configs:
                 us = graph_time_us(lambda: run(c, q8, kv8, bt, cl, qs, ks))
-                msg += f" [{c['BN']}x{c['STAGES']}] {us:.1f} ({gb / us:.2f}x BF16)"
+                msg += f" [{name(c)}] {us:.1f} ({gb / us:.2f}x BF16)"
         print(msg, flush=True)
 
 
 if __name__ == "__main__":
     args = sys.argv[1:] or ["64x3", "32x8"]
-    main([dict(BN=int(a.split("x")[0]), STAGES=int(a.split("x")[1])) for a in args])
+    main([a if a == "pair" else dict(BN=int(a.split("x")[0]), STAGES=int(a.split("x")[1]))
+          for a in args])
