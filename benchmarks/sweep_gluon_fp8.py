@@ -1,8 +1,8 @@
-"""The fp8 Gluon decode kernels: the ring kernel at several (tile keys, ring stages) and
-the pair kernel ("pair"), each checked against float64 on edge cases, then timed beside
-FlashMLA's kernels and the Gluon BF16 kernel (the pair kernel at page 64).
+"""The fp8 Gluon decode kernel at several (tile keys, ring stages): each checked against
+float64 on edge cases, then timed beside FlashMLA's kernels and the Gluon BF16 kernel
+(the pair kernel at page 64).
 
-    python benchmarks/sweep_gluon_fp8.py pair 64x3 32x8      (H200, flash_mla on the path)
+    python benchmarks/sweep_gluon_fp8.py 64x3 32x8 64x2      (H200, flash_mla on the path)
 
 Checks: length 1, odd lengths, many and empty splits, the direct path, s_q > 1, e4m3 NaN in
 unwritten cache rows; relative error < 5e-2 and LSE error < 1e-2 on the dequantized values
@@ -38,17 +38,13 @@ def quantize(x):
 
 
 def run(config, q8, kv8, bt, cl, qs, ks, splits=0):
-    if config == "pair":
-        from lowering.gluon_fp8_pair_decode_kernel import mla_decode_fp8_pair_kernel as kernel
-        config = gd.PAIR_CONFIG
-    else:
-        from lowering.gluon_fp8_decode_kernel import mla_decode_fp8_kernel as kernel
-    return gd._launch(lambda page, keys: (kernel, config), q8, kv8, bt, cl, (qs, ks), SCALE,
-                      True, splits)
+    from lowering.gluon_fp8_decode_kernel import mla_decode_fp8_kernel
+    return gd._launch(lambda page, keys: (mla_decode_fp8_kernel, config), q8, kv8, bt, cl,
+                      (qs, ks), SCALE, True, splits)
 
 
 def name(config):
-    return config if config == "pair" else f"{config['BN']}x{config['STAGES']}"
+    return f"{config['BN']}x{config['STAGES']}"
 
 
 def main(configs):
@@ -83,5 +79,4 @@ def main(configs):
 
 if __name__ == "__main__":
     args = sys.argv[1:] or ["64x3", "32x8"]
-    main([a if a == "pair" else dict(BN=int(a.split("x")[0]), STAGES=int(a.split("x")[1]))
-          for a in args])
+    main([dict(BN=int(a.split("x")[0]), STAGES=int(a.split("x")[1])) for a in args])

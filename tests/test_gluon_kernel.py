@@ -26,11 +26,8 @@ def _compile_for_sm90(constexprs, kind):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
-    fp8 = kind.startswith("fp8")
-    if kind == "fp8-pair":
-        from lowering.gluon_fp8_pair_decode_kernel import mla_decode_fp8_pair_kernel as kernel
-        el, ty = gl.float8e4nv, "fp8e4nv"
-    elif fp8:
+    fp8 = kind == "fp8"
+    if fp8:
         from lowering.gluon_fp8_decode_kernel import mla_decode_fp8_kernel as kernel
         el, ty = gl.float8e4nv, "fp8e4nv"
     elif kind == "pair":
