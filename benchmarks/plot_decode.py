@@ -26,7 +26,7 @@ def main(src, dst):
     for r in rows:
         if (r["B"], r["H"], r["S"]) not in shapes:
             shapes.append((r["B"], r["H"], r["S"]))
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.6))
     width = 0.8 / len(IMPLS)
     for ax, key, label, ceil in ((axes[0], "tflops", "achieved TFLOP/s", data["gemm"] / 1e12),
                                  (axes[1], "gbps", "achieved GB/s (KV bytes read)", data["copy_bw"] / 1e9)):
@@ -41,10 +41,11 @@ def main(src, dst):
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))])
         ax.set_xticklabels([f"B{b} H{h}\nS{s}" for b, h, s in shapes], fontsize=8)
         ax.set_ylabel(label)
-    axes[0].legend(fontsize=8)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=5, fontsize=8, frameon=False)
     fig.suptitle(f"MLA decode, BF16/FP8 latent cache, page 64 — {data['gpu']}, torch {data['torch']}, "
                  f"triton {data['triton']}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(dst, dpi=110)
 
 
