@@ -237,13 +237,35 @@ def _flashmla_standin():
 
 
 @triton.jit
-def l2_prefetch_kernel(w_ptr, N, stride_w, PF: tl.constexpr, BLOCK: tl.constexpr):
-    """Ask the L2 for the first PF bytes of BLOCK rows of w, one thread per row."""
+def l2_prefetch_kernel(w_ptr, N, stride_w, PF: tl.constexpr, BLOCK: tl.constexpr,
+                       EVICT_LAST: tl.constexpr = False):
+    """Ask the L2 for the first PF bytes of BLOCK rows of w, one thread per row (with
+    EVICT_LAST, tagged to be evicted after other lines)."""
     rows = tl.minimum(tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), N - 1)
     p = w_ptr + rows.to(tl.int64) * stride_w
-    tl.inline_asm_elementwise(
-        f"cp.async.bulk.prefetch.L2.global [$1], {PF};\n mov.u32 $0, 0;",
-        "=r,l", [p], dtype=tl.int32, is_pure=False, pack=1)
+    if EVICT_LAST:
+        tl.inline_asm_elementwise(
+            "{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+            f"cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], {PF}, pol; mov.u32 $0, 0; }}",
+            "=r,l", [p], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise(
+            f"cp.async.bulk.prefetch.L2.global [$1], {PF};\n mov.u32 $0, 0;",
+            "=r,l", [p], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def _wuv_chain():
+    """The chain with FlashMLA as its attention stand-in and a W_UV-sized GEMM's inputs
+    ([32, 512] @ [512, 16384]: 16.8 MB) and a side stream; None where flash_mla is not
+    importable. Returns (flash, step, att, lat, w_uv, side)."""
+    flash = _flashmla_standin()
+    if flash is None:
+        return None
+    step, _, att = _chain()
+    dev, dt = "cuda", torch.bfloat16
+    lat = torch.randn(32, 512, device=dev, dtype=dt)
+    w_uv = torch.randn(16384, 512, device=dev, dtype=dt) * 0.05
+    return flash, step, att, lat, w_uv, torch.cuda.Stream()
 
 
 def attention_prefetch():
@@ -251,14 +273,10 @@ def attention_prefetch():
     which uses ~half the DRAM rate. Variants prefetch the first PF bytes of every o_proj
     row into L2 on a side stream beside that GEMM: does o_proj gain more than the GEMM
     loses?"""
-    flash = _flashmla_standin()
-    if flash is None:
+    parts = _wuv_chain()
+    if parts is None:
         return
-    step, _, att = _chain()
-    dev, dt = "cuda", torch.bfloat16
-    lat = torch.randn(32, 512, device=dev, dtype=dt)
-    w_uv = torch.randn(16384, 512, device=dev, dtype=dt) * 0.05
-    side = torch.cuda.Stream()
+    flash, step, att, lat, w_uv, side = parts
 
     def attention(pf):
         def run(L):
@@ -287,33 +305,12 @@ def attention_prefetch():
               f"({m / base:.3f}x); GEMMs (q_a+kv_a, q_b, W_UV, o_proj, gate+up, down) {per}")
 
 
-@triton.jit
-def l2_keep_kernel(w_ptr, N, stride_w, PF: tl.constexpr, BLOCK: tl.constexpr,
-                   EVICT_LAST: tl.constexpr):
-    """l2_prefetch_kernel with an L2 eviction-priority hint on the prefetched lines."""
-    rows = tl.minimum(tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), N - 1)
-    p = w_ptr + rows.to(tl.int64) * stride_w
-    if EVICT_LAST:
-        tl.inline_asm_elementwise(
-            "{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-            f"cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], {PF}, pol; mov.u32 $0, 0; }}",
-            "=r,l", [p], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise(
-            f"cp.async.bulk.prefetch.L2.global [$1], {PF};\n mov.u32 $0, 0;",
-            "=r,l", [p], dtype=tl.int32, is_pure=False, pack=1)
-
-
 def flash_l2():
     """o_proj rows asked of the L2 as FlashMLA starts (side stream), then W_UV, o_proj."""
-    flash = _flashmla_standin()
-    if flash is None:
+    parts = _wuv_chain()
+    if parts is None:
         return
-    step, _, att = _chain()
-    dev, dt = "cuda", torch.bfloat16
-    lat = torch.randn(32, 512, device=dev, dtype=dt)
-    w_uv = torch.randn(16384, 512, device=dev, dtype=dt) * 0.05
-    side = torch.cuda.Stream()
+    flash, step, att, lat, w_uv, side = parts
 
     def attention(pf, last, same_stream=False):
         def run(L):
@@ -321,13 +318,13 @@ def flash_l2():
             fork = pf and not same_stream
             if pf and same_stream:                  # a kernel of its own before FlashMLA
                 w = L["o"]
-                l2_keep_kernel[(triton.cdiv(w.shape[0], 128),)](
+                l2_prefetch_kernel[(triton.cdiv(w.shape[0], 128),)](
                     w, w.shape[0], w.stride(0), PF=pf, BLOCK=128, EVICT_LAST=last, num_warps=4)
             if fork:
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
                     w = L["o"]
-                    l2_keep_kernel[(triton.cdiv(w.shape[0], 128),)](
+                    l2_prefetch_kernel[(triton.cdiv(w.shape[0], 128),)](
                         w, w.shape[0], w.stride(0), PF=pf, BLOCK=128, EVICT_LAST=last,
                         num_warps=4)
             flash(L)

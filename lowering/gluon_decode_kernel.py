@@ -198,10 +198,19 @@ def _consumer(W: gl.constexpr, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sQ
 
     # ---- epilogue: this warpgroup's 256 columns ------------------------------------------
     l_safe = finish_rows(W, m_prev, l_prev, lse_ptr, lse_row0, lse_stride, row_s)
-    inv = gl.convert_layout(1.0 / l_safe, row_o)[:, None]
-    rows = gl.arange(0, 64, layout=row_o)
+    store_half(W, acc0, acc1, acc2, acc3, gl.convert_layout(1.0 / l_safe, row_o), o_ptr, o_row0,
+               o_l, DIRECT)
+
+
+@gluon.jit
+def store_half(W: gl.constexpr, acc0, acc1, acc2, acc3, inv, o_ptr, o_row0, o_l: gl.constexpr,
+               DIRECT: gl.constexpr):
+    """Warpgroup W's 256 output columns, four [64, 64] accumulators scaled by inv (per row):
+    bf16 where DIRECT, else the fp32 partials."""
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, o_l))
     cols64 = gl.arange(0, 64, layout=gl.SliceLayout(0, o_l))
     base = o_ptr + (o_row0 + rows)[:, None].to(gl.int64) * 512 + 256 * W + cols64[None, :]
+    inv = inv[:, None]
     if DIRECT:
         gl.store(base + 0, (acc0 * inv).to(gl.bfloat16))
         gl.store(base + 64, (acc1 * inv).to(gl.bfloat16))

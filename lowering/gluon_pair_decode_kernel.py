@@ -35,7 +35,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .gluon_decode_kernel import _tma_load, cta_work
+from .gluon_decode_kernel import _tma_load, cta_work, finish_rows, store_half
+
+# S [64 rows, 64 keys] and each [64, 64] quarter of a warpgroup's O share this layout
+S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                             instr_shape=[16, 64, 16]))
+P_L = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_L.value, k_width=2))
+ROW_L = gl.constexpr(gl.SliceLayout(1, S_L.value))
 
 
 @gluon.jit
@@ -68,12 +74,11 @@ def _qk_boxes(sQ, sK, BUF: gl.constexpr, C0: gl.constexpr, acc, z):
 
 
 @gluon.jit
-def _qk(sQ, sQr, sK, sKr, BUF: gl.constexpr, FIRST: gl.constexpr, full, ph, more, z,
-        s_l: gl.constexpr):
+def _qk(sQ, sQr, sK, sKr, BUF: gl.constexpr, FIRST: gl.constexpr, full, ph, more, z):
     """Issue S = q k^T for the block in buffer BUF, half FIRST's boxes first; waits each
     half's barrier (skipped where more is false: a dummy QK whose scores go unused)."""
     mbarrier.wait(full.index(BUF * 2 + FIRST), ph, pred=more)
-    tok = _qk_boxes(sQ, sK, BUF, 4 * FIRST, gl.zeros([64, 64], gl.float32, s_l), z)
+    tok = _qk_boxes(sQ, sK, BUF, 4 * FIRST, gl.zeros([64, 64], gl.float32, S_L), z)
     mbarrier.wait(full.index(BUF * 2 + 1 - FIRST), ph, pred=more)
     tok = _qk_boxes(sQ, sK, BUF, 4 - 4 * FIRST, tok, z)
     return warpgroup_mma(sQr, sKr.index(BUF + z).permute((1, 0)), tok, is_async=True)
@@ -104,33 +109,29 @@ def _zero_tail(sK, v0, key0, end):
 
 
 @gluon.jit
+def _start(start):
+    """A warpgroup's running state: O quarters, base-2 max, row sum of its own P, the key
+    offsets of a block's columns, and the descriptor-index zero (z)."""
+    acc0 = gl.zeros([64, 64], gl.float32, S_L)
+    acc1 = gl.zeros([64, 64], gl.float32, S_L)
+    acc2 = gl.zeros([64, 64], gl.float32, S_L)
+    acc3 = gl.zeros([64, 64], gl.float32, S_L)
+    m = gl.full([64], float("-inf"), gl.float32, ROW_L)
+    l = gl.zeros([64], gl.float32, ROW_L)
+    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, S_L))
+    return acc0, acc1, acc2, acc3, m, l, cols, gl.minimum(start, 0)
+
+
+@gluon.jit
 def _epilogue(W: gl.constexpr, acc0, acc1, acc2, acc3, m, l, sStat, bar_l, o_ptr, lse_ptr,
-              o_row0, lse_row0, lse_stride, s_l: gl.constexpr, DIRECT: gl.constexpr):
+              o_row0, lse_row0, lse_stride, DIRECT: gl.constexpr):
     """Add the two warpgroups' row sums; write this warpgroup's 256 columns (and the LSE)."""
-    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
     sStat.slice((4 + W) * 64, 64).store(l)
     mbarrier.arrive(bar_l.index(W), count=1)
     mbarrier.wait(bar_l.index(1 - W), 0)
-    l = l + sStat.slice((5 - W) * 64, 64).load(row_s)
-    has = l > 0.0
-    l_safe = gl.where(has, l, 1.0)
-    if W == 0:
-        lse = gl.where(has, (m + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        gl.store(lse_ptr + lse_row0 + gl.arange(0, 64, layout=row_s) * lse_stride, lse)
-    inv = (1.0 / l_safe)[:, None]
-    rows = gl.arange(0, 64, layout=row_s)
-    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, s_l))
-    base = o_ptr + (o_row0 + rows)[:, None].to(gl.int64) * 512 + 256 * W + cols[None, :]
-    if DIRECT:
-        gl.store(base + 0, (acc0 * inv).to(gl.bfloat16))
-        gl.store(base + 64, (acc1 * inv).to(gl.bfloat16))
-        gl.store(base + 128, (acc2 * inv).to(gl.bfloat16))
-        gl.store(base + 192, (acc3 * inv).to(gl.bfloat16))
-    else:
-        gl.store(base + 0, acc0 * inv)
-        gl.store(base + 64, acc1 * inv)
-        gl.store(base + 128, acc2 * inv)
-        gl.store(base + 192, acc3 * inv)
+    l = l + sStat.slice((5 - W) * 64, 64).load(ROW_L)
+    l_safe = finish_rows(W, m, l, lse_ptr, lse_row0, lse_stride, ROW_L)
+    store_half(W, acc0, acc1, acc2, acc3, 1.0 / l_safe, o_ptr, o_row0, S_L, DIRECT)
 
 
 @gluon.jit
@@ -139,18 +140,7 @@ def _wg0(args, PAGE: gl.constexpr, DIRECT: gl.constexpr):
     (q_desc, kv_desc, table_ptr, q_bar, full, bars, bar_l, sQ, sQr, sK, sKr, sStat, o_ptr,
      lse_ptr, q_row0, b, o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2,
      stride_bt, num_blocks) = args
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                 instr_shape=[16, 64, 16])
-    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
-    acc0 = gl.zeros([64, 64], gl.float32, s_l)                  # O[:, 0:64] ... [:, 192:256]
-    acc1 = gl.zeros([64, 64], gl.float32, s_l)
-    acc2 = gl.zeros([64, 64], gl.float32, s_l)
-    acc3 = gl.zeros([64, 64], gl.float32, s_l)
-    m = gl.full([64], float("-inf"), gl.float32, row_s)         # base-2, the pair's max
-    l = gl.zeros([64], gl.float32, row_s)                        # sum of this WG's P
-    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, s_l))
-    z = gl.minimum(start, 0)
+    acc0, acc1, acc2, acc3, m, l, cols, z = _start(start)       # O quarters of this WG's half
     if n_tiles > 0:
         mbarrier.expect(q_bar, 9 * 64 * 64 * 2)
         for c in gl.static_range(8):
@@ -161,7 +151,7 @@ def _wg0(args, PAGE: gl.constexpr, DIRECT: gl.constexpr):
         _load_half(kv_desc, table_ptr, full, sK, sKr, 1, 0, 1, n_tiles, b, start, stride_bt,
                    num_blocks, PAGE)
         mbarrier.wait(q_bar, 0)
-        tok = _qk(sQ, sQr, sK, sKr, 0, 0, full, 0, True, z, s_l)
+        tok = _qk(sQ, sQr, sK, sKr, 0, 0, full, 0, True, z)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=[tok])   # [64, 64] scores of block 0
         for j in range(gl.cdiv(n_tiles, 2)):
             ph = j & 1
@@ -178,15 +168,15 @@ def _wg0(args, PAGE: gl.constexpr, DIRECT: gl.constexpr):
             mbarrier.arrive(bars.index(0), count=1)
             _zero_tail(sK, 0, key_a, end)
             a_o = alpha[:, None]
-            t0, t1, t2, t3 = _pv(gl.convert_layout(p.to(gl.bfloat16), p_l), sK, 0, acc0 * a_o,
+            t0, t1, t2, t3 = _pv(gl.convert_layout(p.to(gl.bfloat16), P_L), sK, 0, acc0 * a_o,
                                  acc1 * a_o, acc2 * a_o, acc3 * a_o, z)
             acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0,
                                                         deps=[t0, t1, t2, t3])
             _load_half(kv_desc, table_ptr, full, sK, sKr, 0, 0, a + 2, n_tiles, b, start,
                        stride_bt, num_blocks, PAGE)
             mbarrier.wait(bars.index(1), ph)                    # WG1's max and factor
-            m = sStat.slice(128, 64).load(row_s)
-            s1 = sStat.slice(192, 64).load(row_s)
+            m = sStat.slice(128, 64).load(ROW_L)
+            s1 = sStat.slice(192, 64).load(ROW_L)
             l = l * s1
             sKr.index(0).store((p * s1[:, None]).to(gl.bfloat16))   # P_a at the pair's max
             fence_async_shared()
@@ -199,7 +189,7 @@ def _wg0(args, PAGE: gl.constexpr, DIRECT: gl.constexpr):
                                      acc2 * s1_o, acc3 * s1_o, z)
                 more = a + 2 < n_tiles
                 mbarrier.wait(full.index(0), ph ^ 1, pred=more)
-                tok = _qk_boxes(sQ, sK, 0, 0, gl.zeros([64, 64], gl.float32, s_l), z)
+                tok = _qk_boxes(sQ, sK, 0, 0, gl.zeros([64, 64], gl.float32, S_L), z)
                 acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=4,
                                                             deps=[u0, u1, u2, u3])
                 _load_half(kv_desc, table_ptr, full, sK, sKr, 1, 0, a + 3, n_tiles, b, start,
@@ -209,7 +199,7 @@ def _wg0(args, PAGE: gl.constexpr, DIRECT: gl.constexpr):
                 tok = warpgroup_mma(sQr, sKr.index(0 + z).permute((1, 0)), tok, is_async=True)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=[tok])
     _epilogue(0, acc0, acc1, acc2, acc3, m, l, sStat, bar_l, o_ptr, lse_ptr, o_row0, lse_row0,
-              lse_stride, s_l, DIRECT)
+              lse_stride, DIRECT)
 
 
 @gluon.jit
@@ -218,25 +208,14 @@ def _wg1(args, PAGE: gl.constexpr, DIRECT: gl.constexpr):
     (q_desc, kv_desc, table_ptr, q_bar, full, bars, bar_l, sQ, sQr, sK, sKr, sStat, o_ptr,
      lse_ptr, q_row0, b, o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2,
      stride_bt, num_blocks) = args
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                 instr_shape=[16, 64, 16])
-    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
-    acc0 = gl.zeros([64, 64], gl.float32, s_l)                  # O[:, 256:320] ... [:, 448:512]
-    acc1 = gl.zeros([64, 64], gl.float32, s_l)
-    acc2 = gl.zeros([64, 64], gl.float32, s_l)
-    acc3 = gl.zeros([64, 64], gl.float32, s_l)
-    m = gl.full([64], float("-inf"), gl.float32, row_s)
-    l = gl.zeros([64], gl.float32, row_s)
-    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, s_l))
-    z = gl.minimum(start, 0)
+    acc0, acc1, acc2, acc3, m, l, cols, z = _start(start)       # O quarters of this WG's half
     if n_tiles > 0:
         _load_half(kv_desc, table_ptr, full, sK, sKr, 0, 1, 0, n_tiles, b, start, stride_bt,
                    num_blocks, PAGE)
         _load_half(kv_desc, table_ptr, full, sK, sKr, 1, 1, 1, n_tiles, b, start, stride_bt,
                    num_blocks, PAGE)
         mbarrier.wait(q_bar, 0)
-        tok = _qk(sQ, sQr, sK, sKr, 1, 1, full, 0, n_tiles > 1, z, s_l)
+        tok = _qk(sQ, sQr, sK, sKr, 1, 1, full, 0, n_tiles > 1, z)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=[tok])   # block 1's (unused if none)
         for j in range(gl.cdiv(n_tiles, 2)):
             ph = j & 1
@@ -245,8 +224,8 @@ def _wg1(args, PAGE: gl.constexpr, DIRECT: gl.constexpr):
             z = gl.minimum(key_c, 0)
             has_c = a + 1 < n_tiles
             mbarrier.wait(bars.index(0), ph)                    # WG0's max and factor
-            m0 = sStat.slice(0, 64).load(row_s)
-            a0 = sStat.slice(64, 64).load(row_s)
+            m0 = sStat.slice(0, 64).load(ROW_L)
+            a0 = sStat.slice(64, 64).load(ROW_L)
             x = gl.where(((key_c + cols < end) & has_c)[None, :], sc * scale_log2,
                          float("-inf"))
             m = gl.maximum(m0, gl.max(x, axis=1))
@@ -263,7 +242,7 @@ def _wg1(args, PAGE: gl.constexpr, DIRECT: gl.constexpr):
                 fence_async_shared()
                 mbarrier.arrive(bars.index(3), count=1)
                 _zero_tail(sK, 12, key_c, end)
-                t0, t1, t2, t3 = _pv(gl.convert_layout(p16, p_l), sK, 12, acc0 * o_s,
+                t0, t1, t2, t3 = _pv(gl.convert_layout(p16, P_L), sK, 12, acc0 * o_s,
                                      acc1 * o_s, acc2 * o_s, acc3 * o_s, z)
                 mbarrier.wait(bars.index(2), ph)                # P_a in buffer 0's rope box
                 u0, u1, u2, u3 = _pv(sKr.index(0 + z), sK, 4, t0, t1, t2, t3, z)
@@ -282,10 +261,10 @@ def _wg1(args, PAGE: gl.constexpr, DIRECT: gl.constexpr):
                                                             deps=[u0, u1, u2, u3])
             _load_half(kv_desc, table_ptr, full, sK, sKr, 0, 1, a + 2, n_tiles, b, start,
                        stride_bt, num_blocks, PAGE)
-            tok = _qk(sQ, sQr, sK, sKr, 1, 1, full, ph ^ 1, a + 3 < n_tiles, z, s_l)
+            tok = _qk(sQ, sQr, sK, sKr, 1, 1, full, ph ^ 1, a + 3 < n_tiles, z)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=[tok])
     _epilogue(1, acc0, acc1, acc2, acc3, m, l, sStat, bar_l, o_ptr, lse_ptr, o_row0, lse_row0,
-              lse_stride, s_l, DIRECT)
+              lse_stride, DIRECT)
 
 
 @gluon.jit

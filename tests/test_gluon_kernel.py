@@ -169,7 +169,7 @@ def test_fp8_config_by_split_length():
     assert long_tiles["BN"] == 64 and short_tiles["BN"] == 32
 
 
-def test_bf16_kernel_by_page():
+def test_bf16_kernel_by_page(monkeypatch):
     """The pair kernel where a page holds whole 64-key blocks, the ring kernel otherwise
     (and everywhere with PAIR_KERNEL off)."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
@@ -179,8 +179,5 @@ def test_bf16_kernel_by_page():
     assert gd.bf16_kernel(64, 4096) == (mla_decode_pair_kernel, gd.PAIR_CONFIG)
     assert gd.bf16_kernel(128, 64) == (mla_decode_pair_kernel, gd.PAIR_CONFIG)
     assert gd.bf16_kernel(32, 4096) == (mla_decode_gluon_kernel, gd.CONFIG)
-    old, gd.PAIR_KERNEL = gd.PAIR_KERNEL, False
-    try:
-        assert gd.bf16_kernel(64, 4096) == (mla_decode_gluon_kernel, gd.CONFIG)
-    finally:
-        gd.PAIR_KERNEL = old
+    monkeypatch.setattr(gd, "PAIR_KERNEL", False)
+    assert gd.bf16_kernel(64, 4096) == (mla_decode_gluon_kernel, gd.CONFIG)
