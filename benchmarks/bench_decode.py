@@ -1,5 +1,5 @@
 """Decode attention alone: our Gluon (Hopper: BF16, FP8 q+cache) and Triton (BF16, FP8 cache,
-FP8 q+cache) kernels, FlashMLA, pure torch.
+FP8 q+cache) kernels, FlashMLA (BF16, and its dense FP8 q+cache kernel), pure torch.
 
     python benchmarks/bench_decode.py --json results.json [--sweep] [--budget-s 400]
 
@@ -187,6 +187,24 @@ def bench_shape(B, H, S, args, ceilings, log):
                                                           scale, True), "fp8")
     else:
         log(f"  gluon fp8: {reason}")
+    try:
+        import lowering.flashmla as fm
+        reason = fm.flashmla_fp8q_unmet(q8, kv8, L, torch.bfloat16)
+    except ImportError as exc:
+        reason = str(exc)
+    if reason is None:
+        # as the bf16 rows: FlashMLA's scheduler in the call, no clamp kernels
+        record("flashmla_fp8q", lambda: fm.flashmla_fp8q_decode(
+            q8, kv8, bt, lens, scale, q_scale=q_scale, k_scale=k_scale, causal=True,
+            bounded=True), "fp8")
+        # its scheduler table computed once outside the timed call (a model's step
+        # computes it once for all layers)
+        sched8 = fm.flashmla_schedule(bt, lens, PAGE, H, fp8=True)
+        record("flashmla_fp8q[kernel only]", lambda: fm.flashmla_fp8q_decode(
+            q8, kv8, bt, lens, scale, q_scale=q_scale, k_scale=k_scale, causal=True,
+            schedule=sched8, bounded=True), "fp8")
+    else:
+        log(f"  flashmla fp8: {reason}")
     if not args.no_reference:
         record("reference", lambda: mla_decode_reference(q, kv, bt, lens, scale, causal=True,
                                                          kind="auto", k_scale=None, head_dim_v=L),

@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 IMPLS = [("flashmla", "FlashMLA"), ("flashmla[kernel only]", "FlashMLA kernels only"),
+         ("flashmla_fp8q", "FlashMLA FP8 q+cache"),
          ("gluon_bf16", "Gluon BF16 (ours, Hopper, pair kernel)"),
          ("gluon_bf16[ring]", "Gluon BF16 ring kernel (pages of 32)"),
          ("gluon_fp8q", "Gluon FP8 q+cache (ours)"),

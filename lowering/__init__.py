@@ -6,14 +6,17 @@
                k_scale=None, backend="auto", schedule=None)
         -> (out [B, s_q, H, L], lse [B, H, s_q] float32, natural log)
 
-    decode_schedule(kv_cache, block_table, cache_seqlens, num_heads=H) -> schedule
+    decode_schedule(kv_cache, block_table, cache_seqlens, num_heads=H, fp8q=False) -> schedule
         FlashMLA's per-step work split, computed once and shared by every layer's call
-        (uses_flashmla() says whether the calls will read it).
+        (uses_flashmla() says whether the calls will read it); fp8q=True: the split of
+        FlashMLA's fp8 kernel, for mla_decode_fp8q.
 
     mla_decode_fp8q(q8, kv_cache8, block_table, cache_seqlens, softmax_scale, *, q_scale,
-                    k_scale, causal=True, head_dim_v=None, out_dtype=bf16, backend="auto")
+                    k_scale, causal=True, head_dim_v=None, out_dtype=bf16, backend="auto",
+                    schedule=None)
         fp8 e4m3 query and cache (true values = stored * scale), fp8 tensor-core dots:
-        the Gluon kernel on Hopper where it serves the call, else the Triton kernel.
+        on Hopper FlashMLA's dense fp8 kernel or our Gluon kernel where one serves the
+        call, else the Triton kernel.
 
     bound_decode_inputs(kv_cache, block_table, cache_seqlens) -> (block_table, cache_seqlens)
         Clamped to what a kernel may read. Under CUDA-graph capture (no host checks) every
@@ -87,7 +90,8 @@ def uses_flashmla(device, q_dtype, num_heads: int, width: int, block_size: int,
         return False
 
 
-def decode_schedule(kv_cache, block_table, cache_seqlens, *, num_heads, s_q=1, bounded=False):
+def decode_schedule(kv_cache, block_table, cache_seqlens, *, num_heads, s_q=1, bounded=False,
+                    fp8q=False):
     """FlashMLA's work split for decode calls over these lengths: (table, splits).
 
     Computed once per step and passed as mla_decode(..., schedule=) to every layer's call
@@ -95,6 +99,8 @@ def decode_schedule(kv_cache, block_table, cache_seqlens, *, num_heads, s_q=1, b
     call. Only the flashmla backend reads it (check with uses_flashmla first); it must be
     recomputed whenever the lengths change (a graph op: captured graphs recompute it on
     every replay). bounded: cache_seqlens come from bound_decode_inputs() (no clamp kernel).
+    fp8q: the split for FlashMLA's dense fp8 kernel instead, for mla_decode_fp8q(...,
+    schedule=) (it has a scheduler of its own; the two are not interchangeable).
     """
     from .checks import check_table_and_lengths
     from .flashmla import flashmla_schedule
@@ -103,7 +109,7 @@ def decode_schedule(kv_cache, block_table, cache_seqlens, *, num_heads, s_q=1, b
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     return flashmla_schedule(block_table, cache_seqlens, kv_cache.shape[1], num_heads, s_q,
-                             bounded=bounded)
+                             bounded=bounded, fp8=bool(fp8q))
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, causal=True,
@@ -130,35 +136,66 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, causal
 
 
 def mla_decode_fp8q(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, q_scale, k_scale,
-                    causal=True, head_dim_v=None, out_dtype=torch.bfloat16, backend="auto"):
+                    causal=True, head_dim_v=None, out_dtype=torch.bfloat16, backend="auto",
+                    schedule=None, bounded=False):
     """Decode with an fp8 query over an fp8 cache (see the module docstring).
 
-    backend: "gluon" (SM90; H a multiple of 64, block_size a multiple of 32, bf16 out),
-    "triton", or "auto": gluon where it serves the call and the batch-invariant mode is
-    off, else triton.
-    Eager calls are counted in backend_choices as "gluon-fp8q" / "triton-fp8q".
+    backend: "flashmla" (FlashMLA's dense fp8 kernel: SM90, H a multiple of 16 up to 128,
+    block_size 64, bf16 out), "gluon" (SM90; H a multiple of 64, block_size a multiple of
+    32, bf16 out), "triton", or "auto". auto takes flashmla where it serves the call and
+    either a schedule is given or gluon cannot serve it (FlashMLA's scheduler in the call
+    costs 9-32 µs on an H200, which at one request makes it slower than gluon), else gluon
+    where it serves, else triton; flashmla and gluon only while the batch-invariant mode
+    is off.
+    schedule: decode_schedule(..., fp8q=True) of these lengths (read by flashmla only).
+    bounded: as for mla_decode (read by flashmla only; the other kernels bound in-kernel).
+    Eager calls are counted in backend_choices as "flashmla-fp8q" / "gluon-fp8q" /
+    "triton-fp8q".
     """
     from .checks import check_fp8q_args
     from .triton_decode import batch_invariant_enabled
     from .triton_decode import triton_fp8q_checked
-    if backend not in ("auto", "gluon", "triton"):
-        raise ValueError(f"backend must be 'auto', 'gluon' or 'triton', got {backend!r}")
+    if backend not in ("auto", "flashmla", "gluon", "triton"):
+        raise ValueError(f"backend must be 'auto', 'flashmla', 'gluon' or 'triton', got "
+                         f"{backend!r}")
     head_dim_v = check_fp8q_args(q, kv_cache, block_table, cache_seqlens, softmax_scale,
                                  q_scale, k_scale, head_dim_v, out_dtype)
-    if backend != "triton":
-        reason = "q is not on a CUDA device"
-        if q.device.type == "cuda":
-            from .gluon_decode import gluon_fp8q_unmet
-            reason = gluon_fp8q_unmet(q, kv_cache, head_dim_v, out_dtype)
-        if reason is None and backend == "auto" and batch_invariant_enabled():
-            reason = "the batch-invariant mode is on (the Triton kernel provides it)"
-        if reason is None:
-            from .gluon_decode import gluon_decode_fp8q_op
-            record_choice("gluon-fp8q")
-            return gluon_decode_fp8q_op(q, kv_cache, block_table, cache_seqlens,
-                                        q_scale.reshape(1), k_scale.reshape(1),
-                                        float(softmax_scale), bool(causal))
-        if backend == "gluon":
-            raise BackendUnavailable(f"backend 'gluon' cannot serve this call: {reason}")
+    reasons = {}
+    for name in ("flashmla", "gluon"):
+        if backend in ("auto", name):
+            reasons[name] = _fp8q_unmet(name, q, kv_cache, head_dim_v, out_dtype)
+            if backend == "auto" and reasons[name] is None and batch_invariant_enabled():
+                reasons[name] = "the batch-invariant mode is on (the Triton kernel provides it)"
+    if backend in ("flashmla", "gluon") and reasons[backend] is not None:
+        raise BackendUnavailable(f"backend {backend!r} cannot serve this call: "
+                                 f"{reasons[backend]}")
+    pick = backend
+    if backend == "auto":
+        flash_first = schedule is not None or reasons["gluon"] is not None
+        order = ("flashmla", "gluon") if flash_first else ("gluon", "flashmla")
+        pick = next((n for n in order if reasons[n] is None), "triton")
+    if pick == "flashmla":
+        record_choice("flashmla-fp8q")
+        from .flashmla import flashmla_fp8q_decode
+        return flashmla_fp8q_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale,
+                                    q_scale=q_scale, k_scale=k_scale, causal=causal,
+                                    schedule=schedule, bounded=bounded)
+    if pick == "gluon":
+        record_choice("gluon-fp8q")
+        from .gluon_decode import gluon_decode_fp8q_op
+        return gluon_decode_fp8q_op(q, kv_cache, block_table, cache_seqlens,
+                                    q_scale.reshape(1), k_scale.reshape(1),
+                                    float(softmax_scale), bool(causal))
     return triton_fp8q_checked(q, kv_cache, block_table, cache_seqlens, softmax_scale, q_scale,
                                k_scale, causal, head_dim_v, out_dtype)
+
+
+def _fp8q_unmet(name, q, kv_cache, head_dim_v, out_dtype):
+    """Why route `name` of mla_decode_fp8q cannot serve this call, or None."""
+    if q.device.type != "cuda":
+        return "q is not on a CUDA device"
+    if name == "flashmla":
+        from .flashmla import flashmla_fp8q_unmet
+        return flashmla_fp8q_unmet(q, kv_cache, head_dim_v, out_dtype)
+    from .gluon_decode import gluon_fp8q_unmet
+    return gluon_fp8q_unmet(q, kv_cache, head_dim_v, out_dtype)

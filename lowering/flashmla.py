@@ -1,8 +1,13 @@
-"""Backend "flashmla": dense MLA decode through FlashMLA's SM90 kernel (PyPI sgl-flash-mla).
+"""Backend "flashmla": dense MLA decode through FlashMLA's SM90 kernels (PyPI sgl-flash-mla).
 
 Serves: flash_mla importable, q on an SM90 GPU, q bf16 with a bf16 cache (kind "auto"),
 L + R = 576, head_dim_v = 512, page size 64. On SM90 the dense bf16 decode lives in
 the package's legacy extension (torch.ops.flash_mla_legacy, use_legacy=True).
+
+The same extension has a dense fp8 decode (fp8 e4m3 q and cache, per-tensor scales,
+bf16 out): the "flashmla" route of lowering.mla_decode_fp8q (mla::flashmla_decode_fp8q,
+conditions in flashmla_fp8q_unmet()). Its scheduler is a separate kernel of its own
+(flashmla_schedule_op(..., fp8=True)); everything said below of the table holds for it.
 
 Scheduler metadata. FlashMLA splits each request's keys over the SMs according to a
 tile-scheduler table computed from cache_seqlens. A table computed once and reused
@@ -33,7 +38,7 @@ impls) so torch.compile treats each as one opaque node.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -105,23 +110,26 @@ def schedule_rows(device, q_rows: int) -> int:
 
 
 @torch.library.custom_op("mla::flashmla_schedule", mutates_args=())
-def flashmla_schedule_op(cache_seqlens: torch.Tensor, q_rows: int,
-                         num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scheduler table [parts, 8] int32 and split offsets [B + 1] int32 for these lengths."""
+def flashmla_schedule_op(cache_seqlens: torch.Tensor, q_rows: int, num_heads: int,
+                         fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scheduler table [parts, 8] int32 and split offsets [B + 1] int32 for these lengths
+    (fp8: for the dense fp8 kernel, which has a scheduler of its own)."""
     import flash_mla
+
+    def schedule():
+        return flash_mla.get_mla_decoding_metadata(
+            cache_seqlens, q_rows, 1, None if fp8 else num_heads, fp8, None, use_legacy=True)
     if OVERLAP_SCHEDULE:
         main, side = torch.cuda.current_stream(cache_seqlens.device), \
             _schedule_stream(cache_seqlens.device)
         side.wait_stream(main)                   # the lengths as the caller's stream has them
         with torch.cuda.stream(side):
-            meta, splits = flash_mla.get_mla_decoding_metadata(
-                cache_seqlens, q_rows, 1, num_heads, False, None, use_legacy=True)
+            meta, splits = schedule()
         cache_seqlens.record_stream(side)        # not reused by the caller while side reads it
         for t in (meta, splits):
             t.record_stream(main)                # allocated on side, read on main
     else:
-        meta, splits = flash_mla.get_mla_decoding_metadata(
-            cache_seqlens, q_rows, 1, num_heads, False, None, use_legacy=True)
+        meta, splits = schedule()
     want = schedule_rows(cache_seqlens.device, q_rows)
     if tuple(meta.shape) != (want, _META_INTS):
         raise RuntimeError(f"flash_mla returned a scheduler table of shape {tuple(meta.shape)}, "
@@ -131,7 +139,7 @@ def flashmla_schedule_op(cache_seqlens: torch.Tensor, q_rows: int,
 
 
 @flashmla_schedule_op.register_fake
-def _(cache_seqlens, q_rows, num_heads):
+def _(cache_seqlens, q_rows, num_heads, fp8=False):
     B = cache_seqlens.shape[0]
     return (cache_seqlens.new_empty((schedule_rows(cache_seqlens.device, q_rows), _META_INTS)),
             cache_seqlens.new_empty((B + 1,)))
@@ -164,22 +172,36 @@ def _(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, head_dim_v
             q.new_empty((B, H, s_q), dtype=torch.float32))
 
 
+class FP8Schedule(NamedTuple):
+    """The dense fp8 kernel's (table, splits): a type of its own, so that neither kernel is
+    handed the other's table (the two have the same shapes)."""
+    table: torch.Tensor
+    splits: torch.Tensor
+
+
 def flashmla_schedule(block_table, cache_seqlens, block_size: int, num_heads: int, s_q: int = 1,
-                      bounded: bool = False):
-    """The scheduler table for a decode call over these lengths (see the module docstring).
+                      bounded: bool = False, fp8: bool = False):
+    """The scheduler table for a decode call over these lengths (see the module docstring);
+    fp8: for the dense fp8 kernel (an FP8Schedule).
 
     The lengths are bounded to the block table's width first (unless the caller already
     did: bounded), as the decode call bounds them under CUDA-graph capture, so the table
     never covers blocks the table lacks.
     """
     lens = cache_seqlens if bounded else cache_seqlens.clamp(1, block_table.shape[1] * block_size)
-    return flashmla_schedule_op(lens, s_q * num_heads, num_heads)
+    meta, splits = flashmla_schedule_op(lens, s_q * num_heads, num_heads, fp8)
+    return FP8Schedule(meta, splits) if fp8 else (meta, splits)
 
 
-def check_schedule(schedule, q):
-    """A caller's (sched_meta [parts, 8], sched_splits [B + 1]) int32 pair on q's device."""
+def check_schedule(schedule, q, fp8=False):
+    """A caller's (sched_meta [parts, 8], sched_splits [B + 1]) int32 pair on q's device,
+    made for the kernel that will read it (fp8: the dense fp8 kernel)."""
     if not (isinstance(schedule, (tuple, list)) and len(schedule) == 2):
         raise TypeError("decode_schedule must be the (table, splits) pair from decode_schedule()")
+    if isinstance(schedule, FP8Schedule) != fp8:
+        made, want = ("fp8q=True", "fp8q=False") if not fp8 else ("fp8q=False", "fp8q=True")
+        raise TypeError(f"decode_schedule was computed with {made}; this call needs one from "
+                        f"decode_schedule(..., {want})")
     meta, splits = schedule
     B, s_q, H, _ = q.shape
     for name, t in (("decode_schedule table", meta), ("decode_schedule splits", splits)):
@@ -209,3 +231,82 @@ def flashmla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, c
         meta, splits = schedule
     return flashmla_decode_op(q, kv_cache, block_table, cache_seqlens, float(softmax_scale),
                               bool(causal), int(head_dim_v), meta, splits)
+
+
+# ---- fp8 q and cache: the route "flashmla" of lowering.mla_decode_fp8q ----
+
+
+def flashmla_fp8q_unmet(q, kv_cache, head_dim_v, out_dtype):
+    """None if FlashMLA's dense fp8 kernel serves this mla_decode_fp8q call, else why not."""
+    if q.device.type != "cuda":
+        return f"q is on {q.device.type}, FlashMLA needs a CUDA device"
+    cap = torch.cuda.get_device_capability(q.device)
+    if cap != (9, 0):
+        return f"FlashMLA's dense fp8 decode needs an SM90 GPU, this one is SM{cap[0]}{cap[1]}"
+    err = _flash_mla_import_error()
+    if err is not None:
+        return err
+    if not hasattr(torch.ops.flash_mla_legacy, "fwd_kvcache_mla_fp8"):
+        return "this flash_mla build has no dense fp8 decode (fwd_kvcache_mla_fp8)"
+    if q.shape[-1] != 576 or head_dim_v != 512:
+        return (f"FlashMLA's fp8 decode needs rows of 576 and head_dim_v 512, got "
+                f"{q.shape[-1]} and {head_dim_v}")
+    if kv_cache.shape[1] != 64:
+        return f"FlashMLA needs block_size 64, kv_cache has block_size {kv_cache.shape[1]}"
+    if q.shape[2] % 16 or q.shape[2] > 128:
+        return (f"FlashMLA's fp8 decode is used here for 16 to 128 heads in steps of 16 (the "
+                f"counts tested), q has {q.shape[2]}")
+    if out_dtype != torch.bfloat16:
+        return f"FlashMLA's fp8 decode writes bfloat16 only, out_dtype is {out_dtype}"
+    return None
+
+
+@torch.library.custom_op("mla::flashmla_decode_fp8q", mutates_args=())
+def flashmla_decode_fp8q_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                            cache_seqlens: torch.Tensor, q_scale: torch.Tensor,
+                            k_scale: torch.Tensor, softmax_scale: float, causal: bool,
+                            sched_meta: Optional[torch.Tensor] = None,
+                            sched_splits: Optional[torch.Tensor] = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, s_q, H, 576] e4m3 (true value = q * q_scale), kv_cache [blocks, 64, 576] e4m3
+    (true value = kv * k_scale), scales [1] fp32 -> out [B, s_q, H, 512] bf16, lse [B, H, s_q].
+    The scheduler table is computed here unless given (sched_meta, sched_splits)."""
+    import flash_mla
+    B, s_q, H, _ = q.shape
+    meta, splits = sched_meta, sched_splits
+    if meta is None:
+        meta, splits = flashmla_schedule_op(cache_seqlens, s_q * H, H, True)
+    _join_schedule_stream(q.device)
+    sched = flash_mla.flash_mla_interface.FlashMLASchedMeta()
+    sched.tile_scheduler_metadata, sched.num_splits = meta, splits
+    return flash_mla.flash_mla_with_kvcache(
+        q, kv_cache.unsqueeze(2), block_table, cache_seqlens, 512, sched,
+        softmax_scale=softmax_scale, causal=causal, is_fp8_kvcache=True, use_legacy=True,
+        descale_q=q_scale, descale_k=k_scale)
+
+
+@flashmla_decode_fp8q_op.register_fake
+def _(q, kv_cache, block_table, cache_seqlens, q_scale, k_scale, softmax_scale, causal,
+      sched_meta=None, sched_splits=None):
+    B, s_q, H, _ = q.shape
+    return (q.new_empty((B, s_q, H, 512), dtype=torch.bfloat16),
+            q.new_empty((B, H, s_q), dtype=torch.float32))
+
+
+def flashmla_fp8q_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, q_scale,
+                         k_scale, causal, schedule=None, bounded=False):
+    """The "flashmla" route of lowering.mla_decode_fp8q (arguments already validated).
+
+    schedule: flashmla_schedule(..., fp8=True) for these lengths, or None to compute it in
+    this call. bounded: as for lowering.mla_decode.
+    """
+    from .checks import bound_for_capture
+    meta = splits = None
+    if schedule is not None:
+        check_schedule(schedule, q, fp8=True)
+        meta, splits = schedule
+    if not bounded:
+        block_table, cache_seqlens = bound_for_capture(q, kv_cache, block_table, cache_seqlens)
+    return flashmla_decode_fp8q_op(q, kv_cache, block_table, cache_seqlens,
+                                   q_scale.reshape(1), k_scale.reshape(1),
+                                   float(softmax_scale), bool(causal), meta, splits)

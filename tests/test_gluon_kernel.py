@@ -134,8 +134,9 @@ if __name__ == "__main__":
 
 
 def test_fp8q_routes_on_cpu():
-    """On CPU, backend="gluon" names what is missing; "auto" takes the Triton kernel (the
-    interpreter here) and agrees with it called directly."""
+    """On CPU, backend="gluon" or "flashmla" names what is missing, an unknown route is a
+    ValueError; "auto" takes the Triton kernel (the interpreter here) and agrees with it
+    called directly."""
     from lowering import triton_decode as td
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton route on CPU tensors needs TRITON_INTERPRET=1 (a CPU session)")
@@ -145,12 +146,13 @@ def test_fp8q_routes_on_cpu():
     bt = torch.tensor([[2, 0, 1]], dtype=torch.int32)
     cl = torch.tensor([37], dtype=torch.int32)
     qs, ks = torch.tensor([0.05]), torch.tensor([0.04])
-    with pytest.raises(lowering.BackendUnavailable, match="gluon.*CUDA"):
+    for route in ("gluon", "flashmla"):
+        with pytest.raises(lowering.BackendUnavailable, match=f"{route}.*CUDA"):
+            lowering.mla_decode_fp8q(q8, kv8, bt, cl, 0.1, q_scale=qs, k_scale=ks,
+                                     head_dim_v=64, backend=route)
+    with pytest.raises(ValueError, match="'flashmla', 'gluon' or 'triton'"):
         lowering.mla_decode_fp8q(q8, kv8, bt, cl, 0.1, q_scale=qs, k_scale=ks, head_dim_v=64,
-                                 backend="gluon")
-    with pytest.raises(ValueError, match="backend must be"):
-        lowering.mla_decode_fp8q(q8, kv8, bt, cl, 0.1, q_scale=qs, k_scale=ks, head_dim_v=64,
-                                 backend="flashmla")
+                                 backend="cuda")
     n = lowering.backend_choices["triton-fp8q"]
     out, lse = lowering.mla_decode_fp8q(q8, kv8, bt, cl, 0.1, q_scale=qs, k_scale=ks,
                                         head_dim_v=64)

@@ -23,6 +23,20 @@ def _lens(B, S, seed):
     return [int(x) for x in torch.randint(S // 2, S, (B,), generator=g)]
 
 
+def _quantize(x):
+    """x as e4m3 with a per-tensor scale (true value = stored * scale)."""
+    scale = (x.float().abs().amax() / 448.0).reshape(1)
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def _skip_without_flashmla_fp8(H=128):
+    from lowering.flashmla import flashmla_fp8q_unmet
+    reason = flashmla_fp8q_unmet(torch.empty(1, 1, H, L + R, device="cuda"),
+                                 torch.empty(1, 64, L + R, device="cuda"), L, torch.bfloat16)
+    if reason is not None:
+        pytest.skip(f"flashmla fp8 route cannot serve here: {reason}")
+
+
 def _flashmla_ok():
     q = torch.empty(1, 1, 128, L + R, device="cuda", dtype=torch.bfloat16)
     kv = torch.empty(1, 64, L + R, device="cuda", dtype=torch.bfloat16)
@@ -147,14 +161,19 @@ def test_flashmla_schedule_on_its_side_stream_sees_the_callers_lengths():
     assert torch.equal(g_out, out)
 
 
-@pytest.mark.parametrize("backend", ["flashmla", "flashmla-schedule", "triton", "gluon"])
+@pytest.mark.parametrize("backend", ["flashmla", "flashmla-schedule", "flashmla-fp8q",
+                                     "flashmla-fp8q-schedule", "triton", "gluon"])
 def test_cuda_graph_replay_500_steps(backend):
     """500 replays of one captured decode with changing lengths == eager each step
-    ("flashmla-schedule": the schedule computed by a separate graph op, as a model's
-    step plan does once for all layers)."""
-    schedule = backend == "flashmla-schedule"
-    backend = "flashmla" if schedule else backend
-    if backend == "flashmla" and not _flashmla_ok():
+    ("-schedule": the schedule computed by a separate graph op, as a model's step plan
+    does once for all layers; "flashmla-fp8q": FlashMLA's fp8 kernel and its own
+    scheduler, fp8 q and cache)."""
+    schedule = backend.endswith("-schedule")
+    fp8 = backend.startswith("flashmla-fp8q")
+    backend = "flashmla" if backend.startswith("flashmla") else backend
+    if fp8:
+        _skip_without_flashmla_fp8()
+    elif backend == "flashmla" and not _flashmla_ok():
         pytest.skip("flashmla backend cannot serve on this machine")
     B, H, S = 8, 128, 2048
     if backend == "gluon":
@@ -165,9 +184,17 @@ def test_cuda_graph_replay_500_steps(backend):
             pytest.skip(f"gluon backend cannot serve here: {reason}")
     q, kv, bt, cl = make_case(B, 1, H, L, R, 64, [S] * B, "cuda", seed=5)
     static_q, static_len = q.clone(), cl.clone()
+    if fp8:
+        kv, k_scale = _quantize(kv)
+        q8_scale = torch.tensor([0.02], device="cuda")   # q ~ N(0, 1): e4m3 up to 9
 
     def decode():
-        sched = lowering.decode_schedule(kv, bt, static_len, num_heads=H) if schedule else None
+        sched = lowering.decode_schedule(kv, bt, static_len, num_heads=H,
+                                         fp8q=fp8) if schedule else None
+        if fp8:
+            q8 = (static_q.float() / q8_scale).to(torch.float8_e4m3fn)
+            return lowering.mla_decode_fp8q(q8, kv, bt, static_len, SCALE, q_scale=q8_scale,
+                                            k_scale=k_scale, backend="flashmla", schedule=sched)
         return lowering.mla_decode(static_q, kv, bt, static_len, SCALE, backend=backend,
                                    schedule=sched)
     decode()  # warm up
@@ -184,12 +211,18 @@ def test_cuda_graph_replay_500_steps(backend):
         static_len.copy_(new_len)
         static_q.normal_(generator=gen)
         graph.replay()
-        e_out, e_lse = lowering.mla_decode(static_q, kv, bt, static_len, SCALE, backend=backend)
+        e_out, e_lse = decode()
         worst = max(worst, rel_err(g_out, e_out))
         assert torch.allclose(g_lse, e_lse, atol=1e-4, rtol=0), f"step {step}"
     assert worst < 1e-3
-    ref, _ = decode_ref64(static_q, kv, bt, static_len, SCALE, True, L)
-    assert rel_err(g_out, ref) < 1e-2
+    if fp8:
+        q_true = (static_q.float() / q8_scale).to(torch.float8_e4m3fn).double() * q8_scale
+        ref, _ = decode_ref64(q_true, kv.double() * k_scale.double(), bt, static_len, SCALE,
+                              True, L)
+        assert rel_err(g_out, ref) < 5e-2
+    else:
+        ref, _ = decode_ref64(static_q, kv, bt, static_len, SCALE, True, L)
+        assert rel_err(g_out, ref) < 1e-2
 
 
 def test_fp8_kv_and_fp8_q_accuracy():
@@ -223,3 +256,96 @@ def test_triton_op_under_inductor_and_cuda_graphs():
         return triton_mla_decode(q, kv, bt, cl, SCALE, causal=True, kind="auto", k_scale=None,
                                  head_dim_v=L)
     check_compiled_and_graphed(run, "mla_decode_stage1_kernel", q, kv, bt, cl)
+
+
+# (B, s_q, H, lengths, causal) for FlashMLA's dense fp8 kernel
+FP8_CASES = [
+    (4, 1, 128, [3000, 2999, 1, 64], True),       # length 1, a full page, odd lengths
+    (3, 1, 64, [1, 100, 777], True),              # 64 heads
+    (2, 2, 128, [1500, 33], True),                # two query tokens, causal
+    (2, 2, 64, [900, 130], False),                # two query tokens, not causal
+    (3, 1, 128, [65, 128, 129], True),            # one key past a page, two pages, one more
+    (2, 1, 128, [20000, 70], True),               # many splits on one request
+    (5, 1, 16, [4000, 1, 63, 64, 65], True),      # 16 heads (128 over 8 GPUs)
+    (2, 3, 32, [333, 3], True),                   # 32 heads, three query tokens
+    (2, 1, 96, [1000, 2000], True),               # 96 heads
+]
+
+
+@pytest.mark.parametrize("B,s_q,H,lens,causal", FP8_CASES)
+def test_flashmla_fp8q_vs_fp64(B, s_q, H, lens, causal):
+    """mla_decode_fp8q's "flashmla" route against float64 on the dequantized values, with
+    NaN in every cache row no request has written."""
+    from mla_reference import poison_unwritten_rows
+    _skip_without_flashmla_fp8(H)
+    q, kv, bt, cl = make_case(B, s_q, H, L, R, 64, lens, "cuda", seed=B * 5 + H + s_q)
+    q8, q_scale = _quantize(q)
+    kv8, k_scale = _quantize(kv)
+    ref, ref_lse = decode_ref64(q8.double() * q_scale.double(), kv8.double() * k_scale.double(),
+                                bt, cl, SCALE, causal, L)
+    out, lse = lowering.mla_decode_fp8q(q8, poison_unwritten_rows(kv8, bt, cl), bt, cl, SCALE,
+                                        q_scale=q_scale, k_scale=k_scale, causal=causal,
+                                        backend="flashmla")
+    assert out.dtype == torch.bfloat16 and out.shape == (B, s_q, H, L)
+    assert lse.dtype == torch.float32 and lse.shape == (B, H, s_q)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 5e-2          # P @ V with P in e4m3, as our fp8 kernels
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-2
+
+
+def test_flashmla_fp8q_route_choice_errors_and_compile():
+    """auto takes FlashMLA's fp8 kernel when handed its schedule or when the Gluon kernel
+    cannot serve, else ours; a schedule made for the other kernel is refused; an explicit
+    "flashmla" names what it lacks; under torch.compile and CUDA graphs it matches eager."""
+    from lowering.gluon_decode import gluon_fp8q_unmet
+    _skip_without_flashmla_fp8()
+    q, kv, bt, cl = make_case(2, 1, 128, L, R, 64, [700, 90], "cuda", seed=4)
+    q8, q_scale = _quantize(q)
+    kv8, k_scale = _quantize(kv)
+    ref, _ = decode_ref64(q8.double() * q_scale.double(), kv8.double() * k_scale.double(),
+                          bt, cl, SCALE, True, L)
+    sched8 = lowering.decode_schedule(kv8, bt, cl, num_heads=128, fp8q=True)
+    without = "gluon" if gluon_fp8q_unmet(q8, kv8, L, torch.bfloat16) is None else "flashmla"
+    for schedule, route in ((None, without), (sched8, "flashmla")):
+        before = lowering.backend_choices[f"{route}-fp8q"]
+        out, _ = lowering.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale,
+                                          k_scale=k_scale, schedule=schedule)
+        assert lowering.backend_choices[f"{route}-fp8q"] == before + 1
+        assert rel_err(out, ref) < 5e-2
+    with pytest.raises(TypeError, match=r"needs one from decode_schedule\(\.\.\., fp8q=True"):
+        lowering.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale, k_scale=k_scale,
+                                 schedule=lowering.decode_schedule(kv8, bt, cl, num_heads=128))
+    if _flashmla_ok():
+        qb, kvb = q8.to(torch.bfloat16), kv8.to(torch.bfloat16)
+        with pytest.raises(TypeError,
+                           match=r"needs one from decode_schedule\(\.\.\., fp8q=False"):
+            lowering.mla_decode(qb, kvb, bt, cl, SCALE, backend="flashmla", schedule=sched8)
+    for H in (16, 32):        # no Gluon fp8 kernel for these: FlashMLA's, scheduling itself
+        q, kv, bt, cl = make_case(2, 1, H, L, R, 64, [300, 7], "cuda", seed=H)
+        q8b, qs = _quantize(q)
+        kv8b, ks = _quantize(kv)
+        before = lowering.backend_choices["flashmla-fp8q"]
+        lowering.mla_decode_fp8q(q8b, kv8b, bt, cl, SCALE, q_scale=qs, k_scale=ks)
+        assert lowering.backend_choices["flashmla-fp8q"] == before + 1
+    for H, page, out_dtype, match in ((8, 64, torch.bfloat16, "heads"),
+                                      (128, 16, torch.bfloat16, "block_size 64"),
+                                      (128, 64, torch.float16, "bfloat16")):
+        q, kv, bt, cl = make_case(2, 1, H, L, R, page, [100, 40], "cuda", seed=7)
+        q8b, qs = _quantize(q)
+        kv8b, ks = _quantize(kv)
+        with pytest.raises(lowering.BackendUnavailable, match=match):
+            lowering.mla_decode_fp8q(q8b, kv8b, bt, cl, SCALE, q_scale=qs, k_scale=ks,
+                                     out_dtype=out_dtype, backend="flashmla")
+        n = lowering.backend_choices["flashmla-fp8q"]
+        out, _ = lowering.mla_decode_fp8q(q8b, kv8b, bt, cl, SCALE, q_scale=qs, k_scale=ks,
+                                          out_dtype=out_dtype)
+        assert lowering.backend_choices["flashmla-fp8q"] == n and out.dtype == out_dtype
+    q, kv, bt, cl = make_case(4, 1, 128, L, R, 64, [1500] * 4, "cuda", seed=21)
+    q8, q_scale = _quantize(q)
+    kv8, k_scale = _quantize(kv)
+
+    def run(q, kv, bt, cl):          # the schedule a graph op in the compiled graph too
+        sched = lowering.decode_schedule(kv, bt, cl, num_heads=128, fp8q=True)
+        return lowering.mla_decode_fp8q(q.to(torch.float8_e4m3fn), kv, bt, cl, SCALE,
+                                        q_scale=q_scale, k_scale=k_scale, schedule=sched)
+    check_compiled_and_graphed(run, "flashmla_decode_fp8q", q8.float(), kv8, bt, cl)

@@ -184,14 +184,16 @@ def test_auto_route_and_errors():
     q8, q_scale, kv8, k_scale, bt, cl = _fp8_case(2, 1, 128, 64, [700, 90], seed=5)
     ref, _ = _ref(q8, q_scale, kv8, k_scale, bt, cl)
     before = dict(lowering.backend_choices)
-    out_a, _ = lowering.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale, k_scale=k_scale)
+    out_a, _ = lowering.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale, k_scale=k_scale,
+                                        backend="gluon")
     assert lowering.backend_choices["gluon-fp8q"] == before.get("gluon-fp8q", 0) + 1
     out_t, _ = lowering.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale, k_scale=k_scale,
                                         backend="triton")
     assert lowering.backend_choices["triton-fp8q"] == before.get("triton-fp8q", 0) + 1
     assert rel_err(out_a, ref) < 5e-2 and rel_err(out_t, ref) < 5e-2
     # what the kernel cannot serve: named for backend="gluon", the Triton kernel for "auto"
-    for H, page, out_dtype, match in ((16, 64, torch.bfloat16, "multiple of 64"),
+    # (FlashMLA's fp8 kernel cannot serve these either: block_size 64 and bf16 out only)
+    for H, page, out_dtype, match in ((16, 16, torch.bfloat16, "multiple of 64"),
                                       (64, 16, torch.bfloat16, "block_size"),
                                       (64, 64, torch.float16, "bfloat16")):
         q8, q_scale, kv8, k_scale, bt, cl = _fp8_case(2, 1, H, page, [100, 40], seed=7)
@@ -223,20 +225,28 @@ def test_gluon_fp8_under_compile_and_cuda_graphs():
     check_compiled_and_graphed(run, "gluon_decode_fp8q", q8.float(), kv8, bt, cl)
 
 
-def test_layer_fp8_decode_takes_the_gluon_kernel():
+@pytest.mark.parametrize("route", ["gluon", "flashmla"])
+def test_layer_fp8_decode_takes_the_fp8_kernel(route):
     """The MLA layer with an fp8 cache and an fp8 decode query (64 heads) on the GPU: the
-    fp8 x fp8 call goes to the Gluon kernel, and the output matches float64."""
+    fp8 x fp8 call goes to the route's kernel, and the output matches float64."""
     from mla_ops.attention import build_decode_query
     from scenario import Dims, Step, make_layer
     d = Dims(N=64, P=128, R=64, V=128, L=512)
+    if route == "flashmla":
+        from lowering.flashmla import flashmla_fp8q_unmet
+        reason = flashmla_fp8q_unmet(torch.empty(1, 1, d.N, 576, device="cuda"),
+                                     torch.empty(1, 64, 576, device="cuda"), 512, torch.bfloat16)
+        if reason is not None:
+            pytest.skip(f"flashmla fp8 route cannot serve here: {reason}")
     layer, kv_b = make_layer(d, torch.bfloat16, kv_cache_dtype="fp8")
+    layer.backend = route
     step = Step(d, [300, 64, 5, 1000], [1, 1, 1, 1], block_size=64, dtype=torch.bfloat16,
                 kv_cache_dtype="fp8")
     q_mqa = build_decode_query(step.inputs()[0], layer.W_UK_T)           # [4, N, 576]
     layer.enable_fp8_decode_query(q_mqa.float().abs().amax() / 448.0)
     ref = step.reference(kv_b, layer.softmax_scale)     # the unquantized query: ~2 % off
-    before = lowering.backend_choices["gluon-fp8q"]
+    before = lowering.backend_choices[f"{route}-fp8q"]
     out = step.run_on_cuda(layer)
-    assert lowering.backend_choices["gluon-fp8q"] > before
+    assert lowering.backend_choices[f"{route}-fp8q"] > before
     err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
     assert err < 6e-2, err
