@@ -38,7 +38,7 @@ PAIR_KERNEL = True      # take the pair kernel where the page allows (False: the
 # fp8 tiles are half the bytes of bf16 ones: 3 x 64 or 8 x 32 keys fit beside q (224 KB).
 # 64-key tiles halve the hand-overs between the warpgroups per key but leave a ring of 3;
 # they win once a split holds FP8_LONG_SPLIT keys (H200: 1.13-1.19x at 2048-8192 keys per
-# split, 0.88x at 256; benchmarks/NOTES-decode.md). See fp8_config().
+# split, 0.88x at 256; benchmarks/NOTES-decode-fp8.md). See fp8_config().
 FP8_CONFIGS = (dict(BN=64, STAGES=3), dict(BN=32, STAGES=8))
 FP8_LONG_SPLIT = 1024
 MIN_SPLIT_KEYS = 256
