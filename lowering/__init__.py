@@ -76,7 +76,9 @@ def select_backend(q, kv_cache, *, kv_cache_dtype="auto", backend="auto") -> str
 def uses_flashmla(device, q_dtype, num_heads: int, width: int, block_size: int,
                   kv_cache_dtype="auto", backend="auto", s_q: int = 1) -> bool:
     """Whether a decode call with these properties (q [B, s_q, num_heads, width] of q_dtype
-    over a cache of block_size rows of width) would run on the flashmla backend.
+    over a cache of block_size rows of width) would run on the flashmla backend: for an
+    fp8 q (float8_e4m3fn, an mla_decode_fp8q call over an fp8 cache), whether FlashMLA's
+    fp8 kernel would run when handed decode_schedule(..., fp8q=True).
 
     Plain Python (imports, device queries): call it outside compiled code and keep the
     answer, e.g. when a cache is built.
@@ -84,6 +86,10 @@ def uses_flashmla(device, q_dtype, num_heads: int, width: int, block_size: int,
     q_like = torch.empty((0, s_q, num_heads, width), dtype=q_dtype, device=device)
     kv_like = torch.empty((0, block_size, width), dtype=q_dtype, device=device)
     kind = "auto" if kv_cache_dtype == "auto" else "fp8"
+    if q_dtype == torch.float8_e4m3fn:
+        if kind != "fp8" or backend not in ("auto", "flashmla"):
+            return False
+        return _fp8q_unmet("flashmla", q_like, kv_like, width - 64, torch.bfloat16) is None
     try:
         return select_backend(q_like, kv_like, kv_cache_dtype=kind, backend=backend) == "flashmla"
     except (BackendUnavailable, ValueError):

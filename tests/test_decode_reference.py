@@ -103,6 +103,8 @@ def test_bad_input():
         with pytest.raises(exc, match=match):
             fn()
     assert not lowering.uses_flashmla(q.device, q.dtype, 2, 48, 4)   # CPU: never FlashMLA
+    assert not lowering.uses_flashmla(q.device, torch.float8_e4m3fn, 2, 48, 4,
+                                      kv_cache_dtype="fp8")
     if "flashmla" in lowering.BACKENDS and not torch.cuda.is_available():
         with pytest.raises(lowering.BackendUnavailable, match="flashmla"):
             dec(q, cache, table, seqlens, 0.2, backend="flashmla")

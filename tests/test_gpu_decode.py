@@ -304,6 +304,11 @@ def test_flashmla_fp8q_route_choice_errors_and_compile():
     kv8, k_scale = _quantize(kv)
     ref, _ = decode_ref64(q8.double() * q_scale.double(), kv8.double() * k_scale.double(),
                           bt, cl, SCALE, True, L)
+    fp8 = torch.float8_e4m3fn
+    assert lowering.uses_flashmla(q8.device, fp8, 128, L + R, 64, kv_cache_dtype="fp8")
+    for kw in (dict(kv_cache_dtype="fp8", backend="gluon"), dict(kv_cache_dtype="auto")):
+        assert not lowering.uses_flashmla(q8.device, fp8, 128, L + R, 64, **kw)
+    assert not lowering.uses_flashmla(q8.device, fp8, 128, L + R, 16, kv_cache_dtype="fp8")
     sched8 = lowering.decode_schedule(kv8, bt, cl, num_heads=128, fp8q=True)
     without = "gluon" if gluon_fp8q_unmet(q8, kv8, L, torch.bfloat16) is None else "flashmla"
     for schedule, route in ((None, without), (sched8, "flashmla")):
