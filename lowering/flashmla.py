@@ -199,9 +199,8 @@ def check_schedule(schedule, q, fp8=False):
     if not (isinstance(schedule, (tuple, list)) and len(schedule) == 2):
         raise TypeError("decode_schedule must be the (table, splits) pair from decode_schedule()")
     if isinstance(schedule, FP8Schedule) != fp8:
-        made, want = ("fp8q=True", "fp8q=False") if not fp8 else ("fp8q=False", "fp8q=True")
-        raise TypeError(f"decode_schedule was computed with {made}; this call needs one from "
-                        f"decode_schedule(..., {want})")
+        raise TypeError(f"decode_schedule was computed with fp8q={not fp8}; this call needs "
+                        f"one from decode_schedule(..., fp8q={fp8})")
     meta, splits = schedule
     B, s_q, H, _ = q.shape
     for name, t in (("decode_schedule table", meta), ("decode_schedule splits", splits)):
@@ -272,7 +271,12 @@ def flashmla_decode_fp8q_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     (true value = kv * k_scale), scales [1] fp32 -> out [B, s_q, H, 512] bf16, lse [B, H, s_q].
     The scheduler table is computed here unless given (sched_meta, sched_splits)."""
     import flash_mla
-    B, s_q, H, _ = q.shape
+    for name, t in (("q", q), ("kv_cache", kv_cache)):
+        if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]):
+            raise ValueError(f"{name} must start at a 16-byte aligned address with 16-byte "
+                             f"aligned strides for FlashMLA's fp8 kernel (call .contiguous() "
+                             f"on a copy that is)")
+    _, s_q, H, _ = q.shape
     meta, splits = sched_meta, sched_splits
     if meta is None:
         meta, splits = flashmla_schedule_op(cache_seqlens, s_q * H, H, True)

@@ -345,6 +345,15 @@ def test_flashmla_fp8q_route_choice_errors_and_compile():
         out, _ = lowering.mla_decode_fp8q(q8b, kv8b, bt, cl, SCALE, q_scale=qs, k_scale=ks,
                                           out_dtype=out_dtype)
         assert lowering.backend_choices["flashmla-fp8q"] == n and out.dtype == out_dtype
+    q, kv, bt, cl = make_case(2, 1, 128, L, R, 64, [300, 7], "cuda", seed=8)
+    q8, q_scale = _quantize(q)
+    kv8, k_scale = _quantize(kv)
+    flat = torch.empty(2 * 128 * 576 + 16, device="cuda", dtype=torch.uint8)
+    q_off = flat[8:8 + 2 * 128 * 576].view(torch.float8_e4m3fn).view(2, 1, 128, 576)
+    q_off.copy_(q8)
+    with pytest.raises(ValueError, match="q must start at a 16-byte aligned"):
+        lowering.mla_decode_fp8q(q_off, kv8, bt, cl, SCALE, q_scale=q_scale, k_scale=k_scale,
+                                 backend="flashmla")
     q, kv, bt, cl = make_case(4, 1, 128, L, R, 64, [1500] * 4, "cuda", seed=21)
     q8, q_scale = _quantize(q)
     kv8, k_scale = _quantize(kv)
