@@ -193,8 +193,9 @@ def build_decode_query(q, W_UK_T):
 
 def _fp8_query_decode(q8, q_scale, kv_cache, block_table, lens, softmax_scale, kind, k_scale,
                       backend, L, out_dtype):
-    """Decode with an fp8 query: the fp8 x fp8 kernels (FlashMLA's or Gluon on Hopper, else
-    Triton) over an fp8 cache, else any backend on the dequantized query (fp32, exact: stored * scale)."""
+    """Decode with an fp8 query: the fp8 x fp8 kernels (FlashMLA's or our Gluon kernel on
+    Hopper, else Triton) over an fp8 cache, else any backend on the dequantized query
+    (fp32, exact: stored * scale)."""
     if kind == "fp8" and q8.is_cuda and backend in ("auto", "flashmla", "gluon", "triton"):
         try:
             from lowering import triton_decode  # noqa: F401  (the fp8 kernels need triton)
