@@ -89,6 +89,23 @@ def poison_unwritten_rows(kv, block_table, cache_seqlens):
     return kv
 
 
+def quantize_e4m3(x, amax_to=448.0):
+    """x as e4m3 with a per-tensor scale: (stored [x's shape] e4m3, scale [1] fp32), true
+    value = stored * scale; x's largest magnitude maps to amax_to."""
+    scale = (x.float().abs().amax() / amax_to).reshape(1)
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def misaligned_copy(t):
+    """A copy of contiguous t whose data starts 8 bytes past a 16-byte boundary (for the
+    TMA alignment errors)."""
+    n = t.numel() * t.element_size()
+    flat = torch.empty(n + 16, device=t.device, dtype=torch.uint8)
+    out = flat[8:8 + n].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
 def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 

@@ -12,7 +12,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 import lowering  # noqa: E402
-from mla_reference import check_compiled_and_graphed, decode_ref64, make_case, rel_err  # noqa: E402
+from mla_reference import (check_compiled_and_graphed, decode_ref64, make_case,  # noqa: E402
+                           misaligned_copy, quantize_e4m3, rel_err)
 
 L, R = 512, 64
 SCALE = 192 ** -0.5
@@ -21,12 +22,6 @@ SCALE = 192 ** -0.5
 def _lens(B, S, seed):
     g = torch.Generator().manual_seed(seed)
     return [int(x) for x in torch.randint(S // 2, S, (B,), generator=g)]
-
-
-def _quantize(x):
-    """x as e4m3 with a per-tensor scale (true value = stored * scale)."""
-    scale = (x.float().abs().amax() / 448.0).reshape(1)
-    return (x.float() / scale).to(torch.float8_e4m3fn), scale
 
 
 def _skip_without_flashmla_fp8(H=128):
@@ -185,7 +180,7 @@ def test_cuda_graph_replay_500_steps(backend):
     q, kv, bt, cl = make_case(B, 1, H, L, R, 64, [S] * B, "cuda", seed=5)
     static_q, static_len = q.clone(), cl.clone()
     if fp8:
-        kv, k_scale = _quantize(kv)
+        kv, k_scale = quantize_e4m3(kv)
         q8_scale = torch.tensor([0.02], device="cuda")   # q ~ N(0, 1): e4m3 up to 9
 
     def decode():
@@ -279,8 +274,8 @@ def test_flashmla_fp8q_vs_fp64(B, s_q, H, lens, causal):
     from mla_reference import poison_unwritten_rows
     _skip_without_flashmla_fp8(H)
     q, kv, bt, cl = make_case(B, s_q, H, L, R, 64, lens, "cuda", seed=B * 5 + H + s_q)
-    q8, q_scale = _quantize(q)
-    kv8, k_scale = _quantize(kv)
+    q8, q_scale = quantize_e4m3(q)
+    kv8, k_scale = quantize_e4m3(kv)
     ref, ref_lse = decode_ref64(q8.double() * q_scale.double(), kv8.double() * k_scale.double(),
                                 bt, cl, SCALE, causal, L)
     out, lse = lowering.mla_decode_fp8q(q8, poison_unwritten_rows(kv8, bt, cl), bt, cl, SCALE,
@@ -300,8 +295,8 @@ def test_flashmla_fp8q_route_choice_errors_and_compile():
     from lowering.gluon_decode import gluon_fp8q_unmet
     _skip_without_flashmla_fp8()
     q, kv, bt, cl = make_case(2, 1, 128, L, R, 64, [700, 90], "cuda", seed=4)
-    q8, q_scale = _quantize(q)
-    kv8, k_scale = _quantize(kv)
+    q8, q_scale = quantize_e4m3(q)
+    kv8, k_scale = quantize_e4m3(kv)
     ref, _ = decode_ref64(q8.double() * q_scale.double(), kv8.double() * k_scale.double(),
                           bt, cl, SCALE, True, L)
     fp8 = torch.float8_e4m3fn
@@ -327,8 +322,8 @@ def test_flashmla_fp8q_route_choice_errors_and_compile():
             lowering.mla_decode(qb, kvb, bt, cl, SCALE, backend="flashmla", schedule=sched8)
     for H in (16, 32):        # no Gluon fp8 kernel for these: FlashMLA's, scheduling itself
         q, kv, bt, cl = make_case(2, 1, H, L, R, 64, [300, 7], "cuda", seed=H)
-        q8b, qs = _quantize(q)
-        kv8b, ks = _quantize(kv)
+        q8b, qs = quantize_e4m3(q)
+        kv8b, ks = quantize_e4m3(kv)
         before = lowering.backend_choices["flashmla-fp8q"]
         lowering.mla_decode_fp8q(q8b, kv8b, bt, cl, SCALE, q_scale=qs, k_scale=ks)
         assert lowering.backend_choices["flashmla-fp8q"] == before + 1
@@ -336,8 +331,8 @@ def test_flashmla_fp8q_route_choice_errors_and_compile():
                                       (128, 16, torch.bfloat16, "block_size 64"),
                                       (128, 64, torch.float16, "bfloat16")):
         q, kv, bt, cl = make_case(2, 1, H, L, R, page, [100, 40], "cuda", seed=7)
-        q8b, qs = _quantize(q)
-        kv8b, ks = _quantize(kv)
+        q8b, qs = quantize_e4m3(q)
+        kv8b, ks = quantize_e4m3(kv)
         with pytest.raises(lowering.BackendUnavailable, match=match):
             lowering.mla_decode_fp8q(q8b, kv8b, bt, cl, SCALE, q_scale=qs, k_scale=ks,
                                      out_dtype=out_dtype, backend="flashmla")
@@ -346,17 +341,15 @@ def test_flashmla_fp8q_route_choice_errors_and_compile():
                                           out_dtype=out_dtype)
         assert lowering.backend_choices["flashmla-fp8q"] == n and out.dtype == out_dtype
     q, kv, bt, cl = make_case(2, 1, 128, L, R, 64, [300, 7], "cuda", seed=8)
-    q8, q_scale = _quantize(q)
-    kv8, k_scale = _quantize(kv)
-    flat = torch.empty(2 * 128 * 576 + 16, device="cuda", dtype=torch.uint8)
-    q_off = flat[8:8 + 2 * 128 * 576].view(torch.float8_e4m3fn).view(2, 1, 128, 576)
-    q_off.copy_(q8)
+    q8, q_scale = quantize_e4m3(q)
+    kv8, k_scale = quantize_e4m3(kv)
+    q_off = misaligned_copy(q8)
     with pytest.raises(ValueError, match="q must start at a 16-byte aligned"):
         lowering.mla_decode_fp8q(q_off, kv8, bt, cl, SCALE, q_scale=q_scale, k_scale=k_scale,
                                  backend="flashmla")
     q, kv, bt, cl = make_case(4, 1, 128, L, R, 64, [1500] * 4, "cuda", seed=21)
-    q8, q_scale = _quantize(q)
-    kv8, k_scale = _quantize(kv)
+    q8, q_scale = quantize_e4m3(q)
+    kv8, k_scale = quantize_e4m3(kv)
 
     def run(q, kv, bt, cl):          # the schedule a graph op in the compiled graph too
         sched = lowering.decode_schedule(kv, bt, cl, num_heads=128, fp8q=True)

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
 
 import lowering  # noqa: E402
 from mla_reference import (check_compiled_and_graphed, decode_ref64, make_case,  # noqa: E402
-                           poison_unwritten_rows, rel_err)
+                           misaligned_copy, poison_unwritten_rows, quantize_e4m3, rel_err)
 
 L, R = 512, 64
 SCALE = 192 ** -0.5
@@ -131,16 +131,10 @@ def test_layer_decode_rows_on_the_gluon_backend():
 
 # ---- fp8 q x fp8 cache (gluon_fp8_decode_kernel.py) ------------------------------------
 
-def _quantize(x):
-    """e4m3 values and the per-tensor scale (true value = stored * scale)."""
-    scale = (x.float().abs().amax() / 448.0).reshape(1)
-    return (x.float() / scale).to(torch.float8_e4m3fn), scale
-
-
 def _fp8_case(B, s_q, H, page, lens, seed):
     q, kv, bt, cl = make_case(B, s_q, H, L, R, page, lens, "cuda", seed=seed)
-    q8, q_scale = _quantize(q)
-    kv8, k_scale = _quantize(kv)
+    q8, q_scale = quantize_e4m3(q)
+    kv8, k_scale = quantize_e4m3(kv)
     return q8, q_scale, kv8, k_scale, bt, cl
 
 
@@ -209,9 +203,7 @@ def test_auto_route_and_errors():
     with pytest.raises(ValueError, match="q_scale must hold one value"):
         lowering.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale.repeat(2),
                                  k_scale=k_scale, backend="gluon")
-    flat = torch.empty(2 * 64 * 576 + 16, device="cuda", dtype=torch.uint8)
-    q_off = flat[8:8 + 2 * 64 * 576].view(torch.float8_e4m3fn).view(2, 1, 64, 576)
-    q_off.copy_(q8)
+    q_off = misaligned_copy(q8)
     with pytest.raises(ValueError, match="q must start at a 16-byte aligned"):
         lowering.mla_decode_fp8q(q_off, kv8, bt, cl, SCALE, q_scale=q_scale, k_scale=k_scale,
                                  backend="gluon")

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 import lowering  # noqa: E402
 import lowering.triton_decode as td  # noqa: E402
-from mla_reference import decode_ref64, make_case, rel_err  # noqa: E402
+from mla_reference import decode_ref64, make_case, quantize_e4m3, rel_err  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 0.11
@@ -78,15 +78,10 @@ def test_non_causal_and_fp16():
     check(out, lse, ref, ref_lse)
 
 
-def _quantize(x, amax_to=448.0):
-    scale = (x.float().abs().amax() / amax_to).reshape(1)
-    return (x.float() / scale).to(torch.float8_e4m3fn), scale
-
-
 def test_fp8_kv_cache_vs_dequantized_reference():
     L, R = 64, 16
     q, kv, bt, cl = make_case(2, 2, 4, L, R, 16, [45, 20], DEV, seed=11)
-    kv8, k_scale = _quantize(kv * 3.0)
+    kv8, k_scale = quantize_e4m3(kv * 3.0)
     out, lse = lowering.mla_decode(q, kv8, bt, cl, SCALE, kv_cache_dtype="fp8", k_scale=k_scale,
                                    backend="triton", head_dim_v=L)
     ref, ref_lse = decode_ref64(q, kv8.double() * k_scale.double(), bt, cl, SCALE, True, L)
@@ -96,8 +91,8 @@ def test_fp8_kv_cache_vs_dequantized_reference():
 def test_fp8_query_and_cache_with_scales():
     L, R = 64, 32      # fp8 tensor-core dots need a reduction width >= 32
     q, kv, bt, cl = make_case(2, 1, 4, L, R, 16, [50, 33], DEV, seed=12)
-    kv8, k_scale = _quantize(kv)
-    q8, q_scale = _quantize(q * 5.0)
+    kv8, k_scale = quantize_e4m3(kv)
+    q8, q_scale = quantize_e4m3(q * 5.0)
     out, lse = td.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale, k_scale=k_scale,
                                   head_dim_v=L, num_splits=2)
     ref, ref_lse = decode_ref64(q8.double() * q_scale.double(), kv8.double() * k_scale.double(),
@@ -121,14 +116,14 @@ def test_half_value_column_programs(kind, splits):
                                         k_scale=None, **tune)
         ref, ref_lse = decode_ref64(q, kv, bt, cl, SCALE, True, L)
     else:
-        kv8, k_scale = _quantize(kv)
+        kv8, k_scale = quantize_e4m3(kv)
         kv_ref = kv8.double() * k_scale.double()
         if kind == "fp8-cache":
             out, lse = td.triton_mla_decode(q, kv8, bt, cl, SCALE, causal=True, kind="fp8",
                                             k_scale=k_scale, **tune)
             ref, ref_lse = decode_ref64(q, kv_ref, bt, cl, SCALE, True, L)
         else:
-            q8, q_scale = _quantize(q * 5.0)
+            q8, q_scale = quantize_e4m3(q * 5.0)
             out, lse = td.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale,
                                           k_scale=k_scale, **tune)
             ref, ref_lse = decode_ref64(q8.double() * q_scale.double(), kv_ref, bt, cl, SCALE,
@@ -140,8 +135,8 @@ def test_half_value_column_programs(kind, splits):
 def test_fp8q_rejects_bad_scales():
     L, R = 64, 16
     q, kv, bt, cl = make_case(1, 1, 2, L, R, 16, [10], DEV)
-    kv8, k_scale = _quantize(kv)
-    q8, q_scale = _quantize(q)
+    kv8, k_scale = quantize_e4m3(kv)
+    q8, q_scale = quantize_e4m3(q)
     with pytest.raises(ValueError, match="q_scale"):
         td.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale.repeat(2), k_scale=k_scale,
                            head_dim_v=L)
