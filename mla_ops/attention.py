@@ -192,10 +192,11 @@ def build_decode_query(q, W_UK_T):
 
 
 def _fp8_query_decode(q8, q_scale, kv_cache, block_table, lens, softmax_scale, kind, k_scale,
-                      backend, L, out_dtype):
+                      backend, L, out_dtype, schedule=None):
     """Decode with an fp8 query: the fp8 x fp8 kernels (FlashMLA's or our Gluon kernel on
     Hopper, else Triton) over an fp8 cache, else any backend on the dequantized query
-    (fp32, exact: stored * scale)."""
+    (fp32, exact: stored * scale). schedule: FlashMLA's fp8 table and splits for these
+    (bounded) inputs, from lowering.decode_schedule(..., fp8q=True), or None."""
     if kind == "fp8" and q8.is_cuda and backend in ("auto", "flashmla", "gluon", "triton"):
         try:
             from lowering import triton_decode  # noqa: F401  (the fp8 kernels need triton)
@@ -203,9 +204,12 @@ def _fp8_query_decode(q8, q_scale, kv_cache, block_table, lens, softmax_scale, k
         except ImportError:
             have_triton = False
         if have_triton:
+            from lowering.flashmla import FP8Schedule
+            sched = None if schedule is None else FP8Schedule(*schedule)
             return lowering.mla_decode_fp8q(q8, kv_cache, block_table, lens, softmax_scale,
                                             q_scale=q_scale, k_scale=k_scale, causal=True,
-                                            head_dim_v=L, out_dtype=out_dtype, backend=backend)
+                                            head_dim_v=L, out_dtype=out_dtype, backend=backend,
+                                            schedule=sched, bounded=sched is not None)
     q_deq = q8.float() * q_scale.float().reshape(())
     return lowering.mla_decode(q_deq, kv_cache, block_table, lens, softmax_scale, causal=True,
                                kv_cache_dtype=kind, k_scale=k_scale, backend=backend,
@@ -226,9 +230,9 @@ def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_sta
 
     schedule: lowering.decode_schedule() of (block_table, seq_lens), computed once per
     step by the caller from inputs bounded with lowering.bound_decode_inputs (so the
-    decode launches no clamp kernels of its own); it describes one query token per
-    request, so other steps (several tokens of a request) drop it and the kernel
-    schedules itself.
+    decode launches no clamp kernels of its own); with an fp8 decode_q, the one from
+    decode_schedule(..., fp8q=True). It describes one query token per request, so other
+    steps (several tokens of a request) drop it and the kernel schedules itself.
     """
     t, N, _ = q.shape
     P, L = W_UK_T.shape[1:]
@@ -244,7 +248,8 @@ def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_sta
         bt, lens = block_table[req].contiguous(), (pos + 1).to(torch.int32)
     if q_mqa.dtype == FP8:
         out_latent, _ = _fp8_query_decode(q_mqa[:, None], decode_q_scale, kv_cache, bt, lens,
-                                          softmax_scale, kind, k_scale, backend, L, W_UV.dtype)
+                                          softmax_scale, kind, k_scale, backend, L, W_UV.dtype,
+                                          schedule=schedule)
         out_latent = out_latent.to(W_UV.dtype)
     else:
         out_latent, _ = lowering.mla_decode(

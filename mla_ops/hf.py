@@ -95,7 +95,8 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
                      mla.kv_lora_rank)
     T = B * S
     step = cache._prepare(self.layer_idx, B, S, attention_mask, hidden_states.dtype,
-                          hidden_states.device, backend=mla.backend)
+                          hidden_states.device, backend=mla.backend,
+                          fp8_query=mla.q_scale is not None)
     # decode (CUDA, split-K GEMM): both norms and the key's RoPE in one op after the GEMM;
     # for decode rows then q_b, the query's RoPE and its absorption in another
     fused = qkv_a_prologue(self, hidden_states, position_embeddings)

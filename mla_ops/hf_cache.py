@@ -128,14 +128,20 @@ class PagedMLACache(Cache):
         self._seen = torch.zeros((), dtype=torch.int64, device=dev)      # padded length (HF's view)
         self._step: _Step | None = None
         # Decode backends ("auto", "flashmla") that will run FlashMLA on this cache: for
-        # them a decode step's plan carries FlashMLA's work split, computed once per step.
+        # them a decode step's plan carries FlashMLA's work split, computed once per step;
+        # for layers with an fp8 decode query (convert(fp8_decode_query=...)) the split of
+        # FlashMLA's fp8 kernel, where it serves them.
         heads = getattr(config, "num_attention_heads", None)
         width = config.kv_lora_rank + config.qk_rope_head_dim
         self._num_heads = heads
-        self._flashmla_backends = frozenset(
-            b for b in ("auto", "flashmla")
-            if heads and lowering.uses_flashmla(self.device, dtype, heads, width, block_size,
-                                                self.kv_cache_dtype, b))
+
+        def flashmla_backends(q_dtype):
+            return frozenset(
+                b for b in ("auto", "flashmla")
+                if heads and lowering.uses_flashmla(self.device, q_dtype, heads, width,
+                                                    block_size, self.kv_cache_dtype, b))
+        self._flashmla_backends = flashmla_backends(dtype)
+        self._flashmla_fp8q_backends = flashmla_backends(torch.float8_e4m3fn)
         self.version = 0        # bumped by every host-side change of the state (eager steps,
                                 # reset, occupy, restore); compiled steps do not bump it
         if not torch.compiler.is_compiling():   # the pool's tensors are marked by PagedLatentCache
@@ -235,9 +241,10 @@ class PagedMLACache(Cache):
 
     # -- per-step bookkeeping (called by the converted attention) -----------------------
     def _prepare(self, layer_idx: int, B: int, S: int, attention_mask, dtype, device,
-                 backend: str = "auto") -> _Step:
+                 backend: str = "auto", fp8_query: bool = False) -> _Step:
         """This step's plan for one layer; the last layer commits it to the cache state
-        (_layer_done).
+        (_layer_done). backend and fp8_query (the layers' decode query is fp8) decide
+        which FlashMLA schedule, if any, the plan carries.
 
         The plan is a pure function of the state before the step, so every layer gets
         the same one: layer 0 computes it and later layers reuse it; the last layer's
@@ -260,7 +267,7 @@ class PagedMLACache(Cache):
                                  f"pass device= to PagedMLACache")
             valid = None if S == 1 else _valid_tokens(attention_mask, B, S, self._seen)  # [B, S]
             step = self._plan(B, S, valid, check=not compiling and layer_idx == 0,
-                              backend=backend)
+                              backend=backend, fp8_query=fp8_query)
             self._step = step
         else:
             step = self._step
@@ -278,10 +285,12 @@ class PagedMLACache(Cache):
         if layer_idx == len(self.layers) - 1 and self._step is not None:
             self._commit(self._step, B, S)
 
-    def _plan(self, B: int, S: int, valid, check: bool, backend: str = "auto") -> _Step:
-        flashmla = S == 1 and backend in self._flashmla_backends
+    def _plan(self, B: int, S: int, valid, check: bool, backend: str = "auto",
+              fp8_query: bool = False) -> _Step:
+        served = self._flashmla_fp8q_backends if fp8_query else self._flashmla_backends
+        flashmla = S == 1 and backend in served
         if S == 1 and valid is None and self.device.type == "cuda" and PLAN_KERNEL:
-            return self._decode_plan(B, check, flashmla)
+            return self._decode_plan(B, check, flashmla, fp8_query)
         dev, bs, M = self.device, self.block_size, self.max_blocks
         lens_old = self.lens[:B].long()                                      # [B]
         q = (valid.sum(1) if valid is not None
@@ -322,9 +331,10 @@ class PagedMLACache(Cache):
             order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)   # [B, S]
             perm = (order + rows * S).reshape(-1)                                 # [T]
             inv = torch.argsort(perm)
-        return self._step_of(pack, slots, B, S, flashmla, lens_old + q, need.sum(), perm, inv)
+        return self._step_of(pack, slots, B, S, flashmla, lens_old + q, need.sum(), perm, inv,
+                             fp8q=fp8_query)
 
-    def _decode_plan(self, B: int, check: bool, flashmla: bool) -> _Step:
+    def _decode_plan(self, B: int, check: bool, flashmla: bool, fp8q: bool = False) -> _Step:
         """A one-token-per-row step's plan in one launch (mla::decode_step_plan, CUDA):
         the same values as _plan's torch ops, and committed by one launch too."""
         pack, slots = torch.ops.mla.decode_step_plan(
@@ -334,12 +344,14 @@ class PagedMLACache(Cache):
         lens_new, total = pack[B * M:B * M + B], pack[-1]                   # [B], []
         if check:                                                            # needs a host sync
             self._check_room(lens_new, total)
-        return self._step_of(pack, slots, B, 1, flashmla, lens_new, total, kernel=True)
+        return self._step_of(pack, slots, B, 1, flashmla, lens_new, total, kernel=True,
+                             fp8q=fp8q)
 
     def _step_of(self, pack, slots, B, S, flashmla, lens_new, num_new, perm=None, inv=None,
-                 kernel=False) -> _Step:
+                 kernel=False, fp8q=False) -> _Step:
         """The step from its int32 pack (block table | seq_lens | query_start_loc, then
-        with flashmla the bounded table and lengths) and slots."""
+        with flashmla the bounded table and lengths) and slots; with flashmla, FlashMLA's
+        schedule for the layers' query kind (fp8q: its fp8 kernel's)."""
         M = self.max_blocks
         n = B * M + 2 * B + 1
         table = pack[:B * M].view(B, M)
@@ -348,7 +360,8 @@ class PagedMLACache(Cache):
         if flashmla:                                         # one scheduler kernel per step
             attn_table, attn_lens = pack[n:n + B * M].view(B, M), pack[n + B * M:n + B * M + B]
             sched = lowering.decode_schedule(self.pool.kv[0], attn_table, attn_lens,
-                                             num_heads=self._num_heads, bounded=True)
+                                             num_heads=self._num_heads, bounded=True,
+                                             fp8q=fp8q)
         meta = MLAMetadata(
             slot_mapping=slots,
             block_table=attn_table,

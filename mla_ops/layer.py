@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 
+from lowering.flashmla import FP8Schedule
+
 from . import no_backward, ops, quant_ops  # noqa: F401  (register torch.ops.mla.*)
 from .attention import build_decode_query
 from .metadata import MLAMetadata
@@ -132,8 +134,11 @@ class MLAAttention(nn.Module):
             q_mqa = build_decode_query(q[:nd], self.W_UK_T)                # [nd, N, L + R]
             decode_q = torch.ops.mla.quant_fp8_static(q_mqa, self.q_scale)
             decode_q_scale = self.q_scale
-        # FlashMLA's schedule serves 16-bit queries; the fp8 one runs our fp8 kernels
-        sched = meta.decode_schedule if decode_q_scale is None else None
+        # FlashMLA's 16-bit and fp8 kernels have schedules of their own: pass the kind
+        # this layer's query runs on (the op cannot tell them apart), else none
+        sched = meta.decode_schedule
+        if sched is not None and isinstance(sched, FP8Schedule) != (decode_q_scale is not None):
+            sched = None
         torch.ops.mla.attention_with_output(
             q, kv_c_normed, k_pe, kv_cache, self.W_UK_T, self.W_UV, meta.block_table,
             meta.seq_lens, meta.query_start_loc, meta.num_decode_tokens, self.softmax_scale,

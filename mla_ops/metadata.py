@@ -26,7 +26,9 @@ class MLAMetadata:
     # block_table and seq_lens when every request decodes one token): computed once per
     # step, read by every layer's attention call instead of one scheduler kernel each.
     # With it, block_table and seq_lens must come from lowering.bound_decode_inputs (the
-    # calls then skip their own bounding under CUDA-graph capture).
+    # calls then skip their own bounding under CUDA-graph capture). A layer with an fp8
+    # decode query reads only an fp8 one (decode_schedule(..., fp8q=True): a
+    # lowering.flashmla.FP8Schedule), other layers only the 16-bit one; each ignores the other.
     decode_schedule: Optional[tuple] = None
 
     @property

@@ -158,7 +158,8 @@ def attention_with_output(
         decode_q: Optional[torch.Tensor] = None,        # [nd, N, L + R] prebuilt decode query
         decode_q_scale: Optional[torch.Tensor] = None,  # [1] fp32 when decode_q is fp8
         # FlashMLA's table for this step's decode lengths (lowering.decode_schedule, of
-        # block_table / seq_lens bounded with lowering.bound_decode_inputs)
+        # block_table / seq_lens bounded with lowering.bound_decode_inputs; with an fp8
+        # decode_q, decode_schedule(..., fp8q=True): the op cannot tell the two apart)
         decode_schedule: Optional[torch.Tensor] = None,
         decode_splits: Optional[torch.Tensor] = None,
 ) -> None:

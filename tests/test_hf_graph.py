@@ -223,23 +223,32 @@ def test_flashmla_schedule_computed_once_per_step():
     assert torch.equal(once, per_layer)
 
 
-def test_plan_bounds_the_flashmla_decode_inputs_once(monkeypatch):
+@pytest.mark.parametrize("fp8_query", [False, True])
+def test_plan_bounds_the_flashmla_decode_inputs_once(fp8_query, monkeypatch):
     """With FlashMLA serving the layers, the step plan hands them a block table and lengths
     already clamped into the cache (so no call launches clamp kernels under capture),
-    while the cache keeps its own table (-1 for no block)."""
+    while the cache keeps its own table (-1 for no block); the schedule is of the kind
+    the layers' query runs on (fp8_query: FlashMLA's fp8 kernel's)."""
     import lowering
     _, model, cache, ids, mask, first = prefilled([9, 3], max_cache_len=48, block_size=8, seed=6)
     seen = []
     monkeypatch.setattr(lowering, "decode_schedule",
-                        lambda kv, bt, lens, num_heads, **kw: seen.append((bt, lens)))
-    cache._flashmla_backends = frozenset({"auto"})
-    step = cache._prepare(0, 2, 1, None, cache.dtype, cache.device)
+                        lambda kv, bt, lens, num_heads, **kw: seen.append((bt, lens, kw)))
+    served = frozenset({"auto"})
+    cache._flashmla_backends, cache._flashmla_fp8q_backends = ((frozenset(), served) if fp8_query
+                                                               else (served, frozenset()))
+    assert cache._prepare(0, 2, 1, None, cache.dtype, cache.device,
+                          fp8_query=not fp8_query).meta.decode_schedule is None
+    cache._step = None
+    assert not seen
+    step = cache._prepare(0, 2, 1, None, cache.dtype, cache.device, fp8_query=fp8_query)
     table = step.table
     assert int(table.min()) == -1                         # the cache's view: unused columns
     assert torch.equal(step.meta.block_table, table.clamp(0, cache.num_blocks - 1))
     assert torch.equal(step.meta.seq_lens, torch.tensor([10, 4], dtype=torch.int32,
                                                         device=cache.device))
     assert seen and seen[0][0] is step.meta.block_table and seen[0][1] is step.meta.seq_lens
+    assert seen[0][2] == {"bounded": True, "fp8q": fp8_query}
     cache._commit(step, 2, 1)
     assert torch.equal(cache.block_table[:2], table)      # committed unclamped
 
@@ -266,6 +275,67 @@ def test_captured_flashmla_step_launches_no_clamp_kernels():
     assert not [k for k in kernels if "launch_clamp" in k]
     assert logit_err(got, eager) < 2e-2
     assert cache.seq_lens() == [31, 101, 8]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="FlashMLA needs a GPU")
+def test_fp8_query_steps_take_flashmla_fp8_schedule_once_per_step():
+    """A 16-head bf16 tiny V3 converted with an fp8 decode query over an fp8 block-64 cache,
+    on an SM90 GPU with flash_mla: a decode step runs FlashMLA's fp8 kernel in every layer
+    with the plan's one schedule (one scheduler kernel fewer per layer after the first than
+    when each layer schedules itself, and the same logits bit for bit); so do 40 captured
+    DecodeGraph replays whose lengths cross a block boundary (the same tokens and logits).
+
+    (Against generate() compiled, the tokens of one row part after 14 steps, with or
+    without the plan's schedule: the two graphs round the query before its fp8
+    quantization differently, which this random model amplifies.)"""
+    from collections import Counter
+
+    import lowering
+    from torch.profiler import ProfilerActivity, profile
+    cfg = tiny_config("v3")
+    cfg.first_k_dense_replace = cfg.num_hidden_layers
+    cfg.num_attention_heads = cfg.num_key_value_heads = 16
+    _, model = build_pair(cfg, seed=12, dtype=torch.bfloat16)
+    model = H.convert(model, fp8_decode_query=0.05).to(DEVICE)
+    ids, mask = (t.to(DEVICE) for t in left_padded([30, 70, 5], seed=12))
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def prefilled_cache(planned):
+        cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=128,
+                                device=DEVICE, dtype=torch.bfloat16, kv_cache_dtype="fp8",
+                                k_scale=0.05)
+        if cache._flashmla_fp8q_backends != {"auto", "flashmla"}:
+            pytest.skip("FlashMLA's fp8 kernel cannot serve this cache here")
+        assert not cache._flashmla_backends               # no 16-bit schedule for an fp8 cache
+        if not planned:
+            cache._flashmla_fp8q_backends = frozenset()     # every layer schedules itself
+        with torch.no_grad():
+            first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                          past_key_values=cache).logits[:, -1:].argmax(-1)    # [B, 1]
+        return cache, first
+
+    def step(cache, first):
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = model(input_ids=first, position_ids=pos[:, -1:] + 1,
+                        past_key_values=cache).logits
+            torch.cuda.synchronize()
+        return out, Counter(e.name for e in prof.events() if e.device_type.name == "CUDA")
+    before = lowering.backend_choices["flashmla-fp8q"]
+    planned, n_planned = step(*prefilled_cache(True))
+    assert lowering.backend_choices["flashmla-fp8q"] - before == cfg.num_hidden_layers
+    self_scheduled, n_self = step(*prefilled_cache(False))
+    extra = n_self - n_planned                           # kernel names -> count, where more
+    assert sum(extra.values()) == cfg.num_hidden_layers - 1 and not n_planned - n_self, extra
+    assert torch.equal(planned, self_scheduled)
+
+    runs = []
+    for planned in (True, False):
+        torch._dynamo.reset()
+        cache, first = prefilled_cache(planned)
+        runner = H.DecodeGraph(model, cache, backend=BACKEND)
+        runs.append((runner.greedy(first, 40), runner(runner.next_tokens).clone()))
+        assert cache.seq_lens() == [30 + 41, 70 + 41, 5 + 41]
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
 def test_batch_smaller_than_the_cache():

@@ -178,3 +178,44 @@ def test_prebuilt_decode_query():
     with pytest.raises(ValueError, match="not both"):
         layer(None, kv_c, k_pe, step.cache.kv[0], step.cache.k_scale, step.meta,
               decode_q=decode_q)
+
+
+@pytest.mark.parametrize("fp8_query", [False, True])
+def test_layer_passes_only_the_schedule_of_its_query_kind(fp8_query, monkeypatch):
+    """A step's FlashMLA schedule reaches the decode only when it is of the kind the layer's
+    query runs on (an FP8Schedule for an fp8 decode query, a plain pair otherwise); the
+    other kind is dropped (the kernel then schedules itself), and the output is unchanged."""
+    import dataclasses
+
+    import mla_ops.attention as attn
+    from lowering.flashmla import FP8Schedule
+    from mla_ops.attention import build_decode_query
+    layer, kv_b = make_layer(D, torch.float32, kv_cache_dtype="fp8")
+    step = Step(D, [10, 7, 3], [1, 1, 1], block_size=4, kv_cache_dtype="fp8")
+    if fp8_query:
+        q_mqa = build_decode_query(step.inputs()[0], layer.W_UK_T)
+        layer.enable_fp8_decode_query(q_mqa.abs().amax() / 448.0)
+    seen = []
+    if fp8_query:                        # fp8 x fp8 (on CPU: then the dequantized query)
+        real = attn._fp8_query_decode
+        monkeypatch.setattr(attn, "_fp8_query_decode",
+                            lambda *a, schedule=None: seen.append(schedule) or real(*a))
+    else:
+        real = attn.lowering.mla_decode
+        monkeypatch.setattr(attn.lowering, "mla_decode",
+                            lambda *a, schedule=None, **kw: seen.append(schedule) or real(*a, **kw))
+    table = torch.zeros(8, 8, dtype=torch.int32)                  # stand-ins: never read here
+    splits = torch.zeros(4, dtype=torch.int32)
+    outs = []
+    for sched in (None, (table, splits), FP8Schedule(table, splits)):
+        meta = dataclasses.replace(step.meta, decode_schedule=sched)
+        q, kv_c, k_pe = step.inputs()
+        outs.append(layer(q, kv_c, k_pe, step.cache.kv[0], step.cache.k_scale, meta))
+    mine = 2 if fp8_query else 1
+    assert len(seen) == 3
+    for i, got in enumerate(seen):
+        if i == mine:
+            assert got is not None and got[0] is table and got[1] is splits
+        else:
+            assert got is None
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
