@@ -17,6 +17,8 @@ step time / num_layers (the step includes embedding, final norm and head).
 
     python benchmarks/bench_hf_decode.py --device cuda                       # the table
     python benchmarks/bench_hf_decode.py --device cpu --config tiny --shapes 2x64 --iters 3
+    python benchmarks/bench_hf_decode.py --device cuda --modes ours-graph \
+        --kv-cache-dtype fp8 --k-scale 0.05 --fp8-decode-query 0.05 --ab mla-backend=gluon
 """
 from __future__ import annotations
 
@@ -54,12 +56,15 @@ def fill_static_cache(cfg, B, S, extra, dev, dtype):
     return cache
 
 
-def fill_paged_cache(cfg, B, S, extra, dev, dtype, backend_block=64):
+def fill_paged_cache(cfg, B, S, extra, dev, dtype, args, block_size=64):
     cache = mla_ops.hf.PagedMLACache(cfg, max_batch_size=B, max_cache_len=S + extra,
-                                     block_size=backend_block, device=dev, dtype=dtype)
-    for kv in cache.pool.kv:
-        kv.normal_()
+                                     block_size=block_size, device=dev, dtype=dtype,
+                                     kv_cache_dtype=args.kv_cache_dtype, k_scale=args.k_scale)
+    for kv in cache.pool.kv:     # random rows (an fp8 cache: N(0, 1) / k_scale, rounded)
+        kv.copy_(torch.randn(kv.shape, device=dev).div_(args.k_scale).to(kv.dtype))
     cache.occupy([S] * B)
+    if args.per_layer_schedule:
+        cache._flashmla_backends = cache._flashmla_fp8q_backends = frozenset()
     return cache
 
 
@@ -150,6 +155,21 @@ def _setting(spec):
     return obj, key, old, new
 
 
+def _settings(spec, model):
+    """The (object, key, old, new) settings of one --ab variant: '&'-joined
+    'MODULE.ATTR=VALUE' settings, or 'mla-backend=NAME' (every converted layer's decode
+    backend)."""
+    out = []
+    for part in spec.split("&"):
+        if part.startswith("mla-backend="):
+            name = part.split("=", 1)[1]
+            out += [(m.mla_attn, "backend", m.mla_attn.backend, name)
+                    for m in model.modules() if hasattr(m, "mla_attn")]
+        else:
+            out.append(_setting(part))
+    return out
+
+
 def _assign(obj, key, value):
     if isinstance(obj, dict):
         obj[key] = value
@@ -165,11 +185,11 @@ def ab_compare(args, runner_a, model, cfg, B, S, extra, dev, dtype, backend, nl)
     harness's own spread."""
     runners = [("as is", runner_a)]
     for spec in args.ab.split(";"):
-        settings = [_setting(part) for part in spec.split("&")]     # set together
-        cache_b = fill_paged_cache(cfg, B, S, extra, dev, dtype)
+        settings = _settings(spec, model)                          # set together
         for obj, key, _, new in settings:
             _assign(obj, key, new)
         try:
+            cache_b = fill_paged_cache(cfg, B, S, extra, dev, dtype, args)
             torch._dynamo.reset()
             runners.append((spec, mla_ops.hf.DecodeGraph(model, cache_b, batch_size=B,
                                                          backend=backend,
@@ -244,6 +264,12 @@ def main():
     ap.add_argument("--per-layer-schedule", action="store_true",
                     help="ours: let every layer's FlashMLA call compute its own scheduler "
                          "metadata (the default computes it once per step in the plan)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                    help="ours: the paged cache's storage (fp8: e4m3 with --k-scale)")
+    ap.add_argument("--k-scale", type=float, default=1.0, help="ours: the fp8 cache's scale")
+    ap.add_argument("--fp8-decode-query", type=float, default=None, metavar="Q_SCALE",
+                    help="ours: convert(fp8_decode_query=Q_SCALE): fp8 x fp8 decode "
+                         "(needs --kv-cache-dtype fp8)")
     ap.add_argument("--no-split-k", action="store_true",
                     help="ours: run the decode GEMM kernel without split-K (the best unsplit configs)")
     ap.add_argument("--vocab", type=int, default=None,
@@ -258,8 +284,9 @@ def main():
     ap.add_argument("--ab", default=None, metavar="MODULE.ATTR=VALUE[&...][;...]",
                     help="ours-graph: also capture one more DecodeGraph per ';'-separated "
                          "setting ('&' joins settings made together), with that module "
-                         "attribute or dict entry set while it "
-                         "compiles and captures (e.g. lowering.head_gemm.IMPL=torch, "
+                         "attribute or dict entry set while its cache is built and it "
+                         "compiles and captures (e.g. mla-backend=gluon: every layer's "
+                         "decode backend, lowering.head_gemm.IMPL=torch, "
                          "torch._inductor.config.triton.enable_pdl=1, "
                          "'lowering.linear.CONFIGS[(2, 18432, 7168, False)]=(32, 256, 4, 4)'), "
                          "and time them alternately in one process (runs of the same code "
@@ -288,7 +315,10 @@ def main():
         cfg.vocab_size = args.vocab
     cfg._attn_implementation = "sdpa"
     model = build_model(cfg, dev, dtype)
-    mla_ops.hf.convert(model, backend=args.mla_backend)   # a StaticCache still runs HF's path
+    if args.fp8_decode_query is not None and args.kv_cache_dtype != "fp8":
+        ap.error("--fp8-decode-query needs --kv-cache-dtype fp8")
+    mla_ops.hf.convert(model, backend=args.mla_backend,      # a StaticCache still runs HF's path
+                       fp8_decode_query=args.fp8_decode_query)
     nl = cfg.num_hidden_layers
     modes = args.modes.split(",")
     extra = 3 * (args.warmup + args.iters) + 80      # every timed, warm-up or host-timed step adds a token
@@ -300,16 +330,15 @@ def main():
     rows = []
     for shape in args.shapes.split(","):
         B, S = (int(x) for x in shape.split("x"))
-        res = {"B": B, "S": S, "layers": nl, "mla_backend": args.mla_backend}
+        res = {"B": B, "S": S, "layers": nl, "mla_backend": args.mla_backend,
+               "kv_cache_dtype": args.kv_cache_dtype, "fp8_decode_query": args.fp8_decode_query}
         for mode in modes:
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
             ids = torch.randint(3, cfg.vocab_size, (B, 1), device=dev)
             pos = torch.full((B, 1), S, device=dev, dtype=torch.long)
             if mode.startswith("ours"):
-                cache = fill_paged_cache(cfg, B, S, extra, dev, dtype)
-                if args.per_layer_schedule:
-                    cache._flashmla_backends = frozenset()
+                cache = fill_paged_cache(cfg, B, S, extra, dev, dtype, args)
             else:
                 cache = fill_static_cache(cfg, B, S, extra, dev, dtype)
             fwd = model.forward
