@@ -17,6 +17,9 @@ split-K partials, and the query's RoPE after q_b.
            of q = q_a @ w.T (q_b_proj), T = prod(lead): q_b, the query's RoPE and the
            absorption in one launch
 
+    mla::decode_q_absorb_fp8(..., interleave, q_scale [1] fp32)
+        -> the same query quantized to float8_e4m3fn with the static scale, in that launch
+
 On CUDA one Triton launch each (at most MAX_ROWS tokens; roundings in
 prologue_kernel.py); elsewhere HF's own steps in torch ops, bit for bit what its modules
 and RoPE functions compute. Defined with torch.library.triton_op, so Inductor sees the
@@ -230,10 +233,11 @@ def q_absorb_serves(q_a, w, W_UK_T, R: int) -> bool:
             and w.is_contiguous() and W_UK_T.is_contiguous())
 
 
-def launch_q_absorb(q_a, w, W_UK_T, cos, sin, interleave, y, *, wrap=True, config=None):
+def launch_q_absorb(q_a, w, W_UK_T, cos, sin, interleave, y, *, wrap=True, config=None,
+                    q_scale=None):
     """Run q_absorb_kernel: q_a [T, Q] (last dim contiguous), w [N * (P + R), Q] and
     W_UK_T [N, P, L] contiguous, cos / sin [T, R] (last dim contiguous), y [T, N, L + R]
-    contiguous."""
+    contiguous (float8_e4m3fn with q_scale [1] fp32: the quantized query)."""
     T, Q = q_a.shape
     N, P, L = W_UK_T.shape
     R = cos.shape[-1]
@@ -241,9 +245,10 @@ def launch_q_absorb(q_a, w, W_UK_T, cos, sin, interleave, y, *, wrap=True, confi
     block_t = max(16, triton.next_power_of_2(min(T, MAX_ROWS)))
     kernel = torch.library.wrap_triton(q_absorb_kernel) if wrap else q_absorb_kernel
     kernel[(N, triton.cdiv(T, block_t))](
-        q_a, w, W_UK_T, cos, sin, y, T, N, q_a.stride(0), cos.stride(0),
-        Q=Q, P=P, R=R, L=L, BLOCK_T=block_t, BLOCK_K=bk, BLOCK_L=bl,
-        INTERLEAVE=interleave, DOT_F32=not q_a.is_cuda, num_warps=warps, num_stages=stages)
+        q_a, w, W_UK_T, cos, sin, y, cos if q_scale is None else q_scale, T, N, q_a.stride(0),
+        cos.stride(0), Q=Q, P=P, R=R, L=L, BLOCK_T=block_t, BLOCK_K=bk, BLOCK_L=bl,
+        INTERLEAVE=interleave, DOT_F32=not q_a.is_cuda, QUANT=q_scale is not None,
+        num_warps=warps, num_stages=stages)
 
 
 @torch.library.triton_op("mla::decode_q_absorb", mutates_args={})
@@ -261,4 +266,27 @@ def decode_q_absorb(q_a: torch.Tensor, w: torch.Tensor, W_UK_T: torch.Tensor,
     c, s = _angle_rows(cos, sin, T, q_a.dtype)
     y = torch.empty((T, N, L + R), dtype=q_a.dtype, device=q_a.device)
     launch_q_absorb(a, w, W_UK_T, c, s, bool(interleave), y)
+    return y
+
+
+@torch.library.triton_op("mla::decode_q_absorb_fp8", mutates_args={})
+def decode_q_absorb_fp8(q_a: torch.Tensor, w: torch.Tensor, W_UK_T: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
+                        q_scale: torch.Tensor) -> torch.Tensor:
+    """decode_q_absorb's query quantized to float8_e4m3fn with the static scale q_scale
+    (one fp32 value): fp8(clamp(y / q_scale, -448, 448)), in the same launch."""
+    Q, N, P, R, L = _q_absorb_shape(q_a, w, W_UK_T, cos, sin)
+    if not isinstance(q_scale, torch.Tensor) or q_scale.dtype != torch.float32 \
+            or q_scale.numel() != 1 or q_scale.device != q_a.device:
+        raise TypeError(f"q_scale must be a one-element float32 tensor on {q_a.device}")
+    T = q_a.numel() // Q
+    if not q_absorb_serves(q_a, w, W_UK_T, R):
+        y = decode_q_absorb(q_a, w, W_UK_T, cos, sin, interleave)        # [T, N, L + R]
+        return (y.float() / q_scale.reshape(())).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    a = q_a.reshape(T, Q)
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    c, s = _angle_rows(cos, sin, T, q_a.dtype)
+    y = torch.empty((T, N, L + R), dtype=torch.float8_e4m3fn, device=q_a.device)
+    launch_q_absorb(a, w, W_UK_T, c, s, bool(interleave), y, q_scale=q_scale.reshape(1))
     return y

@@ -16,8 +16,10 @@ output is HF's de-interleaved order; rows P + j and P + R/2 + j otherwise), so a
 loop the two halves of the [R, BLOCK_T] accumulator are the rotation's operands. (Two
 separate [R/2, BLOCK_K] dots for x1 and x2 miscompiled on Triton 3.6 / H200 at some
 configs: wrong q_nope. One [R, BLOCK_K] dot does not.)
-Roundings follow the unfused ops: q_h to y's dtype (q_b's output), the absorbed GEMM in
-fp32 rounded once, RoPE in fp32 rounded once (q_rope_kernel.py's `rotate`).
+Roundings follow the unfused ops: q_h to q_a's dtype (q_b's output), the absorbed GEMM in
+fp32 rounded once, RoPE in fp32 rounded once (q_rope_kernel.py's `rotate`). With QUANT
+(y float8_e4m3fn, an fp8 decode query) each value rounded so is then quantized as a static
+fp8 quant does it: fp8(clamp(v / scale, -448, 448)), the division correctly rounded.
 
     grid = (N, cdiv(T, BLOCK_T))
 """
@@ -30,19 +32,48 @@ from .q_rope_kernel import rotate
 
 
 @triton.jit
+def _e4m3_grid(q):
+    """q (fp32, |q| <= 448) rounded to nearest-even on e4m3's grid, in fp32: 3 mantissa
+    bits, steps of 2^-9 below 2^-6. The CPU interpreter's fp32 -> e4m3 cast loses the carry
+    into the next binade (124.3 -> 64), so there the cast gets values already on the grid."""
+    expo = (q.to(tl.int32, bitcast=True) >> 23) & 255
+    ulp = ((tl.maximum(expo, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)
+    big = ulp * 12582912.0                       # 1.5 * 2^23 ulps: the add rounds to ulps
+    r = (tl.abs(q) + big) - big
+    return tl.where(q < 0, -r, r)                # keeps the sign of values rounded to 0
+
+
+@triton.jit
+def _out(v, scale, yt: tl.constexpr, QUANT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """v (rounded to q_a's dtype) as stored: itself, or quantized to e4m3 with QUANT."""
+    out = v
+    if QUANT:
+        q = tl.clamp(tl.math.div_rn(v.to(tl.float32), scale), -448.0, 448.0)
+        if INTERPRETED:
+            q = _e4m3_grid(q)
+        out = q.to(yt)
+    return out
+
+
+@triton.jit
 def q_absorb_kernel(
     a_ptr,                     # q_a [T, Q] rows, stride stride_at (last dim contiguous)
     w_ptr,                     # q_b weight [N * (P + R), Q] contiguous
     wuk_ptr,                   # W_UK_T [N, P, L] contiguous
     cos_ptr, sin_ptr,          # [T, R] rows, stride stride_cs (last dim contiguous)
-    y_ptr,                     # [T, N, L + R] contiguous
+    y_ptr,                     # [T, N, L + R] contiguous: q_a's dtype, or e4m3 with QUANT
+    scale_ptr,                 # [1] fp32 (QUANT: the fp8 query's static scale)
     T, N, stride_at, stride_cs,
     Q: tl.constexpr, P: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    INTERLEAVE: tl.constexpr, DOT_F32: tl.constexpr,
+    INTERLEAVE: tl.constexpr, DOT_F32: tl.constexpr, QUANT: tl.constexpr,
 ):
     H: tl.constexpr = R // 2
-    dt = y_ptr.dtype.element_ty
+    dt = a_ptr.dtype.element_ty          # q_a's dtype: every rounding before the quant
+    yt = y_ptr.dtype.element_ty
+    scale = 1.0
+    if QUANT:
+        scale = tl.load(scale_ptr)
     h = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)               # [BLOCK_T]
     r_ok = rows < T
@@ -88,7 +119,8 @@ def q_absorb_kernel(
         if DOT_F32:
             wuk = wuk.to(tl.float32)
         o = tl.dot(wuk, qn)                                                  # [BLOCK_L, BLOCK_T]
-        tl.store(y_row[None, :] + (l0 + l)[:, None], o.to(dt), mask=r_ok[None, :])
+        tl.store(y_row[None, :] + (l0 + l)[:, None], _out(o.to(dt), scale, yt, QUANT, DOT_F32),
+                 mask=r_ok[None, :])
 
     # RoPE of the rope rows, after q_b's rounding
     xr = acc_r.to(dt).to(tl.float32).reshape(2, H, BLOCK_T)                 # [x1; x2]
@@ -100,5 +132,5 @@ def q_absorb_kernel(
     cos2 = tl.load(cos_ptr + cs + c2[:, None], mask=m, other=0.0).to(tl.float32)
     sin2 = tl.load(sin_ptr + cs + c2[:, None], mask=m, other=0.0).to(tl.float32)
     o1, o2 = rotate(x1, x2, cos1, sin1, cos2, sin2, dt)
-    tl.store(y_row[None, :] + L + j[:, None], o1, mask=m)
-    tl.store(y_row[None, :] + L + H + j[:, None], o2, mask=m)
+    tl.store(y_row[None, :] + L + j[:, None], _out(o1, scale, yt, QUANT, DOT_F32), mask=m)
+    tl.store(y_row[None, :] + L + H + j[:, None], _out(o2, scale, yt, QUANT, DOT_F32), mask=m)

@@ -174,9 +174,11 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     epilogues and runs its two RMSNorms (and the model's final one) as mla::rms_norm
     (mla_ops/hf_layer.py); same roundings as HF's modules.
 
-    fp8_decode_query=q_scale builds each decode step's 576-wide query in the graph and
-    quantizes it to fp8 with that static scale (fp8 x fp8 decode; the cache must then be
-    fp8). The Inductor passes fuse its cat + quant (passes.compile_with_passes).
+    fp8_decode_query=q_scale quantizes each decode step's 576-wide query to fp8 with that
+    static scale (fp8 x fp8 decode; the cache must then be fp8). On CUDA, where the decode
+    query kernel serves the step, it builds and quantizes the query in one launch
+    (mla::decode_q_absorb_fp8); elsewhere the query's cat + quant are in the graph, where
+    the Inductor passes fuse them (passes.compile_with_passes).
 
     All checks and weight absorption happen before the first module is touched, so a
     failure leaves the model as it was. Converting twice is a no-op.

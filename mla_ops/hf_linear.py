@@ -118,18 +118,22 @@ FUSE_QUERY = True
 def absorbed_decode_query(attn, q_a: torch.Tensor, position_embeddings):
     """The absorbed decode query [T, N, L + R] = [q_nope @ W_UK_T | RoPE(q_pe)] of a
     converted DeepSeek-V3 attention, from q_a_layernorm's output q_a [B, S, q_lora]: q_b_proj,
-    the query's RoPE and the absorption in one launch (mla::decode_q_absorb). Call it for
-    decode rows only. None where its kernel does not serve the call (then the caller runs
-    q_b_proj and the attention op absorbs)."""
+    the query's RoPE and the absorption in one launch (mla::decode_q_absorb; with an fp8
+    decode query, mla::decode_q_absorb_fp8, quantized with the layer's q_scale). Call it
+    for decode rows only. None where its kernel does not serve the call (then the caller
+    runs q_b_proj and the attention op absorbs)."""
     mla = attn.mla_attn
-    if not FUSE_QUERY or mla.q_scale is not None or not _use_ops(attn.q_b_proj):
+    if not FUSE_QUERY or not _use_ops(attn.q_b_proj):
         return None
     w, cos, sin = attn.q_b_proj.weight, *position_embeddings             # cos / sin [B, S, R]
     if (w.dtype != q_a.dtype or mla.W_UK_T.dtype != q_a.dtype
             or not lowering.prologue.q_absorb_serves(q_a, w, mla.W_UK_T, cos.shape[-1])):
         return None
-    return torch.ops.mla.decode_q_absorb(q_a, w, mla.W_UK_T, cos, sin,
-                                         bool(attn.config.rope_interleave))
+    interleave = bool(attn.config.rope_interleave)
+    if mla.q_scale is not None:            # an fp8 decode query: quantized in the same launch
+        return torch.ops.mla.decode_q_absorb_fp8(q_a, w, mla.W_UK_T, cos, sin, interleave,
+                                                 mla.q_scale)
+    return torch.ops.mla.decode_q_absorb(q_a, w, mla.W_UK_T, cos, sin, interleave)
 
 
 # ------------------------------------------------------------------------- MLP

@@ -108,13 +108,19 @@ class MLAAttention(nn.Module):
         kv_cache_dtype (default: the layer's) says how kv_cache stores rows: "auto"|"fp8".
         decode_q: the absorbed query of the decode rows [nd, N, L+R] in q's dtype, when the
         caller built it (mla::decode_q_absorb); q's decode rows are then not read, and q
-        may be None when every row is a decode row.
+        may be None when every row is a decode row. With enable_fp8_decode_query, decode_q
+        is the query quantized with the layer's q_scale (mla::decode_q_absorb_fp8).
         """
         if self.W_UK_T is None:
             raise RuntimeError("call absorb(kv_b_proj.weight) before forward")
         kind = self.kv_cache_dtype if kv_cache_dtype is None else kv_cache_dtype
-        if decode_q is not None and self.q_scale is not None:
-            raise ValueError("pass decode_q or enable_fp8_decode_query, not both")
+        fp8_given = decode_q is not None and decode_q.dtype == FP8
+        if decode_q is not None and self.q_scale is not None and not fp8_given:
+            raise ValueError("pass a 16-bit decode_q or enable_fp8_decode_query, not both (with "
+                             "an fp8 query, decode_q is float8_e4m3fn quantized with q_scale)")
+        if fp8_given and self.q_scale is None:
+            raise ValueError("an fp8 decode_q needs enable_fp8_decode_query(q_scale): the "
+                             "scale it was quantized with")
         if self.q_scale is not None and kind == "auto":
             raise ValueError("an fp8 decode query (enable_fp8_decode_query) needs an fp8 KV "
                              "cache: kv_cache_dtype='fp8'")
@@ -123,16 +129,20 @@ class MLAAttention(nn.Module):
             if decode_q is None or decode_q.shape[0] != T:
                 raise ValueError("q may be None only when decode_q holds every row's query")
             # the op reads q's decode rows only without decode_q: a view of decode_q stands
-            # in for their shape and dtype (no copy, no kernel)
-            q = decode_q[..., :self.qk_nope_head_dim + self.qk_rope_head_dim]
+            # in for their shape and dtype (no copy, no kernel); for an fp8 one, an
+            # unwritten buffer in the activations' dtype
+            PR = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = (kv_c_normed.new_empty((T, self.num_heads, PR)) if fp8_given
+                 else decode_q[..., :PR])
         dep = torch.ops.mla.kv_cache_update(kv_c_normed, k_pe, kv_cache, meta.slot_mapping,
                                             kind, k_scale)                  # [0]
         out = q.new_empty(T, self.num_heads * self.v_head_dim)              # [T, N * V]
         decode_q_scale = None
         nd = meta.num_decode_tokens
         if self.q_scale is not None and nd > 0:
-            q_mqa = build_decode_query(q[:nd], self.W_UK_T)                # [nd, N, L + R]
-            decode_q = torch.ops.mla.quant_fp8_static(q_mqa, self.q_scale)
+            if decode_q is None:
+                q_mqa = build_decode_query(q[:nd], self.W_UK_T)            # [nd, N, L + R]
+                decode_q = torch.ops.mla.quant_fp8_static(q_mqa, self.q_scale)
             decode_q_scale = self.q_scale
         # FlashMLA's 16-bit and fp8 kernels have schedules of their own: pass the kind
         # this layer's query runs on (the op cannot tell them apart), else none

@@ -219,3 +219,26 @@ def test_layer_passes_only_the_schedule_of_its_query_kind(fp8_query, monkeypatch
         else:
             assert got is None
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_prebuilt_fp8_decode_query():
+    """With enable_fp8_decode_query, decode_q may come quantized with the layer's q_scale
+    (as mla::decode_q_absorb_fp8 builds it): the same output as the layer quantizing its
+    own query, with q given or None; an fp8 decode_q without the layer's scale is refused."""
+    from mla_ops.attention import build_decode_query
+    from mla_ops.quant import quant_fp8_static
+    layer, kv_b = make_layer(D, torch.float32, kv_cache_dtype="fp8")
+    step = Step(D, [10, 3, 6], [1, 1, 1], block_size=4, kv_cache_dtype="fp8")
+    q, kv_c, k_pe = step.inputs()
+    q_mqa = build_decode_query(q, layer.W_UK_T)
+    with pytest.raises(ValueError, match="needs enable_fp8_decode_query"):
+        layer(None, kv_c, k_pe, step.cache.kv[0], step.cache.k_scale, step.meta,
+              decode_q=quant_fp8_static(q_mqa, torch.tensor([0.01])))
+    layer.enable_fp8_decode_query(q_mqa.abs().amax() / 448.0)
+    own = layer(q, kv_c, k_pe, step.cache.kv[0], step.cache.k_scale, step.meta)
+    q8 = quant_fp8_static(q_mqa, layer.q_scale)
+    for q_in in (q, None):
+        got = layer(q_in, kv_c, k_pe, step.cache.kv[0], step.cache.k_scale, step.meta,
+                    decode_q=q8)
+        assert got.dtype == own.dtype and torch.equal(got, own)
+    assert rel_err(own, step.reference(kv_b, layer.softmax_scale)) < 6e-2
