@@ -5,6 +5,8 @@ backend can serve a call, or a sentence naming the unmet condition.
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from .reference import mla_decode_reference
@@ -49,10 +51,14 @@ def unmet_condition(name, q, kv_cache, kind, auto=False):
 
 # ---- GPU backends, imported lazily so `import lowering` needs neither triton nor flash_mla ----
 
+# Looked up once: torch.compile (torch 2.11) refuses to trace importlib's find_spec, and
+# mla_decode's backend choice runs inside compiled code.
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def _triton_unmet(q, kv_cache, kind):
-    import importlib.util
     import os
-    if importlib.util.find_spec("triton") is None:
+    if not _HAVE_TRITON:
         return "the triton package is not installed"
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return f"q is on {q.device.type}; the triton backend needs CUDA (or TRITON_INTERPRET=1)"
