@@ -29,29 +29,17 @@ import triton
 import triton.language as tl
 
 from .q_rope_kernel import rotate
+from .quant_kernels import FP8_MAX, _div_rn, _to_e4m3
 
 
 @triton.jit
-def _e4m3_grid(q):
-    """q (fp32, |q| <= 448) rounded to nearest-even on e4m3's grid, in fp32: 3 mantissa
-    bits, steps of 2^-9 below 2^-6. The CPU interpreter's fp32 -> e4m3 cast loses the carry
-    into the next binade (124.3 -> 64), so there the cast gets values already on the grid."""
-    expo = (q.to(tl.int32, bitcast=True) >> 23) & 255
-    ulp = ((tl.maximum(expo, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)
-    big = ulp * 12582912.0                       # 1.5 * 2^23 ulps: the add rounds to ulps
-    r = (tl.abs(q) + big) - big
-    return tl.where(q < 0, -r, r)                # keeps the sign of values rounded to 0
-
-
-@triton.jit
-def _out(v, scale, yt: tl.constexpr, QUANT: tl.constexpr, INTERPRETED: tl.constexpr):
-    """v (rounded to q_a's dtype) as stored: itself, or quantized to e4m3 with QUANT."""
+def _out(v, scale, y_ptr, QUANT: tl.constexpr):
+    """v (rounded to q_a's dtype) as stored: itself, or with QUANT quantized to e4m3 as
+    the static quant kernel does (fp32 division rounded to nearest, clamp, e4m3 grid)."""
     out = v
     if QUANT:
-        q = tl.clamp(tl.math.div_rn(v.to(tl.float32), scale), -448.0, 448.0)
-        if INTERPRETED:
-            q = _e4m3_grid(q)
-        out = q.to(yt)
+        x = v.to(tl.float32)
+        out = _to_e4m3(tl.clamp(_div_rn(x, scale + tl.zeros_like(x)), -FP8_MAX, FP8_MAX), y_ptr)
     return out
 
 
@@ -70,7 +58,6 @@ def q_absorb_kernel(
 ):
     H: tl.constexpr = R // 2
     dt = a_ptr.dtype.element_ty          # q_a's dtype: every rounding before the quant
-    yt = y_ptr.dtype.element_ty
     scale = 1.0
     if QUANT:
         scale = tl.load(scale_ptr)
@@ -119,7 +106,7 @@ def q_absorb_kernel(
         if DOT_F32:
             wuk = wuk.to(tl.float32)
         o = tl.dot(wuk, qn)                                                  # [BLOCK_L, BLOCK_T]
-        tl.store(y_row[None, :] + (l0 + l)[:, None], _out(o.to(dt), scale, yt, QUANT, DOT_F32),
+        tl.store(y_row[None, :] + (l0 + l)[:, None], _out(o.to(dt), scale, y_ptr, QUANT),
                  mask=r_ok[None, :])
 
     # RoPE of the rope rows, after q_b's rounding
@@ -132,5 +119,5 @@ def q_absorb_kernel(
     cos2 = tl.load(cos_ptr + cs + c2[:, None], mask=m, other=0.0).to(tl.float32)
     sin2 = tl.load(sin_ptr + cs + c2[:, None], mask=m, other=0.0).to(tl.float32)
     o1, o2 = rotate(x1, x2, cos1, sin1, cos2, sin2, dt)
-    tl.store(y_row[None, :] + L + j[:, None], _out(o1, scale, yt, QUANT, DOT_F32), mask=m)
-    tl.store(y_row[None, :] + L + H + j[:, None], _out(o2, scale, yt, QUANT, DOT_F32), mask=m)
+    tl.store(y_row[None, :] + L + j[:, None], _out(o1, scale, y_ptr, QUANT), mask=m)
+    tl.store(y_row[None, :] + L + H + j[:, None], _out(o2, scale, y_ptr, QUANT), mask=m)

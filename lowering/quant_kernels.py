@@ -185,7 +185,7 @@ def _wuv_quant_kernel(a_ptr, w_ptr, y_ptr, s_ptr, scale_ptr, T, N,
     else:
         xg = tl.reshape(x, (BLOCK_T, V // GROUP, GROUP))
         amax = tl.max(tl.abs(xg), axis=2)                                # [BLOCK_T, V/G]
-        sg = _div_rn(tl.maximum(amax, 1e-10), FP8_MAX + tl.zeros_like(amax))
+        sg = _div_rn(tl.maximum(amax, 1e-10), tl.zeros_like(amax) + FP8_MAX)
         y = tl.clamp(_div_rn(xg, sg[:, :, None] + tl.zeros_like(xg)), -FP8_MAX, FP8_MAX)
         y = tl.reshape(y, (BLOCK_T, V))
         tl.store(out, _to_e4m3(y, y_ptr), mask=rmask[:, None])
