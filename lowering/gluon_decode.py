@@ -179,8 +179,7 @@ def _launch(pick, q, kv_cache, block_table, cache_seqlens, scales, softmax_scale
         q_desc, kv_desc, block_table, cache_seqlens, *scales, o1, l1, softmax_scale * LOG2E,
         block_table.stride(0), block_table.shape[1], num_blocks, splits,
         S_Q=s_q, H=H, PAGE=page, BN=BN, STAGES=config["STAGES"], DIRECT=splits == 1,
-        CAUSAL=causal, num_warps=NUM_WARPS,
-        **{k: v for k, v in config.items() if k not in ("BN", "STAGES")})
+        CAUSAL=causal, num_warps=NUM_WARPS)
     if splits > 1:
         mla_decode_merge_kernel[(rows, B)](
             o1, l1, out, lse, splits, S_Q=s_q, H=H, L=L,
