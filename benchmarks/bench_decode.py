@@ -27,8 +27,8 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import lowering.triton_decode as td  # noqa: E402
-from lowering.reference import mla_decode_reference  # noqa: E402
+import lowering.decode.triton_decode as td  # noqa: E402
+from lowering.decode.reference import mla_decode_reference  # noqa: E402
 from timing import graph_time_us  # noqa: E402
 
 SHAPES = [(1, 128, 4096), (32, 128, 4096), (64, 128, 8192), (128, 16, 4096),
@@ -98,7 +98,7 @@ def kernel_stats(cubin_dir=None):
 
     With cubin_dir, the first few cubins are written there for disassembly.
     """
-    from lowering.triton_decode_kernel import mla_decode_stage1_kernel as k
+    from lowering.decode.triton_decode_kernel import mla_decode_stage1_kernel as k
     stats = []
     try:
         for cache in k.device_caches.values():
@@ -154,7 +154,7 @@ def bench_shape(B, H, S, args, ceilings, log):
         return row
 
     try:
-        import lowering.flashmla as fm
+        import lowering.decode.flashmla as fm
         fm_fn = lambda: fm.flashmla_decode_op(q, kv, bt, lens, scale, True, L)  # noqa: E731
         record("flashmla", fm_fn, "bf16")
         # the scheduler table computed once outside the timed call, as a model's step
@@ -165,11 +165,11 @@ def bench_shape(B, H, S, args, ceilings, log):
                 q, kv, bt, lens, scale, True, L, *sched), "bf16")
     except ImportError as exc:
         log(f"  flashmla unavailable: {exc}")
-    from lowering.gluon_decode import (gluon_decode_fp8q_op, gluon_decode_op, gluon_fp8q_unmet,
+    from lowering.decode.gluon_decode import (gluon_decode_fp8q_op, gluon_decode_op, gluon_fp8q_unmet,
                                        gluon_unmet)
     reason = gluon_unmet(q, kv, "auto")
     if reason is None:
-        import lowering.gluon_decode as gd
+        import lowering.decode.gluon_decode as gd
         record("gluon_bf16", lambda: gluon_decode_op(q, kv, bt, lens, scale, True), "bf16")
 
         def ring():                       # the kernel pages of 32 take, at page 64 here
@@ -188,7 +188,7 @@ def bench_shape(B, H, S, args, ceilings, log):
     else:
         log(f"  gluon fp8: {reason}")
     try:
-        import lowering.flashmla as fm
+        import lowering.decode.flashmla as fm
         reason = fm.flashmla_fp8q_unmet(q8, kv8, L, torch.bfloat16)
     except ImportError as exc:
         reason = str(exc)

@@ -2,7 +2,7 @@
 
 1. Read ceiling: a Triton kernel that only reads 1 GiB (grid-stride, fp32 sum per
    program), against the copy ceiling the other benchmarks use (bytes read + written).
-2. The same weight-streaming GEMM as lowering/linear_kernel.py (y = x @ w.T, or
+2. The same weight-streaming GEMM as lowering/gemm/linear_kernel.py (y = x @ w.T, or
    silu(x @ wg.T) * (x @ wu.T)), with its tiles loaded by the Hopper tensor-memory
    accelerator (host-side `TensorDescriptor`s) instead of pointer loads, against the
    kernel the converted model runs (its CONFIGS entry, or the best few-stage config) and
@@ -27,7 +27,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from timing import announce_ceiling, graph_time_us  # noqa: E402
-from lowering import linear  # noqa: E402
+from lowering.gemm import linear  # noqa: E402
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""MLA's absorbed per-head GEMMs of a decode step: cuBLAS against lowering/head_gemm.py.
+"""MLA's absorbed per-head GEMMs of a decode step: cuBLAS against lowering/gemm/head_gemm.py.
 
     query:  [q_nope @ W_UK_T | q_pe]  q [t, N, 192] -> [t, N, 576]   (W_UK_T [N, 128, 512])
     output: o [t, N, 512] @ W_UV -> [t, N*128]                         (W_UV [N, 512, 128])
@@ -7,7 +7,7 @@ cuBLAS is what the attention op ran before the kernel (a strided-batch bmm into 
 destination, plus the q_pe copy for the query); the kernel is timed for each config of
 SWEEP, checked against fp32 first. CUDA-graph replays with the L2 flushed (a decode step
 reads these weights once per layer, never from L2). Prints the best configs as the
-`lowering.head_gemm.CONFIGS` entries they are.
+`lowering.gemm.head_gemm.CONFIGS` entries they are.
 
     python benchmarks/bench_head_gemm.py            # H200: V3 dims, 128 heads, t = 1, 32
 """
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from timing import (announce_ceiling, best_config, gemm_header, gemm_row,  # noqa: E402
                     add_timer_args, chosen_timer, print_configs)
-from lowering import head_gemm  # noqa: E402
+from lowering.gemm import head_gemm  # noqa: E402
 
 # (BLOCK_J, BLOCK_K, num_warps, num_stages) swept
 SWEEP = [
@@ -84,7 +84,7 @@ def main():
             k_us, cfg = best_kernel(a, w, y, copy, ref, timer, args.show)
             configs[(K, J, t <= 16)] = cfg
             print(gemm_row(name, f"{nbytes / 1e6:.1f}", nbytes, c_us, k_us, ceil, cfg), flush=True)
-    print_configs("lowering.head_gemm.CONFIGS", configs)
+    print_configs("lowering.gemm.head_gemm.CONFIGS", configs)
 
 
 if __name__ == "__main__":

@@ -286,9 +286,9 @@ def main():
                          "setting ('&' joins settings made together), with that module "
                          "attribute or dict entry set while its cache is built and it "
                          "compiles and captures (e.g. mla-backend=gluon: every layer's "
-                         "decode backend, lowering.head_gemm.IMPL=torch, "
+                         "decode backend, lowering.gemm.head_gemm.IMPL=torch, "
                          "torch._inductor.config.triton.enable_pdl=1, "
-                         "'lowering.linear.CONFIGS[(2, 18432, 7168, False)]=(32, 256, 4, 4)'), "
+                         "'lowering.gemm.linear.CONFIGS[(2, 18432, 7168, False)]=(32, 256, 4, 4)'), "
                          "and time them alternately in one process (runs of the same code "
                          "differ by up to 7%% between processes)")
     ap.add_argument("--ab-rounds", type=int, default=10)
@@ -298,7 +298,7 @@ def main():
 
     import lowering
     if args.no_split_k:       # the best configs without split-K (measured before it existed)
-        from lowering import linear
+        from lowering.gemm import linear
         linear.CONFIGS.update({(1, 2112, 7168, True): (16, 512, 4, 4),
                                (1, 2112, 7168, False): (16, 256, 4, 4)})
         for key, cfg in list(linear.CONFIGS.items()):

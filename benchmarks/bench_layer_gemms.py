@@ -4,10 +4,10 @@ one, at decode batch sizes.
 A decode step streams every weight once; at M <= 32 rows each GEMM is a weight read, so its
 time against the copy ceiling says how close the layer can get to the bandwidth floor.
 Each row times what HF's modules run (cuBLAS, `torch.mm`; for the fused rows the unfused
-GEMMs they replace) against the weight-streaming kernel of lowering/linear_kernel.py in the
+GEMMs they replace) against the weight-streaming kernel of lowering/gemm/linear_kernel.py in the
 mode the converted model uses (q_a + kv_a in one launch, gate + up with SiLU x up in one
 launch), best of CONFIGS, each checked against cuBLAS first. Prints the best configs as
-the `lowering.linear.CONFIGS` entries they are.
+the `lowering.gemm.linear.CONFIGS` entries they are.
 
     python benchmarks/bench_layer_gemms.py          # H200: V3 dims, M = 1 and 32
 """
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from timing import (announce_ceiling, best_config, gemm_header, gemm_row,  # noqa: E402
                     add_timer_args, chosen_timer, print_configs)
-from lowering import linear  # noqa: E402
+from lowering.gemm import linear  # noqa: E402
 
 # (name, mode, out_features (w1, w2), in_features) of V3's attention + dense MLP weights
 GEMMS = [
@@ -127,7 +127,7 @@ def main():
             del ws
         if tot_b:
             print(gemm_row("the layer", f"{tot_b / 1e6:.0f}", tot_b, tot_c, tot_t, ceil), flush=True)
-    print_configs("lowering.linear.CONFIGS", configs)
+    print_configs("lowering.gemm.linear.CONFIGS", configs)
 
 
 if __name__ == "__main__":

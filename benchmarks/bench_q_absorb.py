@@ -1,13 +1,13 @@
 """A decode step's query after q_a_layernorm: three launches against mla::decode_q_absorb.
 
     unfused: q = q_b_proj(q_a) (the converted layer's GEMM op), mla::decode_q_rope(q),
-             [q_nope @ W_UK_T | q_pe] (lowering.head_gemm.absorb_query)
+             [q_nope @ W_UK_T | q_pe] (lowering.gemm.head_gemm.absorb_query)
     fused:   q_absorb_kernel, each config of SWEEP (checked against fp32 first)
 
 DeepSeek-V3's query (q_lora 1536, 128 heads, P 128, R 64, L 512), bf16, interleaved RoPE.
 The weights read are q_b's 75.5 MB and W_UK_T's 16.8 MB; "of ceiling" is the bytes over
 the time, as a fraction of the measured copy ceiling. Prints the best configs as the
-`lowering.prologue.Q_ABSORB_CONFIGS` entries they are.
+`lowering.fused.prologue.Q_ABSORB_CONFIGS` entries they are.
 
     python benchmarks/bench_q_absorb.py --timer kernel --show      # rows 1 and 32
 """
@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from timing import (add_timer_args, announce_ceiling, best_config, capture,  # noqa: E402
                     chosen_timer)
-from lowering import prologue  # noqa: E402
-from lowering.head_gemm import absorb_query  # noqa: E402
-from mla_ops.hf_linear import _decode_linear  # noqa: E402
+from lowering.fused import prologue  # noqa: E402
+from lowering.gemm.head_gemm import absorb_query  # noqa: E402
+from mla_ops.hf.linear import _decode_linear  # noqa: E402
 
 # (BLOCK_K, BLOCK_L, num_warps, num_stages) swept
 SWEEP = [(bk, bl, w, s) for bk in (64, 128) for bl in (64, 128) for w in (4, 8)

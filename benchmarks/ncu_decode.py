@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import lowering.triton_decode as td  # noqa: E402
+import lowering.decode.triton_decode as td  # noqa: E402
 
 B, H, S = (int(x) for x in sys.argv[1:4])
 FP8 = sys.argv[4:5] == ["fp8"]
@@ -25,12 +25,12 @@ bt = torch.randperm(B * S // PAGE, device="cuda").int().reshape(B, S // PAGE)
 lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
 for _ in range(2):
     td.triton_decode_op(q, kv, bt, lens, None, None, 192 ** -0.5, True, L, 0, False, torch.bfloat16)
-from lowering.gluon_decode import gluon_decode_op, gluon_unmet  # noqa: E402
+from lowering.decode.gluon_decode import gluon_decode_op, gluon_unmet  # noqa: E402
 if gluon_unmet(q, kv, "auto") is None:
     for _ in range(2):
         gluon_decode_op(q, kv, bt, lens, 192 ** -0.5, True)
 try:
-    import lowering.flashmla as fm
+    import lowering.decode.flashmla as fm
     for _ in range(2):
         fm.flashmla_decode_op(q, kv, bt, lens, 192 ** -0.5, True, L)
 except ImportError:

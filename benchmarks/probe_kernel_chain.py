@@ -23,7 +23,7 @@
     --part k-order  o_proj, down_proj and gate + up alone (kernel timer, L2 flushed) with
                     program p starting its K loop at tile (p * ROT) % k_tiles, so that
                     programs do not read the same columns (rows 32 KB apart) at once.
-    --part norm     lowering/rms_norm_kernel.py alone at 32 / 1 rows by num_warps.
+    --part norm     lowering/fused/rms_norm_kernel.py alone at 32 / 1 rows by num_warps.
 
     python benchmarks/probe_kernel_chain.py [--part pdl,attention,prefetch,flash-l2,k-order,norm]
 """
@@ -42,9 +42,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from timing import capture, kernel_time_us  # noqa: E402
-from lowering import linear  # noqa: E402
-from lowering.linear_kernel import decode_linear_kernel  # noqa: E402
-from lowering.rms_norm_kernel import rms_norm_kernel  # noqa: E402
+from lowering.gemm import linear  # noqa: E402
+from lowering.gemm.linear_kernel import decode_linear_kernel  # noqa: E402
+from lowering.fused.rms_norm_kernel import rms_norm_kernel  # noqa: E402
 
 
 

@@ -8,7 +8,7 @@ Checks: length 1, odd lengths, many and empty splits, the direct path, s_q > 1, 
 unwritten cache rows; relative error < 5e-2 and LSE error < 1e-2 on the dequantized values
 (P is e4m3). Timing: CUDA-graph medians (timing.graph_time_us), every request at length S,
 page 64, two rounds per config. The library picks its config with
-lowering.gluon_decode.fp8_config; this forces each in turn.
+lowering.decode.gluon_decode.fp8_config; this forces each in turn.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 import lowering  # noqa: E402
-from lowering import gluon_decode as gd  # noqa: E402
+from lowering.decode import gluon_decode as gd  # noqa: E402
 from mla_reference import decode_ref64, make_case, poison_unwritten_rows, rel_err  # noqa: E402
 from timing import graph_time_us  # noqa: E402
 
@@ -38,7 +38,7 @@ def quantize(x):
 
 
 def run(config, q8, kv8, bt, cl, qs, ks, splits=0):
-    from lowering.gluon_fp8_decode_kernel import mla_decode_fp8_kernel
+    from lowering.decode.gluon_fp8_kernel import mla_decode_fp8_kernel
     return gd._launch(lambda page, keys: (mla_decode_fp8_kernel, config), q8, kv8, bt, cl,
                       (qs, ks), SCALE, True, splits)
 

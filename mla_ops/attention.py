@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 import lowering
-from lowering.head_gemm import absorb_output, absorb_query
+from lowering.gemm.head_gemm import absorb_output, absorb_query
 from lowering.checks import FLOAT_DTYPES, check_kv_cache_dtype_pair, check_tensor, is_capturing
-from .prefill import prefill_attention
-from .quant import FP8, quant_fp8_group, quant_fp8_static, group_scales
+from mla_ops.prefill import prefill_attention
+from mla_ops.quant import FP8, quant_fp8_group, quant_fp8_static, group_scales
 
 
 def check_attention_args(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
@@ -98,8 +98,8 @@ def _quant_impl(x: torch.Tensor):
     """mla_ops.quant_ops (Triton kernels on CUDA, one launch per quant) when triton is
     importable and selected for x; None means the torch reference here."""
     try:
-        from . import quant_ops as pq
-        import lowering.quant_kernels  # noqa: F401  (needs triton)
+        from mla_ops import quant_ops as pq
+        import lowering.fused.quant_kernels  # noqa: F401  (needs triton)
     except ImportError:
         return None
     return pq if pq._use_triton(x) else None
@@ -142,7 +142,7 @@ def decode_output(out_latent, W_UV, dst, output_scale, block_scale) -> None:
         pq = _quant_impl(out_latent)
         g = None if block_scale is None else dst.shape[1] // block_scale.shape[1]
         if pq is not None:
-            from lowering.quant_kernels import wuv_quant, wuv_quant_supported
+            from lowering.fused.quant_kernels import wuv_quant, wuv_quant_supported
             if wuv_quant_supported(out_latent, W_UV, g) is None:
                 wuv_quant(out_latent, W_UV, scale=output_scale, group_size=g, out=dst,
                           block_scale=block_scale)
@@ -199,12 +199,12 @@ def _fp8_query_decode(q8, q_scale, kv_cache, block_table, lens, softmax_scale, k
     (bounded) inputs, from lowering.decode_schedule(..., fp8q=True), or None."""
     if kind == "fp8" and q8.is_cuda and backend in ("auto", "flashmla", "gluon", "triton"):
         try:
-            from lowering import triton_decode  # noqa: F401  (the fp8 kernels need triton)
+            from lowering.decode import triton_decode  # noqa: F401  (the fp8 kernels need triton)
             have_triton = True
         except ImportError:
             have_triton = False
         if have_triton:
-            from lowering.flashmla import FP8Schedule
+            from lowering.decode.flashmla import FP8Schedule
             sched = None if schedule is None else FP8Schedule(*schedule)
             return lowering.mla_decode_fp8q(q8, kv_cache, block_table, lens, softmax_scale,
                                             q_scale=q_scale, k_scale=k_scale, causal=True,

@@ -12,12 +12,12 @@ import math
 import torch
 from torch import nn
 
-from lowering.flashmla import FP8Schedule
+from lowering.decode.flashmla import FP8Schedule
 
-from . import no_backward, ops, quant_ops  # noqa: F401  (register torch.ops.mla.*)
-from .attention import build_decode_query
-from .metadata import MLAMetadata
-from .quant import FP8, dequantize_block_fp8
+from mla_ops import no_backward, ops, quant_ops  # noqa: F401  (register torch.ops.mla.*)
+from mla_ops.attention import build_decode_query
+from mla_ops.metadata import MLAMetadata
+from mla_ops.quant import FP8, dequantize_block_fp8
 
 
 def yarn_mscale(factor: float, mscale_all_dim: float) -> float:

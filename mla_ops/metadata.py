@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .cache import BlockAllocator
+from mla_ops.cache import BlockAllocator
 
 
 @dataclass
@@ -28,7 +28,7 @@ class MLAMetadata:
     # With it, block_table and seq_lens must come from lowering.bound_decode_inputs (the
     # calls then skip their own bounding under CUDA-graph capture). A layer with an fp8
     # decode query reads only an fp8 one (decode_schedule(..., fp8q=True): a
-    # lowering.flashmla.FP8Schedule), other layers only the 16-bit one; each ignores the other.
+    # lowering.decode.flashmla.FP8Schedule), other layers only the 16-bit one; each ignores the other.
     decode_schedule: Optional[tuple] = None
 
     @property
@@ -57,7 +57,7 @@ class MLAMetadata:
         need = sum(-(-(allocator.seq_len(s) + n) // allocator.block_size) - len(allocator.blocks(s))
                    for s, n in zip(seq_ids, query_lens))
         if need > allocator.num_free_blocks:
-            from .cache import CacheFullError
+            from mla_ops.cache import CacheFullError
             raise CacheFullError(f"this step needs {need} new blocks, {allocator.num_free_blocks} free")
         slots = []
         for s, n in zip(seq_ids, query_lens):

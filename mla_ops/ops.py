@@ -16,7 +16,7 @@ import torch
 
 from lowering.checks import (FLOAT_DTYPES, FP8_DTYPES, check_kv_cache_dtype_pair,
                              check_tensor, is_capturing)
-from .quant import quant_fp8_static
+from mla_ops.quant import quant_fp8_static
 
 # ---------------------------------------------------------------- kv_cache_update
 
@@ -81,7 +81,7 @@ def _triton_cache_write(kv_cache: torch.Tensor):
     if not kv_cache.is_cuda:
         return None
     try:
-        from lowering.cache_write_kernel import write_cache_rows
+        from mla_ops.cache.write_kernel import write_cache_rows
     except ImportError:
         return None
     return write_cache_rows
@@ -163,7 +163,7 @@ def attention_with_output(
         decode_schedule: Optional[torch.Tensor] = None,
         decode_splits: Optional[torch.Tensor] = None,
 ) -> None:
-    from .attention import check_attention_args, check_decode_query, run_attention
+    from mla_ops.attention import check_attention_args, check_decode_query, run_attention
     check_attention_args(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
                          query_start_loc, num_decode_tokens, softmax_scale, kv_cache_dtype,
                          k_scale, kv_cache_dep, output, output_scale, output_block_scale,

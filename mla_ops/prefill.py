@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from lowering.reference import dequant_cache
+from lowering.decode.reference import dequant_cache
 
 
 def up_project(kv_c: torch.Tensor, W_UK_T: torch.Tensor, W_UV: torch.Tensor):

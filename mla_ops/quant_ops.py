@@ -10,7 +10,7 @@
 
 Scales are dequantization scales (value = stored * scale). Each op has a torch reference
 (CPU, and the definition of the numerics; mla_ops/quant.py) and a Triton implementation
-(lowering/quant_kernels.py: CUDA; on CPU only when IMPL is set to "triton", as the tests
+(lowering/fused/quant_kernels.py: CUDA; on CPU only when IMPL is set to "triton", as the tests
 do under TRITON_INTERPRET=1). What a quantization is, as data (QuantKey), lives with the
 passes in passes/quant.py.
 """
@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from .quant import FP8, group_scales, quant_fp8_group, quant_fp8_static
+from mla_ops.quant import FP8, group_scales, quant_fp8_group, quant_fp8_static
 
 # "auto": Triton on CUDA, torch elsewhere; "torch" / "triton" force one.
 IMPL = os.environ.get("MLA_QUANT_IMPL", "auto")
@@ -58,7 +58,7 @@ def _check_scale(scale):
 def quant_fp8_static_op(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     _check_scale(scale)
     if _use_triton(x):
-        from lowering.quant_kernels import static_quant
+        from lowering.fused.quant_kernels import static_quant
         return static_quant(x, scale)
     return ref_static(x, scale)
 
@@ -74,7 +74,7 @@ def quant_fp8_group_op(x: torch.Tensor, group_size: int,
     if x.dim() != 2 or x.shape[1] % group_size:
         raise ValueError(f"x must be [T, C] with C divisible by {group_size}, got {tuple(x.shape)}")
     if _use_triton(x) and group_size & (group_size - 1) == 0:
-        from lowering.quant_kernels import group_quant
+        from lowering.fused.quant_kernels import group_quant
         return group_quant(x, group_size, pow2)
     return ref_group(x, group_size, pow2)
 
@@ -93,7 +93,7 @@ def concat_quant_fp8_static_op(a: torch.Tensor, b: torch.Tensor,
     if a.dim() != 3 or b.dim() != 3 or a.shape[:2] != b.shape[:2]:
         raise ValueError(f"a and b must be [t, H, *] alike, got {tuple(a.shape)}, {tuple(b.shape)}")
     if _use_triton(a):
-        from lowering.quant_kernels import concat_quant
+        from lowering.fused.quant_kernels import concat_quant
         return concat_quant(a, b, scale)
     return ref_concat_static(a, b, scale)
 

@@ -4,7 +4,7 @@
     MLAFusionPass                  the CustomGraphPass (post-grad) that runs them
     QuantKey, QUANT_KEYS           quantization schemes as data
 """
-from .quant import (FP8_GROUP_64, FP8_GROUP_128, FP8_STATIC_TENSOR, QUANT_KEYS,  # noqa: F401
+from passes.quant import (FP8_GROUP_64, FP8_GROUP_128, FP8_STATIC_TENSOR, QUANT_KEYS,  # noqa: F401
                     QuantKey)
-from .manager import MLAFusionPass, count_ops, verify_kv_cache_dependency  # noqa: F401
-from .compile import compile_with_passes  # noqa: F401
+from passes.manager import MLAFusionPass, count_ops, verify_kv_cache_dependency  # noqa: F401
+from passes.compile import compile_with_passes  # noqa: F401

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch._dynamo import register_backend
 
-from .manager import MLAFusionPass
+from passes.manager import MLAFusionPass
 
 
 def has_auto_functionalized_v2() -> bool:

@@ -15,7 +15,7 @@ from torch import nn
 
 from mla_ops.quant import FP8, FP8_MAX, dequantize_block_fp8
 
-from .quant import FP8_GROUP_128, QuantKey, quantize
+from passes.quant import FP8_GROUP_128, QuantKey, quantize
 
 
 def quantize_weight_blocks(w: torch.Tensor, block=(128, 128)):

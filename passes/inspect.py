@@ -55,7 +55,7 @@ def load_config(spec: str):
 def build_model(cfg, fp8_o_proj: bool, device, fp8_q_scale: float | None = None):
     import transformers
     import mla_ops.hf as hf
-    from .fp8_linear import Fp8BlockLinear
+    from passes.fp8_linear import Fp8BlockLinear
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).to(device).eval()
     hf.convert(model, fp8_decode_query=fp8_q_scale)
@@ -110,8 +110,8 @@ def run(args) -> dict:
     from torch._inductor import config as inductor_config
     from torch._inductor.utils import run_and_get_code
     import mla_ops.hf as hf
-    from . import compile_with_passes
-    from .manager import MLAFusionPass
+    from passes import compile_with_passes
+    from passes.manager import MLAFusionPass
 
     cfg = load_config(args.model)
     dev = torch.device(args.device)

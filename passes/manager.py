@@ -42,8 +42,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from mla_ops import quant_ops
 
-from . import pass_a, pass_b, quant
-from .quant import QUANT_KEYS
+from passes import pass_a, pass_b, quant
+from passes.quant import QUANT_KEYS
 
 ATTN = torch.ops.mla.attention_with_output.default
 CACHE = torch.ops.mla.kv_cache_update.default

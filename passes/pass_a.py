@@ -24,7 +24,7 @@ DIMS = (-1, 2)   # a 3-D concat along the last dim is spelled either way
 
 
 def _consumer_attention(node, depth=4):
-    from .manager import ATTN, hop_target
+    from passes.manager import ATTN, hop_target
     frontier = [node]
     for _ in range(depth):
         nxt = []

@@ -30,7 +30,7 @@ import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_v2
 from torch._inductor.pattern_matcher import Match, fwd_only, register_replacement
 
-from .quant import QuantKey
+from passes.quant import QuantKey
 
 ATTN = torch.ops.mla.attention_with_output.default
 FP8 = torch.float8_e4m3fn

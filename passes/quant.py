@@ -2,7 +2,7 @@
 
 The FP8 quant custom ops (mla::quant_fp8_static, mla::quant_fp8_group,
 mla::concat_quant_fp8_static) are defined with their torch references in
-mla_ops/quant_ops.py, their Triton kernels in lowering/quant_kernels.py; they are
+mla_ops/quant_ops.py, their Triton kernels in lowering/fused/quant_kernels.py; they are
 re-exported here for the passes.
 """
 from __future__ import annotations

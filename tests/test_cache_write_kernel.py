@@ -1,4 +1,4 @@
-"""The one-kernel cache write (lowering/cache_write_kernel.py) vs a masked torch write.
+"""The one-kernel cache write (mla_ops/cache/write_kernel.py) vs a masked torch write.
 
 Runs under TRITON_INTERPRET=1 on CPU (conftest) and natively on CUDA. Written rows must
 equal the torch path bit for bit (fp8 included); pads (-1) and slots outside the cache
@@ -9,7 +9,7 @@ import torch
 
 from mla_ops.quant import quant_fp8_static
 
-K = pytest.importorskip("lowering.cache_write_kernel")
+K = pytest.importorskip("mla_ops.cache.write_kernel")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
 

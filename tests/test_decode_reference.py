@@ -128,6 +128,7 @@ def test_bounded_inputs_skip_the_per_call_clamps(monkeypatch):
     """bound_decode_inputs clamps always (not only under capture); a captured call told
     its inputs are bounded (bounded=True) launches no clamps of its own, same result."""
     import lowering.checks as checks
+    import lowering.decode.entry
     q, cache, table, seqlens, _, _ = paged_problem(2, 1, 2, 32, 16, [5, 3], 4)
     bt, lens = lowering.bound_decode_inputs(cache, table - 100, seqlens + 1000)
     assert int(bt.min()) == 0 and int(bt.max()) < cache.shape[0]
@@ -137,7 +138,7 @@ def test_bounded_inputs_skip_the_per_call_clamps(monkeypatch):
     assert torch.equal(lens, seqlens) and int(bt.min()) == 0
     monkeypatch.setattr(checks, "is_capturing", lambda t: True)
     want = lowering.mla_decode(q, cache, bt, lens, 0.2, backend="reference", head_dim_v=32)
-    monkeypatch.setattr(lowering, "bound_for_capture",
+    monkeypatch.setattr(lowering.decode.entry, "bound_for_capture",
                         lambda *a: pytest.fail("a bounded call clamped its inputs again"))
     got = lowering.mla_decode(q, cache, bt, lens, 0.2, backend="reference", bounded=True,
                              head_dim_v=32)

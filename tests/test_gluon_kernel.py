@@ -28,13 +28,13 @@ def _compile_for_sm90(constexprs, kind):
     from triton.experimental.gluon._runtime import GluonASTSource
     fp8 = kind == "fp8"
     if fp8:
-        from lowering.gluon_fp8_decode_kernel import mla_decode_fp8_kernel as kernel
+        from lowering.decode.gluon_fp8_kernel import mla_decode_fp8_kernel as kernel
         el, ty = gl.float8e4nv, "fp8e4nv"
     elif kind == "pair":
-        from lowering.gluon_pair_decode_kernel import mla_decode_pair_kernel as kernel
+        from lowering.decode.gluon_pair_kernel import mla_decode_pair_kernel as kernel
         el, ty = gl.bfloat16, "bf16"
     else:
-        from lowering.gluon_decode_kernel import mla_decode_gluon_kernel as kernel
+        from lowering.decode.gluon_ring_kernel import mla_decode_gluon_kernel as kernel
         el, ty = gl.bfloat16, "bf16"
     bn = constexprs["BN"]
     layouts = {n: gl.NVMMASharedLayout.get_default_for(shape, el)
@@ -78,7 +78,7 @@ def _compile_for_sm90(constexprs, kind):
 def test_kernel_compiles_for_sm90(kind, s_q, H, page, direct, causal):
     """Each kernel at its configs: fp8 with 64-key tiles (page 64) and with 32-key ones."""
     pytest.importorskip("triton")
-    from lowering.gluon_decode import CONFIG, PAIR_CONFIG, fp8_config
+    from lowering.decode.gluon_decode import CONFIG, PAIR_CONFIG, fp8_config
     try:
         import triton.experimental.gluon._runtime  # noqa: F401
         from triton.backends.compiler import GPUTarget  # noqa: F401
@@ -137,7 +137,7 @@ def test_fp8q_routes_on_cpu():
     """On CPU, backend="gluon" or "flashmla" names what is missing, an unknown route is a
     ValueError; "auto" takes the Triton kernel (the interpreter here) and agrees with it
     called directly."""
-    from lowering import triton_decode as td
+    from lowering.decode import triton_decode as td
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton route on CPU tensors needs TRITON_INTERPRET=1 (a CPU session)")
     g = torch.Generator().manual_seed(4)
@@ -162,7 +162,7 @@ def test_fp8q_routes_on_cpu():
 
 
 def test_fp8_config_by_split_length():
-    from lowering.gluon_decode import FP8_CONFIGS, FP8_LONG_SPLIT, fp8_config
+    from lowering.decode.gluon_decode import FP8_CONFIGS, FP8_LONG_SPLIT, fp8_config
     long_tiles, short_tiles = FP8_CONFIGS
     assert fp8_config(64, FP8_LONG_SPLIT) is long_tiles
     assert fp8_config(128, 8192) is long_tiles
@@ -175,9 +175,9 @@ def test_bf16_kernel_by_page(monkeypatch):
     """The pair kernel where a page holds whole 64-key blocks, the ring kernel otherwise
     (and everywhere with PAIR_KERNEL off)."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
-    from lowering import gluon_decode as gd
-    from lowering.gluon_decode_kernel import mla_decode_gluon_kernel
-    from lowering.gluon_pair_decode_kernel import mla_decode_pair_kernel
+    from lowering.decode import gluon_decode as gd
+    from lowering.decode.gluon_ring_kernel import mla_decode_gluon_kernel
+    from lowering.decode.gluon_pair_kernel import mla_decode_pair_kernel
     assert gd.bf16_kernel(64, 4096) == (mla_decode_pair_kernel, gd.PAIR_CONFIG)
     assert gd.bf16_kernel(128, 64) == (mla_decode_pair_kernel, gd.PAIR_CONFIG)
     assert gd.bf16_kernel(32, 4096) == (mla_decode_gluon_kernel, gd.CONFIG)

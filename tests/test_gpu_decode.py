@@ -25,7 +25,7 @@ def _lens(B, S, seed):
 
 
 def _skip_without_flashmla_fp8(H=128):
-    from lowering.flashmla import flashmla_fp8q_unmet
+    from lowering.decode.flashmla import flashmla_fp8q_unmet
     reason = flashmla_fp8q_unmet(torch.empty(1, 1, H, L + R, device="cuda"),
                                  torch.empty(1, 64, L + R, device="cuda"), L, torch.bfloat16)
     if reason is not None:
@@ -35,7 +35,7 @@ def _skip_without_flashmla_fp8(H=128):
 def _flashmla_ok():
     q = torch.empty(1, 1, 128, L + R, device="cuda", dtype=torch.bfloat16)
     kv = torch.empty(1, 64, L + R, device="cuda", dtype=torch.bfloat16)
-    return lowering.backends.unmet_condition("flashmla", q, kv, "auto") is None
+    return lowering.decode.registry.unmet_condition("flashmla", q, kv, "auto") is None
 
 
 @pytest.mark.parametrize("B,s_q,H,page,S", [
@@ -74,7 +74,7 @@ def test_auto_choice_and_flashmla_block_size_error():
 
 
 def test_batch_invariance_gpu():
-    from lowering.triton_decode import triton_mla_decode
+    from lowering.decode.triton_decode import triton_mla_decode
     H = 128
     lens = [2500, 700, 3333, 64, 1]
     q, kv, bt, cl = make_case(5, 1, H, L, R, 64, lens, "cuda", seed=3)
@@ -97,7 +97,7 @@ def test_flashmla_schedule_once_per_step(B, H, S):
     of another batch is refused before the kernel runs."""
     if not _flashmla_ok():
         pytest.skip("flashmla backend cannot serve on this machine")
-    from lowering.flashmla import schedule_rows
+    from lowering.decode.flashmla import schedule_rows
     lens = _lens(B, S + 1, seed=B + H)
     q, kv, bt, cl = make_case(B, 1, H, L, R, 64, lens, "cuda", seed=B * H)
     assert lowering.uses_flashmla(q.device, q.dtype, H, L + R, 64)
@@ -127,7 +127,7 @@ def test_flashmla_schedule_on_its_side_stream_sees_the_callers_lengths():
     stream writes just before (behind a long kernel), and the decode must wait for it."""
     if not _flashmla_ok():
         pytest.skip("flashmla backend cannot serve on this machine")
-    from lowering import flashmla
+    from lowering.decode import flashmla
     B, H, S = 6, 128, 3000
     q, kv, bt, cl = make_case(B, 1, H, L, R, 64, _lens(B, S, seed=4), "cuda", seed=4)
     lens = torch.full_like(cl, 1)
@@ -174,7 +174,7 @@ def test_cuda_graph_replay_500_steps(backend):
     if backend == "gluon":
         probe = torch.empty(1, 1, H, L + R, device="cuda", dtype=torch.bfloat16)
         kv_probe = torch.empty(1, 64, L + R, device="cuda", dtype=torch.bfloat16)
-        reason = lowering.backends.unmet_condition("gluon", probe, kv_probe, "auto")
+        reason = lowering.decode.registry.unmet_condition("gluon", probe, kv_probe, "auto")
         if reason is not None:
             pytest.skip(f"gluon backend cannot serve here: {reason}")
     q, kv, bt, cl = make_case(B, 1, H, L, R, 64, [S] * B, "cuda", seed=5)
@@ -221,7 +221,7 @@ def test_cuda_graph_replay_500_steps(backend):
 
 
 def test_fp8_kv_and_fp8_q_accuracy():
-    from lowering.triton_decode import mla_decode_fp8q
+    from lowering.decode.triton_decode import mla_decode_fp8q
     B, H = 4, 128
     lens = _lens(B, 3000, seed=9)
     q, kv, bt, cl = make_case(B, 1, H, L, R, 64, lens, "cuda", seed=9)
@@ -243,7 +243,7 @@ def test_fp8_kv_and_fp8_q_accuracy():
 
 
 def test_triton_op_under_inductor_and_cuda_graphs():
-    from lowering.triton_decode import triton_mla_decode
+    from lowering.decode.triton_decode import triton_mla_decode
     B, H = 4, 128
     q, kv, bt, cl = make_case(B, 1, H, L, R, 64, [1500] * B, "cuda", seed=21)
 
@@ -292,7 +292,7 @@ def test_flashmla_fp8q_route_choice_errors_and_compile():
     """auto takes FlashMLA's fp8 kernel when handed its schedule or when the Gluon kernel
     cannot serve, else ours; a schedule made for the other kernel is refused; an explicit
     "flashmla" names what it lacks; under torch.compile and CUDA graphs it matches eager."""
-    from lowering.gluon_decode import gluon_fp8q_unmet
+    from lowering.decode.gluon_decode import gluon_fp8q_unmet
     _skip_without_flashmla_fp8()
     q, kv, bt, cl = make_case(2, 1, 128, L, R, 64, [700, 90], "cuda", seed=4)
     q8, q_scale = quantize_e4m3(q)

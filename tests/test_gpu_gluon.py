@@ -38,7 +38,7 @@ CASES = [
 
 @pytest.fixture(autouse=True)
 def _needs_gluon():
-    from lowering.gluon_decode import gluon_unmet
+    from lowering.decode.gluon_decode import gluon_unmet
     q = torch.empty(1, 1, 64, L + R, device="cuda", dtype=torch.bfloat16)
     kv = torch.empty(1, 64, L + R, device="cuda", dtype=torch.bfloat16)
     reason = gluon_unmet(q, kv, "auto")
@@ -47,7 +47,7 @@ def _needs_gluon():
 
 
 def _run(q, kv, bt, cl, causal=True, num_splits=0):
-    from lowering.gluon_decode import gluon_mla_decode
+    from lowering.decode.gluon_decode import gluon_mla_decode
     return gluon_mla_decode(q, kv, bt, cl, SCALE, causal=causal, kind="auto", k_scale=None,
                             head_dim_v=L, num_splits=num_splits)
 
@@ -55,7 +55,7 @@ def _run(q, kv, bt, cl, causal=True, num_splits=0):
 @pytest.mark.parametrize("kernel", ["pair where the page allows", "ring"])
 @pytest.mark.parametrize("B,s_q,H,page,lens,splits", CASES)
 def test_gluon_vs_fp64(B, s_q, H, page, lens, splits, kernel, monkeypatch):
-    from lowering import gluon_decode
+    from lowering.decode import gluon_decode
     if kernel == "ring":
         monkeypatch.setattr(gluon_decode, "PAIR_KERNEL", False)
     elif page % 64:
@@ -100,7 +100,7 @@ def test_gluon_capability_errors_and_auto_choice():
         lowering.mla_decode(q_off, kv, bt, cl, SCALE, backend="gluon")
     # auto: FlashMLA first where it serves, else this backend for 64-head multiples
     q, kv, bt, cl = make_case(2, 1, 128, L, R, 64, [100, 40], "cuda")
-    flashmla = lowering.backends.unmet_condition("flashmla", q, kv, "auto") is None
+    flashmla = lowering.decode.registry.unmet_condition("flashmla", q, kv, "auto") is None
     assert lowering.select_backend(q, kv) == ("flashmla" if flashmla else "gluon")
     q, kv, bt, cl = make_case(2, 1, 64, L, R, 32, [100, 40], "cuda")
     assert lowering.select_backend(q, kv) == "gluon"          # FlashMLA needs page 64
@@ -144,14 +144,14 @@ def _ref(q8, q_scale, kv8, k_scale, bt, cl, causal=True):
 
 
 def _gluon(q8, kv8, bt, cl, q_scale, k_scale, causal=True, num_splits=0):
-    from lowering.gluon_decode import gluon_decode_fp8q_op
+    from lowering.decode.gluon_decode import gluon_decode_fp8q_op
     return gluon_decode_fp8q_op(q8, kv8, bt, cl, q_scale, k_scale, SCALE, causal, num_splits)
 
 
 @pytest.mark.parametrize("tiles", ["64-key where the page allows", "32-key"])
 @pytest.mark.parametrize("B,s_q,H,page,lens,splits", CASES)
 def test_gluon_fp8_vs_fp64(B, s_q, H, page, lens, splits, tiles, monkeypatch):
-    from lowering import gluon_decode
+    from lowering.decode import gluon_decode
     # fp8_config takes 64-key tiles from FP8_LONG_SPLIT keys per split: force each way
     monkeypatch.setattr(gluon_decode, "FP8_LONG_SPLIT", 0 if tiles.startswith("64") else 1 << 40)
     q8, q_scale, kv8, k_scale, bt, cl = _fp8_case(B, s_q, H, page, lens, B * 13 + H + page)
@@ -225,7 +225,7 @@ def test_layer_fp8_decode_takes_the_fp8_kernel(route):
     from scenario import Dims, Step, make_layer
     d = Dims(N=64, P=128, R=64, V=128, L=512)
     if route == "flashmla":
-        from lowering.flashmla import flashmla_fp8q_unmet
+        from lowering.decode.flashmla import flashmla_fp8q_unmet
         reason = flashmla_fp8q_unmet(torch.empty(1, 1, d.N, 576, device="cuda"),
                                      torch.empty(1, 64, 576, device="cuda"), 512, torch.bfloat16)
         if reason is not None:

@@ -1,4 +1,4 @@
-"""The absorbed per-head GEMM kernel (lowering/head_gemm.py) vs float64.
+"""The absorbed per-head GEMM kernel (lowering/gemm/head_gemm.py) vs float64.
 
 CPU: the kernel under the Triton interpreter in fp32 (it mis-multiplies 16-bit dots); CUDA:
 bf16, and absorb_query / absorb_output as the attention op calls them."""
@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from lowering import head_gemm  # noqa: E402
+from lowering.gemm import head_gemm  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DT, TOL = (torch.bfloat16, 1e-2) if DEV == "cuda" else (torch.float32, 1e-5)

@@ -188,7 +188,7 @@ def test_layer_passes_only_the_schedule_of_its_query_kind(fp8_query, monkeypatch
     import dataclasses
 
     import mla_ops.attention as attn
-    from lowering.flashmla import FP8Schedule
+    from lowering.decode.flashmla import FP8Schedule
     from mla_ops.attention import build_decode_query
     layer, kv_b = make_layer(D, torch.float32, kv_cache_dtype="fp8")
     step = Step(D, [10, 7, 3], [1, 1, 1], block_size=4, kv_cache_dtype="fp8")

@@ -1,4 +1,4 @@
-"""The decode GEMM kernel and ops (lowering/linear.py) vs float64, and the converted HF
+"""The decode GEMM kernel and ops (lowering/gemm/linear.py) vs float64, and the converted HF
 layer's use of them. CPU: the kernel under the Triton interpreter in fp32 (it mis-multiplies
 16-bit dots); the ops' torch path bit for bit against what the HF modules compute."""
 import pytest
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from lowering import linear  # noqa: E402
+from lowering.gemm import linear  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -216,7 +216,7 @@ def test_split_k_pair_on_gpu_eager_and_compiled(monkeypatch, rows, N1, N2, K):
     results as float64 eager and compiled, the kernel in the compiled code. Small shapes
     with a config set here; DeepSeek-V3's q_a + kv_a with the measured one."""
     from torch._inductor.utils import run_and_get_code
-    from mla_ops.hf_linear import linear_pair
+    from mla_ops.hf.linear import linear_pair
     if K == 512:
         monkeypatch.setitem(linear.CONFIGS, (1, 200, 512, rows <= 16), (16, 64, 4, 2, 3))
     g = torch.Generator().manual_seed(rows)
@@ -250,7 +250,7 @@ def test_split_k_linear_on_gpu_eager_and_compiled(monkeypatch, rows, N, K):
     one): hf_linear.linear sums the partials in the traced graph, eager and compiled
     match float64, and the kernel is in the compiled code."""
     from torch._inductor.utils import run_and_get_code
-    from mla_ops.hf_linear import linear as hf_linear
+    from mla_ops.hf.linear import linear as hf_linear
     if K == 512:
         monkeypatch.setitem(linear.CONFIGS, (0, N, K, rows <= 16), (16, 64, 4, 2, 3))
     g = torch.Generator().manual_seed(rows + N)

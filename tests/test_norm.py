@@ -1,5 +1,5 @@
-"""mla::rms_norm (lowering/norm.py) vs float64, and the converted HF decoder layer that
-runs its norms on it with the residual adds in the GEMMs' epilogues (mla_ops/hf_layer.py).
+"""mla::rms_norm (lowering/fused/norm.py) vs float64, and the converted HF decoder layer that
+runs its norms on it with the residual adds in the GEMMs' epilogues (mla_ops/hf/layer.py).
 CPU: the kernel under the Triton interpreter; the op's torch path bit for bit against HF's
 RMSNorm module."""
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from lowering import norm  # noqa: E402
+from lowering.fused import norm  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -99,7 +99,7 @@ def test_converted_layer_graph_holds_the_ops_and_matches_hf(monkeypatch):
     layer instead: the choice is part of the graph."""
     pytest.importorskip("transformers")
     import mla_ops.hf as H
-    import mla_ops.hf_layer as HL
+    import mla_ops.hf.layer as HL
     from hf_models import build_pair, tiny_config
     ref_model, model = build_pair(tiny_config("v3"))
     H.convert(model)

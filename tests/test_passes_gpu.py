@@ -12,7 +12,7 @@ def u8(t):
 
 def test_triton_quant_kernels_bitwise_on_cuda():
     import passes.quant as Q
-    from lowering import quant_kernels as K
+    from lowering.fused import quant_kernels as K
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(257, 1024, generator=g, device="cuda") * 4).bfloat16()
     s = torch.tensor([0.013], device="cuda")
@@ -29,7 +29,7 @@ def test_triton_quant_kernels_bitwise_on_cuda():
 
 def test_wuv_epilogue_on_cuda():
     import passes.quant as Q
-    from lowering import quant_kernels as K
+    from lowering.fused import quant_kernels as K
     g = torch.Generator(device="cuda").manual_seed(1)
     t, N, L, V = 70, 16, 512, 128
     a = torch.randn(N, t, L, generator=g, device="cuda").bfloat16().transpose(0, 1)

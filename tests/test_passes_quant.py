@@ -4,7 +4,7 @@ import torch
 
 import mla_ops.quant_ops as QO
 import passes.quant as Q
-from lowering import quant_kernels as K
+from lowering.fused import quant_kernels as K
 from passes.quant import QUANT_KEYS, QuantKey
 
 FP8 = torch.float8_e4m3fn

@@ -1,4 +1,4 @@
-"""The attention prologue ops (lowering/prologue.py): split-K partial sums -> q_a norm,
+"""The attention prologue ops (lowering/fused/prologue.py): split-K partial sums -> q_a norm,
 kv_c norm and the key's RoPE; the query's RoPE. The kernels vs float64 (CPU: the Triton
 interpreter in fp32; GPU: bf16), the ops' torch paths bit for bit against HF's own modules
 and RoPE functions, bad input, and on a GPU the converted DeepSeek-V3 attention's use of
@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")
 pytest.importorskip("transformers")
 
-from lowering import prologue  # noqa: E402
+from lowering.fused import prologue  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -205,7 +205,7 @@ def test_v3_attention_prologue_matches_hf_modules(rows):
     GEMM's config splits K) and matches HF's modules on the same hidden states: the norms,
     the key's and the query's RoPE, and the absorbed decode query."""
     import mla_ops.hf
-    from mla_ops.hf_linear import absorbed_decode_query, qkv_a_prologue
+    from mla_ops.hf.linear import absorbed_decode_query, qkv_a_prologue
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
     model = mla_ops.hf.convert(_v3_attention_model())
     attn = model.model.layers[0].self_attn
@@ -248,7 +248,7 @@ def test_v3_shaped_decode_graph_logits_match_hf():
     import copy
     import mla_ops.hf as H
     from hf_models import logit_err
-    from mla_ops.hf_linear import absorbed_decode_query, qkv_a_prologue
+    from mla_ops.hf.linear import absorbed_decode_query, qkv_a_prologue
     from transformers import DynamicCache
     ref = _v3_attention_model()
     model = H.convert(copy.deepcopy(ref))

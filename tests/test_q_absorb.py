@@ -1,4 +1,4 @@
-"""mla::decode_q_absorb (lowering/prologue.py, q_absorb_kernel.py): q_b, the query's RoPE
+"""mla::decode_q_absorb (lowering/fused/prologue.py, q_absorb_kernel.py): q_b, the query's RoPE
 and the absorbed W_UK_T GEMM in one launch. The kernel vs float64 (CPU: the Triton
 interpreter in fp32; GPU: bf16), the op's torch path bit for bit against the unfused
 ops, bad input."""
@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from lowering import prologue  # noqa: E402
+from lowering.fused import prologue  # noqa: E402
 from test_prologue import _inputs, _rel, _rope64  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,8 +64,8 @@ def test_kernel_vs_fp64(T, Q, N, P, R, L, interleave):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_path_equals_unfused_ops(interleave, dtype):
     """Off the kernel the op is q_b (F.linear), mla::decode_q_rope and the absorbed GEMM
-    (lowering.head_gemm.absorb_query), bit for bit."""
-    from lowering.head_gemm import absorb_query
+    (lowering.gemm.head_gemm.absorb_query), bit for bit."""
+    from lowering.gemm.head_gemm import absorb_query
     g = torch.Generator().manual_seed(5)
     B, S, Q, N, P, R, L = 2, 3, 24, 4, 16, 8, 32
     q_a, w, wuk = (t.to(dtype) for t in _weights(B * S, Q, N, P, R, L, g))

@@ -1,4 +1,4 @@
-"""A decode step's plan and commit as one kernel each (lowering/step_plan.py) against
+"""A decode step's plan and commit as one kernel each (mla_ops/hf/step_plan.py) against
 PagedMLACache's torch ops (the plan every other step and device uses): rows at and off
 block boundaries, empty rows, rows at max_cache_len, an exhausted pool, tiles smaller
 than the batch and the table width (CPU: the Triton interpreter). On a GPU: the compiled
@@ -10,8 +10,9 @@ pytest.importorskip("triton")
 pytest.importorskip("transformers")
 
 from hf_models import tiny_config  # noqa: E402
-from lowering import bound_decode_inputs, step_plan  # noqa: E402
-from mla_ops.hf_cache import PagedMLACache  # noqa: E402
+from lowering import bound_decode_inputs  # noqa: E402
+from mla_ops.hf import step_plan  # noqa: E402
+from mla_ops.hf.cache import PagedMLACache  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -100,7 +101,7 @@ def test_compiled_decode_steps_plan_as_torch_ops(backend, monkeypatch):
     """Twelve compiled decode steps (crossing block boundaries, one row reaching
     max_cache_len): the plan each step hands the layers and the state after it, through
     the ops and through the torch ops."""
-    import mla_ops.hf_cache as hc
+    import mla_ops.hf.cache as hc
     lengths = [0, 3, 4, 30, 35, 75]
     states, metas = {}, {}
     for kernel in (True, False):

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 import lowering  # noqa: E402
-import lowering.triton_decode as td  # noqa: E402
+import lowering.decode.triton_decode as td  # noqa: E402
 from mla_reference import decode_ref64, make_case, quantize_e4m3, rel_err  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

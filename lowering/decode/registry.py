@@ -9,7 +9,7 @@ import importlib.util
 
 import torch
 
-from .reference import mla_decode_reference
+from lowering.decode.reference import mla_decode_reference
 
 
 class BackendUnavailable(RuntimeError):
@@ -74,31 +74,31 @@ def _triton_auto_unmet(q, kv_cache, kind):
 
 
 def _triton_run(*args, **kwargs):
-    from .triton_decode import triton_mla_decode
+    from lowering.decode.triton_decode import triton_mla_decode
     return triton_mla_decode(*args, **kwargs)
 
 
 def _flashmla_unmet(q, kv_cache, kind):
     if q.device.type != "cuda":
         return f"q is on {q.device.type}, FlashMLA needs a CUDA device"
-    from .flashmla import flashmla_unmet
+    from lowering.decode.flashmla import flashmla_unmet
     return flashmla_unmet(q, kv_cache, kind)
 
 
 def _flashmla_run(*args, **kwargs):
-    from .flashmla import flashmla_decode
+    from lowering.decode.flashmla import flashmla_decode
     return flashmla_decode(*args, **kwargs)
 
 
 def _gluon_unmet(q, kv_cache, kind):
     if q.device.type != "cuda":
         return f"q is on {q.device.type}; the gluon backend needs a CUDA device"
-    from .gluon_decode import gluon_unmet
+    from lowering.decode.gluon_decode import gluon_unmet
     return gluon_unmet(q, kv_cache, kind)
 
 
 def _gluon_run(*args, **kwargs):
-    from .gluon_decode import gluon_mla_decode
+    from lowering.decode.gluon_decode import gluon_mla_decode
     return gluon_mla_decode(*args, **kwargs)
 
 

@@ -17,7 +17,7 @@ The first layer derives the step's plan (slots, block table, lengths, and where 
 layers use FlashMLA, its schedule and the block table and lengths bounded once for all
 layers' calls) from the cache state as it was before the step, the others reuse it; the
 last layer writes the new state back after its attention. On CUDA a decode step's plan
-and its commit are one kernel each (lowering/step_plan.py); other steps and devices run
+and its commit are one kernel each (mla_ops/hf/step_plan.py); other steps and devices run
 them as torch ops. Decode-step shapes depend only on B, so a fixed batch compiles once
 and replays in a CUDA graph.
 """
@@ -29,10 +29,10 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 import lowering
-import lowering.step_plan  # noqa: F401  (registers mla::decode_step_plan / _commit)
+import mla_ops.hf.step_plan  # noqa: F401  (registers mla::decode_step_plan / _commit)
 
-from .cache import CacheFullError, PagedLatentCache, mark_static
-from .metadata import MLAMetadata
+from mla_ops.cache import CacheFullError, PagedLatentCache, mark_static
+from mla_ops.metadata import MLAMetadata
 
 # False: CUDA decode steps plan and commit in torch ops too (to compare against)
 PLAN_KERNEL = True

@@ -24,7 +24,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .gluon_decode_kernel import _tma_load, cta_work, finish_rows, ring_barriers
+from lowering.decode.gluon_ring_kernel import _tma_load, cta_work, finish_rows, ring_barriers
 
 P_SCALE = gl.constexpr(256.0)      # P to e4m3 as p * P_SCALE
 

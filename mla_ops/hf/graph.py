@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import torch
 
-from .cache import CacheFullError
-from .hf import is_converted
-from .hf_cache import PagedMLACache
+from mla_ops.cache import CacheFullError
+from mla_ops.hf.convert import is_converted
+from mla_ops.hf.cache import PagedMLACache
 
 
 class DecodeGraph:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant_kernels import FP8_MAX, _div_rn, _to_e4m3
+from lowering.fused.quant_kernels import FP8_MAX, _div_rn, _to_e4m3
 
 
 @triton.jit

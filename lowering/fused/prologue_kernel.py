@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .q_rope_kernel import rotate
+from lowering.fused.q_rope_kernel import rotate
 
 
 @triton.jit

@@ -1,5 +1,5 @@
-"""A converted layer's weight GEMMs through the decode GEMM ops (lowering/linear.py), and
-the attention prologue after the q_a + kv_a GEMM through lowering/prologue.py's ops (for
+"""A converted layer's weight GEMMs through the decode GEMM ops (lowering/gemm/linear.py), and
+the attention prologue after the q_a + kv_a GEMM through lowering/fused/prologue.py's ops (for
 decode rows the query's q_b, RoPE and absorption as one of them).
 
 A decode step reads each weight once for a few rows, so the layer's GEMMs are weight
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from lowering import linear as _ops  # registers the mla::decode_* ops
-import lowering.prologue  # registers mla::decode_qkv_prologue, decode_q_rope, decode_q_absorb
+from lowering.gemm import linear as _ops  # registers the mla::decode_* ops
+import lowering.fused.prologue  # registers mla::decode_qkv_prologue, decode_q_rope, decode_q_absorb
 
 
 def _plain(*mods) -> bool:
@@ -127,7 +127,7 @@ def absorbed_decode_query(attn, q_a: torch.Tensor, position_embeddings):
         return None
     w, cos, sin = attn.q_b_proj.weight, *position_embeddings             # cos / sin [B, S, R]
     if (w.dtype != q_a.dtype or mla.W_UK_T.dtype != q_a.dtype
-            or not lowering.prologue.q_absorb_serves(q_a, w, mla.W_UK_T, cos.shape[-1])):
+            or not lowering.fused.prologue.q_absorb_serves(q_a, w, mla.W_UK_T, cos.shape[-1])):
         return None
     interleave = bool(attn.config.rope_interleave)
     if mla.q_scale is not None:            # an fp8 decode query: quantized in the same launch

@@ -222,7 +222,7 @@ def flashmla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, c
     compute it in this call.
     """
     if head_dim_v != 512:
-        from .backends import BackendUnavailable
+        from lowering.decode.registry import BackendUnavailable
         raise BackendUnavailable(f"backend 'flashmla' needs head_dim_v 512, got {head_dim_v}")
     meta = splits = None
     if schedule is not None:
@@ -304,7 +304,7 @@ def flashmla_fp8q_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale,
     schedule: flashmla_schedule(..., fp8=True) for these lengths, or None to compute it in
     this call. bounded: as for lowering.mla_decode.
     """
-    from .checks import bound_for_capture
+    from lowering.checks import bound_for_capture
     meta = splits = None
     if schedule is not None:
         check_schedule(schedule, q, fp8=True)

@@ -28,8 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .q_rope_kernel import rotate
-from .quant_kernels import FP8_MAX, _div_rn, _to_e4m3
+from lowering.fused.q_rope_kernel import rotate
+from lowering.fused.quant_kernels import FP8_MAX, _div_rn, _to_e4m3
 
 
 @triton.jit

@@ -33,8 +33,8 @@ from typing import Optional
 import torch
 import triton
 
-from .triton_decode_kernel import mla_decode_stage1_kernel
-from .triton_merge_kernel import mla_decode_merge_kernel
+from lowering.decode.triton_decode_kernel import mla_decode_stage1_kernel
+from lowering.decode.merge_kernel import mla_decode_merge_kernel
 
 # ---- configs as data ----------------------------------------------------------------
 # key: (kv_kind, "wide" | "narrow" (BLOCK_M = 64 or less), "gpu")
@@ -200,7 +200,7 @@ def triton_decode_op(
 
 def _check_widths(D: int, head_dim_v: int, least: int = 16) -> None:
     """L and R must be powers of two (tl.arange); fp8 dots need K >= 32."""
-    from .backends import BackendUnavailable
+    from lowering.decode.registry import BackendUnavailable
     L, R = head_dim_v, D - head_dim_v
     for name, v in (("head_dim_v (L)", L), ("rope width D - head_dim_v (R)", R)):
         if v < least or v & (v - 1):
@@ -231,7 +231,7 @@ def mla_decode_fp8q(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, q
     q_scale and k_scale one-element fp32 tensors. Returns (out [B, s_q, H, L] out_dtype,
     lse [B, H, s_q] fp32).
     """
-    from .checks import check_fp8q_args
+    from lowering.checks import check_fp8q_args
     head_dim_v = check_fp8q_args(q, kv_cache, block_table, cache_seqlens, softmax_scale,
                                  q_scale, k_scale, head_dim_v, out_dtype)
     return triton_fp8q_checked(q, kv_cache, block_table, cache_seqlens, softmax_scale,
@@ -245,7 +245,7 @@ def triton_fp8q_checked(q, kv_cache, block_table, cache_seqlens, softmax_scale, 
     _check_widths(q.shape[-1], head_dim_v, least=32)
     if batch_invariant is None:
         batch_invariant = _batch_invariant
-    from . import record_choice
+    from lowering.decode.entry import record_choice
     record_choice("triton-fp8q")                 # reported by the inspection tool
     return triton_decode_op(q, kv_cache, block_table, cache_seqlens, q_scale.reshape(1),
                             k_scale.reshape(1), float(softmax_scale), bool(causal),

@@ -1,38 +1,18 @@
-"""HuggingFace DeepSeek V2 / V3 on the MLA ops.
-
-    import mla_ops.hf
-    model = mla_ops.hf.convert(model)                      # in place; returns the model
-    cache = mla_ops.hf.PagedMLACache(model.config, max_batch_size=B, max_cache_len=S)
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n)
-
-convert() keeps every HF attention module (and its parameters) and swaps its class
-for a subclass whose forward computes q / kv_c_normed / k_pe exactly as HF does,
-then calls mla::kv_cache_update and mla::attention_with_output with the absorbed
-weights W_UK_T [N, P, L] and W_UV [N, L, V] (the only new tensors; non-persistent
-buffers, so state_dict is unchanged). With any other cache (or none) the layer runs
-HF's own forward. The layer's projections, the SiLU MLPs (fuse_mlp) and the output head
-(decode_head) run on the decode GEMM ops of mla_ops/hf_linear.py with the modules' own
-weights; the decoder layers' residual adds and norms (fuse_norms) on those GEMMs'
-epilogues and mla::rms_norm (mla_ops/hf_layer.py).
-
-PagedMLACache (mla_ops/hf_cache.py) is a real transformers Cache over the paged latent
-cache; the converted layers ask it for each step's plan. DecodeGraph (mla_ops/hf_graph.py)
-captures a converted model's whole decode step in one CUDA graph.
-"""
+"""convert(): swap a DeepseekV2/V3 model's attention for MLAAttention (see mla_ops/hf/__init__.py)."""
 from __future__ import annotations
 
 import sys
 
 import torch
 
-from .cache import CacheFullError  # noqa: F401  (raised by PagedMLACache and DecodeGraph)
-from .hf_cache import PagedMLACache
-from .hf_layer import convert_layers
-from .hf_linear import (absorbed_decode_query, convertible_head, decode_head_class,
+from mla_ops.cache import CacheFullError  # noqa: F401  (raised by PagedMLACache and DecodeGraph)
+from mla_ops.hf.cache import PagedMLACache
+from mla_ops.hf.layer import convert_layers
+from mla_ops.hf.linear import (absorbed_decode_query, convertible_head, decode_head_class,
                         fusable_mlp, fused_mlp_class, linear, linear_pair, qkv_a_prologue)
-from .layer import MLAAttention
+from mla_ops.layer import MLAAttention
 
-__all__ = ["convert", "PagedMLACache", "DecodeGraph", "is_converted"]
+__all__ = ["convert", "is_converted"]
 
 
 # ------------------------------------------------------------------------- attention
@@ -161,7 +141,7 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     """Route every DeepSeek V2/V3 attention layer of `model` through the MLA ops (in place).
 
     The attention's own projections run as decode GEMM ops (q_a + kv_a in one launch; see
-    mla_ops/hf_linear.py), and with fuse_mlp every dense MLP / shared expert with SiLU runs
+    mla_ops/hf/linear.py), and with fuse_mlp every dense MLP / shared expert with SiLU runs
     gate + up + SiLU x up as one op and down_proj as another. Both use the modules' own
     weights and compute what the modules do; they differ from cuBLAS only on CUDA at
     decode sizes (<= 64 rows, bf16 / fp16: the weight-streaming Triton kernel, fp32
@@ -172,7 +152,7 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
 
     With fuse_norms, each HF decoder layer adds its residuals in o_proj's and down_proj's
     epilogues and runs its two RMSNorms (and the model's final one) as mla::rms_norm
-    (mla_ops/hf_layer.py); same roundings as HF's modules.
+    (mla_ops/hf/layer.py); same roundings as HF's modules.
 
     fp8_decode_query=q_scale quantizes each decode step's 576-wide query to fp8 with that
     static scale (fp8 x fp8 decode; the cache must then be fp8). On CUDA, where the decode
@@ -235,5 +215,3 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
         convert_layers(model)
     return model
 
-
-from .hf_graph import DecodeGraph  # noqa: E402  (it builds on the classes above)

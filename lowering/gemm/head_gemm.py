@@ -69,7 +69,7 @@ def launch(a: torch.Tensor, w: torch.Tensor, y: torch.Tensor, copy: int,
     """y[t, n, :J] = a[t, n, :K] @ w[n] (and y[..., J:J+copy] = a[..., K:K+copy]);
     a, y are [t, N, *] with unit last stride, w [N, K, J] with unit last stride."""
     import triton
-    from .head_gemm_kernel import head_gemm_kernel
+    from lowering.gemm.head_gemm_kernel import head_gemm_kernel
     t, N = a.shape[:2]
     K, J = w.shape[1:]
     block_j, block_k, warps, stages = config or pick_config(K, J, t)

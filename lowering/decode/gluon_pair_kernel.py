@@ -35,7 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .gluon_decode_kernel import _tma_load, cta_work, finish_rows, store_half
+from lowering.decode.gluon_ring_kernel import _tma_load, cta_work, finish_rows, store_half
 
 # S [64 rows, 64 keys] and each [64, 64] quarter of a warpgroup's O share this layout
 S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],

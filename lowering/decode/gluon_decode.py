@@ -49,7 +49,7 @@ def _gluon_import_error():
     """None if this triton has what the kernel uses, else a sentence saying what is missing."""
     try:
         import triton.experimental.gluon.nvidia.hopper  # noqa: F401  (TensorDescriptor)
-        from . import gluon_decode_kernel  # noqa: F401
+        from lowering.decode import gluon_ring_kernel as gluon_decode_kernel  # noqa: F401
     except Exception as exc:  # ImportError, or an API this triton lacks
         return f"triton's Gluon Hopper API is unavailable here ({type(exc).__name__}: {exc})"
     return None
@@ -122,15 +122,15 @@ def bf16_kernel(page: int, keys_per_split: int):
     """(kernel, config) for the bf16 op: the pair kernel where a page holds whole 64-key
     blocks (and PAIR_KERNEL is on), else the ring kernel."""
     if PAIR_KERNEL and page % PAIR_CONFIG["BN"] == 0:
-        from .gluon_pair_decode_kernel import mla_decode_pair_kernel
+        from lowering.decode.gluon_pair_kernel import mla_decode_pair_kernel
         return mla_decode_pair_kernel, PAIR_CONFIG
-    from .gluon_decode_kernel import mla_decode_gluon_kernel
+    from lowering.decode.gluon_ring_kernel import mla_decode_gluon_kernel
     return mla_decode_gluon_kernel, CONFIG
 
 
 def fp8_kernel(page: int, keys_per_split: int):
     """(kernel, config) for the fp8 op: its tile config by split length (fp8_config)."""
-    from .gluon_fp8_decode_kernel import mla_decode_fp8_kernel
+    from lowering.decode.gluon_fp8_kernel import mla_decode_fp8_kernel
     return mla_decode_fp8_kernel, fp8_config(page, keys_per_split)
 
 
@@ -150,9 +150,9 @@ def _launch(pick, q, kv_cache, block_table, cache_seqlens, scales, softmax_scale
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .gluon_decode_kernel import LOG2E
-    from .triton_decode import choose_num_splits, stage1_outputs
-    from .triton_merge_kernel import mla_decode_merge_kernel
+    from lowering.decode.gluon_ring_kernel import LOG2E
+    from lowering.decode.triton_decode import choose_num_splits, stage1_outputs
+    from lowering.decode.merge_kernel import mla_decode_merge_kernel
 
     B, s_q, H, D = q.shape
     num_blocks, page, _ = kv_cache.shape
@@ -200,7 +200,7 @@ gluon_decode_fp8q_op.register_fake(_fake)
 def gluon_mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, causal, kind,
                      k_scale, head_dim_v, num_splits=0):
     """Backend "gluon" of lowering.mla_decode (arguments already validated there)."""
-    from .backends import BackendUnavailable
+    from lowering.decode.registry import BackendUnavailable
     if head_dim_v != 512:
         raise BackendUnavailable(f"backend 'gluon' needs head_dim_v 512, got {head_dim_v}")
     return gluon_decode_op(q, kv_cache, block_table, cache_seqlens, float(softmax_scale),

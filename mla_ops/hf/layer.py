@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from lowering import linear as _ops
-import lowering.norm  # noqa: F401  (registers mla::rms_norm)
+from lowering.gemm import linear as _ops
+import lowering.fused.norm  # noqa: F401  (registers mla::rms_norm)
 
-from .hf_linear import converted_class, hf_rms_norm
+from mla_ops.hf.linear import converted_class, hf_rms_norm
 
 # False: the converted layers and norms run HF's own forwards (to compare against)
 FUSE_NORMS = True

@@ -6,7 +6,7 @@ bookkeeping), one Triton launch each on CUDA:
     mla::decode_step_commit(block_table!, lens!, num_used!, seen!, pack, batch, tokens) -> ()
 
 For a step of one new token per row (decode); see step_plan_kernel.py for what pack
-holds. mla_ops/hf_cache.py computes the same plan in torch ops for every other step and
+holds. mla_ops/hf/cache.py computes the same plan in torch ops for every other step and
 device; compiled, Inductor made four to five kernels of the plan and four of the commit.
 Defined with torch.library.triton_op, so Inductor sees the kernels in the graph.
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from .step_commit_kernel import decode_commit_kernel
-from .step_plan_kernel import decode_plan_kernel
+from mla_ops.hf.step_commit_kernel import decode_commit_kernel
+from mla_ops.hf.step_plan_kernel import decode_plan_kernel
 
 
 def _check_state(lens, block_table, num_used, batch):

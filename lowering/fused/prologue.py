@@ -30,10 +30,10 @@ from __future__ import annotations
 import torch
 import triton
 
-from .head_gemm import absorb_query
-from .prologue_kernel import qkv_prologue_kernel
-from .q_absorb_kernel import q_absorb_kernel
-from .q_rope_kernel import q_rope_kernel
+from lowering.gemm.head_gemm import absorb_query
+from lowering.fused.prologue_kernel import qkv_prologue_kernel
+from lowering.fused.q_absorb_kernel import q_absorb_kernel
+from lowering.fused.q_rope_kernel import q_rope_kernel
 
 MAX_ROWS = 64
 # q_absorb_kernel's launch: rows <= 16 -> (BLOCK_K, BLOCK_L, num_warps, num_stages); the

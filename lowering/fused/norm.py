@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from .prologue import _norm
-from .rms_norm_kernel import rms_norm_kernel
+from lowering.fused.prologue import _norm
+from lowering.fused.rms_norm_kernel import rms_norm_kernel
 
 MAX_N = 16384          # a row in registers: 16384 fp32 over 8 warps is 64 per thread
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from .linear_kernel import decode_linear_kernel
+from lowering.gemm.linear_kernel import decode_linear_kernel
 
 MAX_ROWS = 64
 # "auto": the kernel where it serves; "torch": always the torch path (to compare against)

@@ -1,0 +1,26 @@
+"""HuggingFace DeepSeek V2 / V3 on the MLA ops.
+
+    import mla_ops.hf
+    model = mla_ops.hf.convert(model)                      # in place; returns the model
+    cache = mla_ops.hf.PagedMLACache(model.config, max_batch_size=B, max_cache_len=S)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n)
+
+convert() keeps every HF attention module (and its parameters) and swaps its class
+for a subclass whose forward computes q / kv_c_normed / k_pe exactly as HF does,
+then calls mla::kv_cache_update and mla::attention_with_output with the absorbed
+weights W_UK_T [N, P, L] and W_UV [N, L, V] (the only new tensors; non-persistent
+buffers, so state_dict is unchanged). With any other cache (or none) the layer runs
+HF's own forward. The layer's projections, the SiLU MLPs (fuse_mlp) and the output head
+(decode_head) run on the decode GEMM ops of mla_ops/hf/linear.py with the modules' own
+weights; the decoder layers' residual adds and norms (fuse_norms) on those GEMMs'
+epilogues and mla::rms_norm (mla_ops/hf/layer.py).
+
+PagedMLACache (mla_ops/hf/cache.py) is a real transformers Cache over the paged latent
+cache; the converted layers ask it for each step's plan. DecodeGraph (mla_ops/hf/graph.py)
+captures a converted model's whole decode step in one CUDA graph.
+"""
+from mla_ops.hf.convert import CacheFullError, convert, is_converted  # noqa: F401
+from mla_ops.hf.cache import PagedMLACache  # noqa: F401
+from mla_ops.hf.graph import DecodeGraph  # noqa: F401
+
+__all__ = ["convert", "PagedMLACache", "DecodeGraph", "is_converted"]
