@@ -74,7 +74,7 @@ def main():
         print(f"| {T} | {cell(t_unfused)} | {cell(us)} | {us / t_unfused:.2f} | {cfg} |",
               flush=True)
         best[T <= 16] = cfg
-    print("\nlowering.prologue.Q_ABSORB_CONFIGS entries (rows <= 16):")
+    print("\nlowering.fused.prologue.Q_ABSORB_CONFIGS entries (rows <= 16):")
     for k, cfg in best.items():
         print(f"    {k}: {cfg},")
 
