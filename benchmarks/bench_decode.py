@@ -24,12 +24,9 @@ import torch
 import triton
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import lowering.decode.triton_decode as td  # noqa: E402
-from lowering.decode.reference import mla_decode_reference  # noqa: E402
-from timing import graph_time_us  # noqa: E402
+import lowering.decode.triton_decode as td
+from lowering.decode.reference import mla_decode_reference
+from timing import graph_time_us
 
 SHAPES = [(1, 128, 4096), (32, 128, 4096), (64, 128, 8192), (128, 16, 4096),
           (8, 128, 32768), (256, 16, 1024)]
@@ -242,7 +239,7 @@ def bench_shape(B, H, S, args, ceilings, log):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default="decode_results.json")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--splits", type=int, nargs="*", default=[])

@@ -24,18 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-
-import mla_ops.hf  # noqa: E402
-from deepseek_demo import build_model, make_config  # noqa: E402
+import mla_ops.hf
+from deepseek_model import build_model, make_config
 
 
 def sync(dev):
@@ -249,7 +244,7 @@ def print_timeline(prof, steps):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--config", choices=["v3-shaped", "tiny"], default="v3-shaped")
     ap.add_argument("--layers", type=int, default=2)

@@ -14,18 +14,14 @@ the time, as a fraction of the measured copy ceiling. Prints the best configs as
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from timing import (add_timer_args, announce_ceiling, best_config, capture,  # noqa: E402
+from timing import (add_timer_args, announce_ceiling, best_config, capture,
                     chosen_timer)
-from lowering.fused import prologue  # noqa: E402
-from lowering.gemm.head_gemm import absorb_query  # noqa: E402
-from mla_ops.hf.linear import _decode_linear  # noqa: E402
+from lowering.fused import prologue
+from lowering.gemm.head_gemm import absorb_query
+from mla_ops.hf.linear import linear
 
 # (BLOCK_K, BLOCK_L, num_warps, num_stages) swept
 SWEEP = [(bk, bl, w, s) for bk in (64, 128) for bl in (64, 128) for w in (4, 8)
@@ -39,7 +35,7 @@ def _graphed(fn):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,32", help="comma-separated token counts")
     add_timer_args(ap)
     args = ap.parse_args()
@@ -48,6 +44,8 @@ def main():
     Q, N, P, R, L = 1536, 128, 128, 64, 512
     dt, dev = torch.bfloat16, "cuda"
     w = torch.randn(N * (P + R), Q, device=dev, dtype=dt) * Q ** -0.5
+    q_b_proj = torch.nn.Linear(Q, N * (P + R), bias=False, device=dev, dtype=dt)
+    q_b_proj.weight = torch.nn.Parameter(w, requires_grad=False)   # the layer's q_b GEMM op
     wuk = torch.randn(N, P, L, device=dev, dtype=dt) * P ** -0.5
     nbytes = (w.numel() + wuk.numel()) * 2
     print("\n| rows | unfused µs (of ceiling) | fused µs (of ceiling) | fused / unfused | config |"
@@ -59,7 +57,7 @@ def main():
         cos, sin = torch.cat([ang, ang], -1).cos().to(dt), torch.cat([ang, ang], -1).sin().to(dt)
 
         def unfused():
-            q = _decode_linear(q_a, w).view(T, N, P + R)
+            q = linear(q_b_proj, q_a).view(T, N, P + R)
             return absorb_query(torch.ops.mla.decode_q_rope(q, cos, sin, True), wuk)
         ref = unfused().float()
         t_unfused = timer(_graphed(unfused))
@@ -76,7 +74,7 @@ def main():
         print(f"| {T} | {cell(t_unfused)} | {cell(us)} | {us / t_unfused:.2f} | {cfg} |",
               flush=True)
         best[T <= 16] = cfg
-    print("\nlowering.prologue.Q_ABSORB_CONFIGS entries (rows <= 16):")
+    print("\nlowering.fused.prologue.Q_ABSORB_CONFIGS entries (rows <= 16):")
     for k, cfg in best.items():
         print(f"    {k}: {cfg},")
 

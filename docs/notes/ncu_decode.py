@@ -1,19 +1,17 @@
 """One decode call per implementation at one shape, for profiling under ncu.
 
-    ncu --clock-control none -k regex:'stage1|gluon|flash_fwd' python benchmarks/ncu_decode.py 64 128 8192
+    ncu --clock-control none -k regex:'stage1|gluon|flash_fwd' python docs/notes/ncu_decode.py 64 128 8192
 
 With "fp8" after the shape, also the fp8 q + fp8 cache kernels: ours through
 gluon_decode_fp8q (the landed tile config) and FlashMLA's (its schedule computed outside):
 
     ncu --clock-control none -k regex:'mla_decode_pair|mla_decode_fp8|flash' \
-        python benchmarks/ncu_decode.py 32 128 4096 fp8
+        python docs/notes/ncu_decode.py 32 128 4096 fp8
 """
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lowering.decode.triton_decode as td  # noqa: E402
 
 B, H, S = (int(x) for x in sys.argv[1:4])
@@ -37,7 +35,6 @@ except ImportError:
     pass
 if FP8:
     import lowering  # noqa: E402
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from sweep_gluon_fp8 import quantize  # noqa: E402   (per-tensor e4m3, as the sweep)
 
     q8, q_scale = quantize(q)
