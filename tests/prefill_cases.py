@@ -78,19 +78,19 @@ def make_prefill_case(q_lens, ctx_lens, *, N=4, P=32, R=16, L=64, V=32, page=16,
 def cache_rows64(c: PrefillCase, b: int, n: int) -> torch.Tensor:
     """Positions [0, n) of request b from the paged cache, dequantized, float64 [n, L + R]."""
     page = c.kv_cache.shape[1]
-    out = []
-    for pos in range(n):
-        blk = int(c.block_table[b, pos // page])
-        out.append(c.kv_cache[blk, pos % page].double().cpu())
-    rows = torch.stack(out) if out else torch.zeros(0, c.kv_cache.shape[-1], dtype=torch.float64)
-    return rows * float(c.k_scale.reshape(-1)[0]) if c.kind == "fp8" else rows
+    pos = torch.arange(n, device=c.kv_cache.device)
+    blk = c.block_table[b].long()[pos // page]
+    rows = c.kv_cache[blk, pos % page].double()
+    return rows * c.k_scale.double().reshape(()) if c.kind == "fp8" else rows
 
 
 def prefill_ref64(c: PrefillCase):
-    """-> out [T - num_decode_tokens, N, V] float64 and lse [T - nd, N] of the prefill rows."""
+    """-> out [T - num_decode_tokens, N, V] float64 and lse [T - nd, N] of the prefill rows
+    (on the inputs' device)."""
     qsl = c.query_start_loc.tolist()
     lens = c.seq_lens.tolist()
-    W_UK_T, W_UV = c.W_UK_T.double().cpu(), c.W_UV.double().cpu()
+    W_UK_T, W_UV = c.W_UK_T.double(), c.W_UV.double()
+    dev = c.q.device
     L = W_UK_T.shape[-1]
     outs, lses = [], []
     for b in range(len(lens)):
@@ -99,13 +99,14 @@ def prefill_ref64(c: PrefillCase):
             continue
         s = e - a
         ctx = lens[b] - s
-        new = torch.cat([c.kv_c[a:e].double().cpu(), c.k_pe[a:e].double().cpu()], -1)
+        new = torch.cat([c.kv_c[a:e].double(), c.k_pe[a:e].double()], -1)
         rows = torch.cat([cache_rows64(c, b, ctx), new])                  # [ctx + s, L + R]
         k_nope = torch.einsum("cl,npl->cnp", rows[:, :L], W_UK_T)
         k = torch.cat([k_nope, rows[:, None, L:].expand(-1, k_nope.shape[1], -1)], -1)
         v = torch.einsum("cl,nlv->cnv", rows[:, :L], W_UV)
-        sc = torch.einsum("snd,cnd->nsc", c.q[a:e].double().cpu(), k) * c.scale
-        see = torch.arange(ctx + s)[None, :] <= (ctx + torch.arange(s))[:, None]   # [s, c]
+        sc = torch.einsum("snd,cnd->nsc", c.q[a:e].double(), k) * c.scale
+        see = (torch.arange(ctx + s, device=dev)[None, :]
+               <= (ctx + torch.arange(s, device=dev))[:, None])                    # [s, c]
         sc = sc.masked_fill(~see, float("-inf"))
         lse = torch.logsumexp(sc, -1)                                     # [N, s]
         outs.append(torch.einsum("nsc,cnv->snv", torch.exp(sc - lse[..., None]), v))

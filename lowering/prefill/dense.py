@@ -80,17 +80,19 @@ def select_route(route: str, q: torch.Tensor, v: torch.Tensor) -> str:
 
 
 def key_bias(key_lens: torch.Tensor, Sk: int, dtype) -> torch.Tensor:
-    """[B] lengths -> additive bias [B, 1, 1, Sk]: 0 for a key, a large negative past it."""
-    hidden = torch.arange(Sk, device=key_lens.device)[None, :] >= key_lens[:, None].long()
+    """[B] lengths -> additive bias [B, 1, 1, Sk]: 0 for a key, a large negative past it.
+    Rows are allocated 8 elements aligned (16 bytes), as the fused kernels want them."""
+    pad = -(-Sk // 8) * 8
+    hidden = torch.arange(pad, device=key_lens.device)[None, :] >= key_lens[:, None].long()
     neg = torch.finfo(dtype).min / 2
-    return torch.where(hidden, neg, 0.0).to(dtype)[:, None, None, :]
+    return torch.where(hidden, neg, 0.0).to(dtype)[:, None, None, :Sk]
 
 
 def cudnn_dense(q, k, v, key_lens, scale: float, causal: bool):
     B, N, Sq, _ = q.shape
     bias = None
-    if key_lens is not None:
-        bias = key_bias(key_lens, k.shape[2], q.dtype).expand(B, N, Sq, k.shape[2])
+    if key_lens is not None:       # broadcast over heads and queries (stride 0), as SDPA does
+        bias = key_bias(key_lens, k.shape[2], q.dtype).expand(B, 1, Sq, k.shape[2])
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q, k, v, bias, True, 0.0, causal, False, scale=scale)
     out, lse = res[0], res[1]                                    # [B, N, Sq, V], [B, N, Sq(, 1)]

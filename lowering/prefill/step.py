@@ -24,6 +24,12 @@ For the prefill requests of a step (the suffix of the batch after the decode req
    new tokens per request (the multi-turn case of 512 new tokens is above it); short
    chunks over a long context would gain from it, and that is left for later.
 
+Memory: the context is windowed (at most workspace_rows rows of K/V at a time), but the
+new tokens' K [Tp, N, 192] and V [Tp, N, 128] exist whole, as any one-launch attention
+needs them (671 MB at 8192 tokens and 128 heads, bf16), plus a right-padded copy of q,
+k and v when the requests' lengths differ (Bp * max_query_len rows each; none when they
+are equal, the case of HF's batches, whose pads are real rows of the step).
+
 Host ints come from PrefillShape (prefill_shape reads them with one device->host copy
 when the caller did not pass them; the step metadata knows them on the host).
 """
