@@ -7,8 +7,9 @@ loop over requests. The host ints it needs (prefill requests, longest prompt and
 context) come from `shape` when the caller passes them, else from one device->host copy
 (lowering.prefill.prefill_shape).
 
-Elsewhere (CPU) it keeps the torch reference below. For each prefill request: the new tokens attend causally to themselves (K 192
-wide = [k_nope | k_pe], V 128 wide) and to the context already in the paged cache.
+Elsewhere (CPU) it keeps the torch reference below. For each prefill request: the new
+tokens attend causally to themselves (K 192 wide = [k_nope | k_pe], V 128 wide) and to
+the context already in the paged cache.
 Keys are taken at most `workspace_rows` tokens at a time (new tokens, then cached
 context gathered from the paged cache), up-projected, and each chunk's (out, lse)
 is merged by online softmax; queries are split so one score block holds at most

@@ -112,3 +112,19 @@ def prefill_ref64(c: PrefillCase):
         outs.append(torch.einsum("nsc,cnv->snv", torch.exp(sc - lse[..., None]), v))
         lses.append(lse.t())
     return torch.cat(outs), torch.cat(lses)
+
+
+def dense64(q, k, v, scale, causal, key_lens=None):
+    """q [B, N, Sq, D], k [B, N, Sk, D], v [B, N, Sk, V] -> float64 out [B, Sq, N, V] and
+    lse [B, N, Sq]; causal: query i sees keys j <= i; key_lens: keys past them hidden."""
+    s = torch.einsum("bnqd,bnkd->bnqk", q.double(), k.double()) * scale
+    Sq, Sk = s.shape[-2:]
+    if causal:
+        s = s.masked_fill(torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).triu(1),
+                          float("-inf"))
+    if key_lens is not None:
+        hidden = torch.arange(Sk, device=q.device)[None, :] >= key_lens[:, None]
+        s = s.masked_fill(hidden[:, None, None], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return torch.einsum("bnqk,bnkv->bqnv", p, v.double()), lse

@@ -15,24 +15,11 @@ from lowering.prefill import (PrefillShape, dense_attention, mla_prefill, prefil
                               varlen_attention)
 from mla_ops.prefill import reference_prefill
 from mla_reference import rel_err
-from prefill_cases import make_prefill_case, prefill_ref64
+from prefill_cases import dense64, make_prefill_case, prefill_ref64
 
 triton = pytest.importorskip("triton")
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-
-
-def dense64(q, k, v, scale, causal, key_lens=None):
-    """q [B, N, Sq, D], k [B, N, Sk, D], v [B, N, Sk, V] -> out [B, Sq, N, V], lse [B, N, Sq]."""
-    s = torch.einsum("bnqd,bnkd->bnqk", q.double(), k.double()) * scale
-    Sq, Sk = s.shape[-2:]
-    if causal:
-        s = s.masked_fill(torch.ones(Sq, Sk, dtype=torch.bool).triu(1), float("-inf"))
-    if key_lens is not None:
-        s = s.masked_fill((torch.arange(Sk)[None, :] >= key_lens[:, None])[:, None, None], float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    return torch.einsum("bnqk,bnkv->bqnv", p, v.double()), lse
 
 
 @pytest.mark.parametrize("causal,key_lens", [(True, None), (False, None), (False, [5, 0, 13])])
@@ -138,3 +125,16 @@ def test_longer_ragged_batch_several_windows():
     out = run_step(c, 96, "torch")
     ref, _ = prefill_ref64(c)
     assert rel_err(out, ref.reshape(out.shape)) < TOL[torch.float32]
+
+
+def test_varlen_attention_rejects_bad_arguments():
+    q = torch.randn(6, 2, 24)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="k must be"):
+        varlen_attention(q, q[:5], q[..., :16], cu, 4, 0.2)
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        varlen_attention(q, q, q[..., :16], cu.long(), 4, 0.2)
+    with pytest.raises(ValueError, match="max_len"):
+        varlen_attention(q, q, q[..., :16], cu, 0, 0.2)
+    with pytest.raises(TypeError, match="v must"):
+        varlen_attention(q, q, q[..., :16].double(), cu, 4, 0.2)

@@ -13,7 +13,7 @@ import mla_ops  # noqa: F401
 from lowering.prefill import cudnn_unmet, dense_attention, mla_prefill, prefill_shape
 from mla_ops.prefill import prefill_attention
 from mla_reference import rel_err
-from prefill_cases import make_prefill_case, prefill_ref64
+from prefill_cases import dense64, make_prefill_case, prefill_ref64
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -26,20 +26,6 @@ def need_cudnn():
     why = cudnn_unmet(q, q[..., :128])
     if why is not None:
         pytest.skip(why)
-
-
-def dense64(q, k, v, scale, causal, key_lens=None):
-    s = torch.einsum("bnqd,bnkd->bnqk", q.double(), k.double()) * scale
-    Sq, Sk = s.shape[-2:]
-    if causal:
-        s = s.masked_fill(torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).triu(1),
-                          float("-inf"))
-    if key_lens is not None:
-        hidden = torch.arange(Sk, device=q.device)[None, :] >= key_lens[:, None]
-        s = s.masked_fill(hidden[:, None, None], float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    return torch.einsum("bnqk,bnkv->bqnv", p, v.double()), lse
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -19,8 +19,7 @@ Routes, chosen by capability like the decode entry (ROUTES, in order for "auto")
                finite negative (not -inf: a row of pad keys only must stay finite).
     reference  torch in float32, queries chunked so one score block holds at most
                SCORE_BUDGET elements; any device and dtype (the CPU route).
-An explicit route that cannot serve the call raises BackendUnavailable-style ValueError
-naming why.
+An explicit route that cannot serve the call raises a ValueError naming why.
 """
 from __future__ import annotations
 

@@ -54,7 +54,8 @@ def merge_attn_states_kernel(
 
 @torch.library.custom_op("mla::merge_attn_states", mutates_args=())
 def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                      lse_b: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                      lse_b: torch.Tensor,
+                      out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(out_a, lse_a), (out_b, lse_b): [T, N, V], [T, N] fp32 -> merged (out [T, N, V]
     out_dtype, lse [T, N] fp32). One kernel launch."""
     T, N, V = out_a.shape

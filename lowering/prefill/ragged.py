@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from lowering.checks import check_tensor
 from lowering.prefill.dense import dense_attention
 
 
@@ -78,9 +79,29 @@ def varlen_attention(q, k, v, cu_seqlens, max_len: int, scale: float, route: str
 
     q, k [T, N, D]; v [T, N, V]; cu_seqlens [B + 1] int32 (device); max_len: the longest
     request (host int). -> out [T, N, V] (q dtype), lse [T, N] fp32 natural log.
+    Shapes, dtypes and devices are checked here (host only); the lengths are not read.
     """
+    check_varlen_args(q, k, v, cu_seqlens, max_len)
     T = q.shape[0]
     lay = RaggedLayout(cu_seqlens, max_len, T)
     out, lse = dense_attention(lay.padded(q), lay.padded(k), lay.padded(v), None, scale,
                                True, route)                      # [B, S, N, V], [B, N, S]
     return lay.packed(out), lay.packed(lse.transpose(1, 2))
+
+
+def check_varlen_args(q, k, v, cu_seqlens, max_len) -> None:
+    check_tensor("q", q, ndim=3)
+    check_tensor("k", k, ndim=3, dtypes=(q.dtype,))
+    check_tensor("v", v, ndim=3, dtypes=(q.dtype,))
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32,))
+    T, N, D = q.shape
+    if k.shape != (T, N, D) or v.shape[:2] != (T, N):
+        raise ValueError(f"k must be [T, N, D]={tuple(q.shape)} and v [T, N, V], got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError("cu_seqlens must hold B + 1 >= 2 offsets")
+    if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
+        raise ValueError(f"max_len must be a positive int (the longest request), got {max_len!r}")
+    for name, t in (("k", k), ("v", v), ("cu_seqlens", cu_seqlens)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
