@@ -17,20 +17,18 @@ from __future__ import annotations
 
 import torch
 
-from lowering.gemm import linear as _ops
+from lowering import config as mla_config
 import lowering.fused.norm  # noqa: F401  (registers mla::rms_norm)
 
 from mla_ops.hf.linear import converted_class, hf_rms_norm
-
-# False: the converted layers and norms run HF's own forwards (to compare against)
-FUSE_NORMS = True
 
 _LAYERS = ("DeepseekV3DecoderLayer", "DeepseekV2DecoderLayer")
 
 
 def _on(*params) -> bool:
     # decided in the traced Python, so the choice is part of the compiled graph
-    return (FUSE_NORMS and _ops.IMPL != "torch"
+    # (convert(fuse_norms=False) leaves the layers' classes as HF's)
+    return (mla_config.linear_impl != "torch"
             and not (torch.is_grad_enabled() and any(p.requires_grad for p in params)))
 
 
