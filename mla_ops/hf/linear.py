@@ -42,7 +42,7 @@ def use_ops(*mods) -> bool:
     return mla_config.linear_impl != "torch" and _plain(*mods) and not _needs_grad(*mods)
 
 
-def _decode_linear(x: torch.Tensor, w: torch.Tensor, residual=None) -> torch.Tensor:
+def decode_linear(x: torch.Tensor, w: torch.Tensor, residual=None) -> torch.Tensor:
     """x @ w.T (plus residual) on the decode GEMM ops; where the kernel's config splits K,
     the fp32 partial sums (and the residual) are added here, in the traced graph (Inductor
     fuses the sum into the consumer)."""
@@ -59,7 +59,7 @@ def linear(mod, x: torch.Tensor, residual=None) -> torch.Tensor:
     """mod(x) (+ residual) for an HF linear module; mla::decode_linear(_residual) when it
     is a plain nn.Linear."""
     if use_ops(mod):
-        return _decode_linear(x, mod.weight, residual)
+        return decode_linear(x, mod.weight, residual)
     return mod(x) if residual is None else residual + mod(x)
 
 
@@ -163,7 +163,7 @@ def _mlp_forward(self, x, residual=None):
         y = self._hf_forward(x)
         return y if residual is None else residual + y
     h = torch.ops.mla.decode_gate_up(x, self.gate_proj.weight, self.up_proj.weight)   # [..., I]
-    return _decode_linear(h, self.down_proj.weight, residual)             # split-K per CONFIGS
+    return decode_linear(h, self.down_proj.weight, residual)             # split-K per CONFIGS
 
 
 _CLASSES: dict = {}
@@ -191,7 +191,7 @@ def _head_forward(self, x):
     F.linear with grad enabled or lowering.config.linear_impl = "torch")."""
     if mla_config.linear_impl == "torch" or _needs_grad(self):
         return self._hf_forward(x)
-    return _decode_linear(x, self.weight)
+    return decode_linear(x, self.weight)
 
 
 def decode_head_class(cls):
