@@ -85,6 +85,8 @@ def test_unmet_reasons():
     x = torch.empty(2, 4, 192, dtype=torch.bfloat16)
     w = torch.empty(4, 128, 512, dtype=torch.bfloat16)
     assert "CUDA" in head_gemm.head_gemm_unmet(x, w, 64)
+    with mla_config.patch(head_gemm_impl="torch"):
+        assert "head_gemm_impl" in head_gemm.head_gemm_unmet(x, w, 64)
     if DEV == "cuda":
         xc, wc = x.cuda(), w.cuda()
         assert head_gemm.head_gemm_unmet(xc, wc, 64) is None

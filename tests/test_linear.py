@@ -359,10 +359,26 @@ def test_impl_choice_is_part_of_the_traced_graph():
     for impl in ("auto", "torch", "auto"):
         with mla_config.patch(linear_impl=impl), torch.no_grad():
             out = compiled(x)
-        assert torch.equal(out, mlp._hf_forward(x))
+        assert torch.equal(out, mlp.hf_forward(x))
     assert len(targets) == 2                      # one graph per choice, the first reused
     assert {"mla.decode_gate_up", "mla.decode_linear"} <= targets[0]
     assert not any("mla.decode" in t for t in targets[1])
+
+
+def test_linear_unmet_names_the_condition():
+    import lowering.config as mla_config
+    x, w = torch.randn(2, 48, dtype=torch.bfloat16), torch.randn(32, 48, dtype=torch.bfloat16)
+    assert "CUDA" in linear.linear_unmet(x, w)
+    assert "[N, K]" in linear.linear_unmet(x, w[:, :40])
+    with mla_config.patch(linear_impl="torch"):
+        assert "linear_impl" in linear.linear_unmet(x, w)
+    if DEV == "cuda":
+        xc, wc = x.cuda(), w.cuda()
+        assert linear.linear_unmet(xc, wc) is None
+        assert "rows" in linear.linear_unmet(torch.randn(65, 48, dtype=x.dtype, device=DEV), wc)
+        assert "bf16" in linear.linear_unmet(xc.float(), wc.float())
+        assert "contiguous" in linear.linear_unmet(xc, wc.t().contiguous().t())
+    assert linear.linear_split_k(x, w[:, :40]) == 1        # mismatched shapes: no split
 
 
 def test_opcheck_decode_gemm_ops():

@@ -4,6 +4,7 @@ import torch
 
 import passes.quant as Q
 import lowering.config as mla_config
+import mla_ops.quant_ops as QO
 from lowering.fused.concat_quant import concat_quant
 from lowering.fused.group_quant import group_quant
 from lowering.fused.static_quant import static_quant
@@ -144,6 +145,28 @@ def test_custom_ops_dispatch(monkeypatch, impl):
     a, b = x.view(4, 2, 128)[..., :96], x.view(4, 2, 128)[..., 96:]
     assert torch.equal(u8(torch.ops.mla.concat_quant_fp8_static(a, b, s)),
                        u8(Q.ref_concat_static(a, b, s)))
+
+
+@interpreter_only
+def test_quant_impl_is_read_at_each_call_of_a_compiled_function(monkeypatch):
+    """The quant ops are opaque to the compiler and read lowering.config.quant_impl when
+    they run: flipping it between calls of one compiled function switches the path (no
+    graph keeps the old choice)."""
+    import lowering.fused.static_quant as SQ
+    calls = []
+    kernel_path = SQ.static_quant
+    monkeypatch.setattr(SQ, "static_quant", lambda x, s: calls.append(1) or kernel_path(x, s))
+    x, s = rand((4, 256), 9), torch.tensor([0.02])
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, s: torch.ops.mla.quant_fp8_static(x, s), backend="aot_eager",
+                       fullgraph=True)
+    for impl, kernel_calls in (("torch", 0), ("triton", 1), ("torch", 1), ("auto", 1)):
+        with mla_config.patch(quant_impl=impl):
+            assert torch.equal(u8(fn(x, s)), u8(Q.ref_static(x, s)))
+        assert len(calls) == kernel_calls
+    with mla_config.patch(quant_impl="torch"):
+        assert "quant_impl" in QO.quant_kernel_unmet(x)
+    assert "CUDA" in QO.quant_kernel_unmet(x)                  # "auto" on CPU
 
 
 def test_opcheck_custom_ops():

@@ -1,5 +1,5 @@
-"""The attention prologue ops (lowering/fused/prologue.py): split-K partial sums -> q_a norm,
-kv_c norm and the key's RoPE; the query's RoPE. The kernels vs float64 (CPU: the Triton
+"""The attention prologue ops (lowering/fused/prologue.py, q_rope.py): split-K partial
+sums -> q_a norm, kv_c norm and the key's RoPE; the query's RoPE. The kernels vs float64 (CPU: the Triton
 interpreter in fp32; GPU: bf16), the ops' torch paths bit for bit against HF's own modules
 and RoPE functions, bad input, and on a GPU the converted DeepSeek-V3 attention's use of
 them at V3's shapes."""

@@ -35,7 +35,7 @@ def _on(*params) -> bool:
 def _norm_forward(self, x):
     """HF's RMSNorm of x [..., H] as mla::rms_norm."""
     if not _on(self.weight):
-        return self._hf_forward(x)
+        return self.hf_forward(x)
     return torch.ops.mla.rms_norm(x, self.weight, float(self.variance_epsilon))
 
 
@@ -46,7 +46,7 @@ def decode_norm_class(cls):
 def fusable_layer(layer) -> bool:
     """An HF DeepSeek decoder layer with HF's norms around a converted MLA attention."""
     return (type(layer).__name__ in _LAYERS and type(layer).__module__.startswith("transformers.")
-            and getattr(layer.self_attn, "_mla_converted", False)
+            and getattr(layer.self_attn, "mla_converted", False)
             and hf_rms_norm(layer.input_layernorm)
             and hf_rms_norm(layer.post_attention_layernorm))
 
@@ -56,7 +56,7 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None,
     """HF's decoder layer with the residual adds inside o_proj's and down_proj's GEMMs:
     hidden_states [B, S, H] -> [B, S, H]."""
     if not _on(self.input_layernorm.weight, self.post_attention_layernorm.weight):
-        return self._hf_forward(hidden_states, attention_mask=attention_mask,
+        return self.hf_forward(hidden_states, attention_mask=attention_mask,
                                 position_ids=position_ids, past_key_values=past_key_values,
                                 use_cache=use_cache, position_embeddings=position_embeddings,
                                 **kwargs)
@@ -67,7 +67,7 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None,
                           position_embeddings=position_embeddings, mla_residual=residual,
                           **kwargs)                                   # residual + attention
     x = self.post_attention_layernorm(h)
-    if getattr(self.mlp, "_mla_converted", False):                    # the fused SiLU MLP
+    if getattr(self.mlp, "mla_converted", False):                    # the fused SiLU MLP
         return self.mlp(x, h)                                         # h + mlp(x)
     return h + self.mlp(x)
 

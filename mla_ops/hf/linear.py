@@ -94,7 +94,7 @@ def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
     does not apply (no q_lora, V2's complex RoPE, other norms, or a pair config without
     split-K: then the caller runs the modules)."""
     m1, m2 = attn.q_a_proj, attn.kv_a_proj_with_mqa
-    if (attn._mla_family != "v3" or attn.q_lora_rank is None
+    if (attn.mla_family != "v3" or attn.q_lora_rank is None
             or not use_ops(m1, m2)
             or not (hf_rms_norm(attn.q_a_layernorm) and hf_rms_norm(attn.kv_a_layernorm))
             or not isinstance(position_embeddings, (tuple, list))):
@@ -160,7 +160,7 @@ def _mlp_forward(self, x, residual=None):
     down_proj's epilogue): x [..., H] -> [..., H]."""
     if mla_config.linear_impl == "torch" or _needs_grad(self.gate_proj, self.up_proj,
                                                          self.down_proj):
-        y = self._hf_forward(x)
+        y = self.hf_forward(x)
         return y if residual is None else residual + y
     h = torch.ops.mla.decode_gate_up(x, self.gate_proj.weight, self.up_proj.weight)   # [..., I]
     return decode_linear(h, self.down_proj.weight, residual)             # split-K per CONFIGS
@@ -170,11 +170,11 @@ _CLASSES: dict = {}
 
 
 def converted_class(cls, prefix: str, forward):
-    """The subclass of cls whose forward is `forward` (HF's kept as _hf_forward), made once."""
+    """The subclass of cls whose forward is `forward` (HF's kept as hf_forward), made once."""
     key = (cls, prefix)
     if key not in _CLASSES:
         _CLASSES[key] = type(f"{prefix}{cls.__name__}", (cls,), {
-            "forward": forward, "_hf_forward": cls.forward, "_mla_converted": True,
+            "forward": forward, "hf_forward": cls.forward, "mla_converted": True,
             "__module__": __name__})
     return _CLASSES[key]
 
@@ -190,7 +190,7 @@ def _head_forward(self, x):
     """lm_head(x): [..., H] -> [..., vocab] on the decode GEMM op (the module's own
     F.linear with grad enabled or lowering.config.linear_impl = "torch")."""
     if mla_config.linear_impl == "torch" or _needs_grad(self):
-        return self._hf_forward(x)
+        return self.hf_forward(x)
     return decode_linear(x, self.weight)
 
 
