@@ -161,3 +161,15 @@ def test_compiled_decode_steps_plan_as_torch_ops(backend):
             assert torch.equal(x.cpu(), y)
     for x, y in zip(c.state(), twin.state()):
         assert torch.equal(x.cpu(), y)
+
+
+def test_schedule_per_step_argument(monkeypatch):
+    """PagedMLACache(schedule_per_step=False): no decode backend gets the plan's FlashMLA
+    schedule, so each layer's call computes its own (here FlashMLA is made to serve)."""
+    import lowering
+    monkeypatch.setattr(lowering, "uses_flashmla", lambda *a, **k: True)
+    on = PagedMLACache(tiny_config(layers=1), max_batch_size=2, max_cache_len=16, block_size=4)
+    off = PagedMLACache(tiny_config(layers=1), max_batch_size=2, max_cache_len=16, block_size=4,
+                        schedule_per_step=False)
+    assert on._flashmla_backends == {"auto", "flashmla"} == on._flashmla_fp8q_backends
+    assert not off._flashmla_backends and not off._flashmla_fp8q_backends

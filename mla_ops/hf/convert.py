@@ -66,8 +66,8 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
         if past_key_values is not None:
             kwargs["past_key_values"] = past_key_values
         out, weights = self.hf_forward(hidden_states=hidden_states,
-                                        position_embeddings=position_embeddings,
-                                        attention_mask=attention_mask, **kwargs)
+                                       position_embeddings=position_embeddings,
+                                       attention_mask=attention_mask, **kwargs)
         return (out if residual is None else residual + out), weights
     mla: MLAAttention = self.mla_attn
     B, S, _ = hidden_states.shape

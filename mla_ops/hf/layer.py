@@ -57,9 +57,9 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None,
     hidden_states [B, S, H] -> [B, S, H]."""
     if not _on(self.input_layernorm.weight, self.post_attention_layernorm.weight):
         return self.hf_forward(hidden_states, attention_mask=attention_mask,
-                                position_ids=position_ids, past_key_values=past_key_values,
-                                use_cache=use_cache, position_embeddings=position_embeddings,
-                                **kwargs)
+                               position_ids=position_ids, past_key_values=past_key_values,
+                               use_cache=use_cache, position_embeddings=position_embeddings,
+                               **kwargs)
     residual = hidden_states
     h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
                           attention_mask=attention_mask, position_ids=position_ids,
@@ -67,7 +67,7 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None,
                           position_embeddings=position_embeddings, mla_residual=residual,
                           **kwargs)                                   # residual + attention
     x = self.post_attention_layernorm(h)
-    if getattr(self.mlp, "mla_converted", False):                    # the fused SiLU MLP
+    if getattr(self.mlp, "mla_converted", False):                     # the fused SiLU MLP
         return self.mlp(x, h)                                         # h + mlp(x)
     return h + self.mlp(x)
 
