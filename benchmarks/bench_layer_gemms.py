@@ -81,10 +81,10 @@ def best_triton(mode, x, ws, ref, timer=None, show=False):
 
         def run():            # split-K as the partials op launches it: one output tensor
             if S > 1:
-                linear.launch(x, ws[0], w2, mode, parts, None, cfg, wrap=False,
+                linear.launch(x, ws[0], w2, mode, parts, None, cfg,
                               y2_col0=ws[0].shape[0] if mode == 1 else 0)
             else:
-                linear.launch(x, ws[0], w2, mode, y1, y2, cfg, wrap=False)
+                linear.launch(x, ws[0], w2, mode, y1, y2, cfg)
 
         def output():
             if S > 1:

@@ -99,10 +99,10 @@ def _quant_impl(x: torch.Tensor):
     importable and selected for x; None means the torch reference here."""
     try:
         from mla_ops import quant_ops as pq
-        import lowering.fused.quant_kernels  # noqa: F401  (needs triton)
+        import triton  # noqa: F401  (the quant kernels need it)
     except ImportError:
         return None
-    return pq if pq._use_triton(x) else None
+    return pq if pq.quant_kernel_unmet(x) is None else None
 
 
 def _write_output(out: torch.Tensor, dst: torch.Tensor, output_scale, block_scale) -> None:
@@ -142,8 +142,8 @@ def decode_output(out_latent, W_UV, dst, output_scale, block_scale) -> None:
         pq = _quant_impl(out_latent)
         g = None if block_scale is None else dst.shape[1] // block_scale.shape[1]
         if pq is not None:
-            from lowering.fused.quant_kernels import wuv_quant, wuv_quant_supported
-            if wuv_quant_supported(out_latent, W_UV, g) is None:
+            from lowering.fused.wuv_quant import wuv_quant, wuv_quant_unmet
+            if wuv_quant_unmet(out_latent, W_UV, g) is None:
                 wuv_quant(out_latent, W_UV, scale=output_scale, group_size=g, out=dst,
                           block_scale=block_scale)
                 return

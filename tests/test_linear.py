@@ -39,15 +39,15 @@ def test_kernel_modes_vs_fp64(M, N1, N2, K, cfg):
     x, w1, w2, w3 = (t.to(dt).double() for t in (x, w1, w2, w3))          # the rounded inputs
 
     y = torch.empty(M, N1, device=DEV, dtype=dt)
-    linear.launch(xs, w1s, None, 0, y, None, cfg, wrap=False)
+    linear.launch(xs, w1s, None, 0, y, None, cfg)
     assert _rel(y.cpu(), x @ w1.T) < tol
 
     y1, y2 = torch.empty(M, N1, device=DEV, dtype=dt), torch.empty(M, N2, device=DEV, dtype=dt)
-    linear.launch(xs, w1s, w2s, 1, y1, y2, cfg, wrap=False)
+    linear.launch(xs, w1s, w2s, 1, y1, y2, cfg)
     assert _rel(y1.cpu(), x @ w1.T) < tol and _rel(y2.cpu(), x @ w2.T) < tol
 
     y = torch.empty(M, N1, device=DEV, dtype=dt)
-    linear.launch(xs, w1s, w3s, 2, y, None, cfg, wrap=False)
+    linear.launch(xs, w1s, w3s, 2, y, None, cfg)
     ref = F.silu(x @ w1.T) * (x @ w3.T)
     assert _rel(y.cpu(), ref) < 3 * tol
 
@@ -65,14 +65,14 @@ def test_kernel_split_k_partials_vs_fp64(M, K, cfg):
     x, w1, w2 = (t.to(dt).double() for t in (x, w1, w2))
     S = cfg[4]
     parts = torch.full((S, M, 70), float("nan"), device=DEV)          # every entry written
-    linear.launch(xs, w1s, None, 0, parts, None, cfg, wrap=False)
+    linear.launch(xs, w1s, None, 0, parts, None, cfg)
     assert _rel(parts.sum(0).cpu(), x @ w1.T) < tol
     parts = torch.full((S, M, 79), float("nan"), device=DEV)
-    linear.launch(xs, w1s, w2s, 1, parts, None, cfg, wrap=False, y2_col0=70)    # one buffer
+    linear.launch(xs, w1s, w2s, 1, parts, None, cfg, y2_col0=70)    # one buffer
     assert _rel(parts.sum(0).cpu(), torch.cat([x @ w1.T, x @ w2.T], -1)) < tol
     assert (parts[1:].abs().sum() > 0) and (parts[0].abs().sum() > 0)   # K really split
     with pytest.raises(ValueError, match="SPLIT_K=.* needs mode 0 or 1"):
-        linear.launch(xs, w1s, w1s, 2, parts[..., :70], None, cfg, wrap=False)
+        linear.launch(xs, w1s, w1s, 2, parts[..., :70], None, cfg)
 
 
 @pytest.mark.parametrize("M,N,K,cfg", [(1, 100, 300, (32, 128, 4, 2)), (33, 50, 200, (64, 64, 4, 2)),
@@ -86,16 +86,16 @@ def test_kernel_residual_epilogue_vs_fp64(M, N, K, cfg):
     xs, ws, rs = (t.to(DEV, dt) for t in (x, w, r))
     x, w, r = (t.to(dt).double() for t in (x, w, r))
     y = torch.full((M, N), float("nan"), device=DEV, dtype=dt)
-    linear.launch(xs, ws, None, 0, y, None, cfg, wrap=False, residual=rs)
+    linear.launch(xs, ws, None, 0, y, None, cfg, residual=rs)
     ref = r + (x @ w.T)
     tol = 1e-2 if dt == torch.bfloat16 else 1e-5
     assert _rel(y.cpu(), ref) < tol
     assert _rel(y.cpu() - rs.cpu(), x @ w.T) < (5e-2 if dt == torch.bfloat16 else 1e-4)
     parts = torch.empty(2, M, N, device=DEV)
     with pytest.raises(ValueError, match="a residual needs mode 0 without split-K"):
-        linear.launch(xs, ws, None, 0, parts, None, (*cfg, 2), wrap=False, residual=rs)
+        linear.launch(xs, ws, None, 0, parts, None, (*cfg, 2), residual=rs)
     with pytest.raises(ValueError, match="a residual needs mode 0"):
-        linear.launch(xs, ws, ws, 2, y, None, cfg, wrap=False, residual=rs)
+        linear.launch(xs, ws, ws, 2, y, None, cfg, residual=rs)
 
 
 def test_residual_op_torch_path_and_errors():
@@ -142,8 +142,8 @@ def test_gate_up_kernel_reads_both_weights():
     x, wg, wu = (t.float().to(DEV) for t in (_randn(2, 64, g=g), _randn(40, 64, g=g), _randn(40, 64, g=g)))
     a = torch.empty(2, 40, device=DEV)
     b = torch.empty(2, 40, device=DEV)
-    linear.launch(x, wg, wu, 2, a, None, (16, 32, 4, 2), wrap=False)
-    linear.launch(x, wu, wg, 2, b, None, (16, 32, 4, 2), wrap=False)
+    linear.launch(x, wg, wu, 2, a, None, (16, 32, 4, 2))
+    linear.launch(x, wu, wg, 2, b, None, (16, 32, 4, 2))
     assert (a - b).abs().max() > 1e-2
 
 
@@ -291,12 +291,12 @@ def test_measured_configs_at_their_shapes_vs_fp64(key):
     if mode == 2:
         ref = F.silu(prods[0]) * prods[1]
         y = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
-        linear.launch(x, ws[0], ws[1], 2, y, None, cfg, wrap=False)
+        linear.launch(x, ws[0], ws[1], 2, y, None, cfg)
     else:
         ref = torch.cat(prods, -1)
         y = torch.full((S, M, sum(Ns)), float("nan"), device=DEV)          # fp32 partials
         linear.launch(x, ws[0], ws[1] if mode else None, mode, y if S > 1 else y[0], None,
-                      cfg, wrap=False, y2_col0=Ns[0] if mode else 0)
+                      cfg, y2_col0=Ns[0] if mode else 0)
         y = y.sum(0)
     assert _rel(y, ref) < 2e-2
 
@@ -336,10 +336,12 @@ def test_converted_hf_layer_uses_the_ops():
                    for n, m in model.named_modules())
 
 
-def test_impl_choice_is_part_of_the_traced_graph(monkeypatch):
-    """MLA_LINEAR_IMPL=torch is decided in the traced Python: the graph then holds the
-    modules' own linears, so a cached compile of one choice is never reused for the other."""
+def test_impl_choice_is_part_of_the_traced_graph():
+    """lowering.config.linear_impl is read in the traced Python: the graph of "torch" holds
+    the modules' own linears, and flipping the setting between calls of one compiled
+    function recompiles rather than reusing the graph of the other choice."""
     pytest.importorskip("transformers")
+    import lowering.config as mla_config
     import mla_ops.hf as H
     from hf_models import build_pair, tiny_config
     _, model = build_pair(tiny_config("v3"))
@@ -352,14 +354,31 @@ def test_impl_choice_is_part_of_the_traced_graph(monkeypatch):
         targets.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
         return gm.forward
 
-    for impl in ("auto", "torch"):
-        monkeypatch.setattr(linear, "IMPL", impl)
-        torch._dynamo.reset()
-        with torch.no_grad():
-            out = torch.compile(mlp, backend=backend, fullgraph=True)(x)
-        assert torch.equal(out, mlp._hf_forward(x))
+    torch._dynamo.reset()
+    compiled = torch.compile(mlp, backend=backend, fullgraph=True)
+    for impl in ("auto", "torch", "auto"):
+        with mla_config.patch(linear_impl=impl), torch.no_grad():
+            out = compiled(x)
+        assert torch.equal(out, mlp.hf_forward(x))
+    assert len(targets) == 2                      # one graph per choice, the first reused
     assert {"mla.decode_gate_up", "mla.decode_linear"} <= targets[0]
     assert not any("mla.decode" in t for t in targets[1])
+
+
+def test_linear_unmet_names_the_condition():
+    import lowering.config as mla_config
+    x, w = torch.randn(2, 48, dtype=torch.bfloat16), torch.randn(32, 48, dtype=torch.bfloat16)
+    assert "CUDA" in linear.linear_unmet(x, w)
+    assert "[N, K]" in linear.linear_unmet(x, w[:, :40])
+    with mla_config.patch(linear_impl="torch"):
+        assert "linear_impl" in linear.linear_unmet(x, w)
+    if DEV == "cuda":
+        xc, wc = x.cuda(), w.cuda()
+        assert linear.linear_unmet(xc, wc) is None
+        assert "rows" in linear.linear_unmet(torch.randn(65, 48, dtype=x.dtype, device=DEV), wc)
+        assert "bf16" in linear.linear_unmet(xc.float(), wc.float())
+        assert "contiguous" in linear.linear_unmet(xc, wc.t().contiguous().t())
+    assert linear.linear_split_k(x, w[:, :40]) == 1        # mismatched shapes: no split
 
 
 def test_opcheck_decode_gemm_ops():

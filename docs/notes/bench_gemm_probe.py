@@ -124,7 +124,7 @@ def gemms(M=32):
             cub = graph_time_us(lambda: (torch.mm(x, w.t(), out=g), torch.mm(x, u.t(), out=h)))
         else:
             cub = graph_time_us(lambda: torch.mm(x, w.t(), out=y))
-        k_us, k_cfg = best(cfgs, lambda c: lambda: linear.launch(x, w, u, mode, y, None, c, wrap=False),
+        k_us, k_cfg = best(cfgs, lambda c: lambda: linear.launch(x, w, u, mode, y, None, c),
                            y, ref)
         t_us, t_cfg = best(cfgs, lambda c: tma_launcher(x, w, u, y, c), y, ref)
         print(f"| {name} | {w.numel() * 2 * (2 if gated else 1) / 1e6:.0f} | {cub:.1f} | "

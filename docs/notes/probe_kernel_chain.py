@@ -452,7 +452,7 @@ def k_order():
             mode = 2 if gated else 0
             cfg = linear.pick_config(mode, N, K, M)
             y0 = torch.empty(M, N, device=dev, dtype=dt)
-            run0 = lambda: linear.launch(x, w1, w2 if gated else None, mode, y0, None, cfg, wrap=False)
+            run0 = lambda: linear.launch(x, w1, w2 if gated else None, mode, y0, None, cfg)
             run0()
             t0 = kernel_time_us(run0)
             mb = (2 if gated else 1) * N * K * 2 / 1e6
