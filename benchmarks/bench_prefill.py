@@ -175,8 +175,10 @@ def model_rows(args):
                 model(ids[r][:, :ctx], past_key_values=base, use_cache=True)
 
             def hf_step():
-                if ctx:                                  # back to the 4096 cached tokens
-                    base.crop(ctx)
+                if ctx:                                  # back to the ctx cached tokens
+                    extra = base.get_seq_length() - ctx
+                    if extra > 0:                        # crop() takes a negative count
+                        base.crop(-extra)
                     cache = base
                 else:
                     cache = DynamicCache(config=cfg)
