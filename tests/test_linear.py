@@ -174,6 +174,21 @@ def test_ops_reject_mismatched_weights():
         torch.ops.mla.decode_linear(torch.tensor(1.0), torch.randn(8, 48))
 
 
+def test_fit_stages_trims_only_what_does_not_fit():
+    """Stages are cut to the shared memory a program may take (mode 1 counts its buffers
+    twice, mode 2 two weight tiles per stage), and configs that fit keep theirs."""
+    limit = 232448                                          # an H200's, as triton reads it
+    assert linear.fit_stages(4, 1, 64, 32, 256, 2, limit) == 2        # 294912 B at 4 stages
+    assert linear.fit_stages(4, 1, 16, 32, 256, 2, limit) == 4
+    assert linear.fit_stages(6, 2, 32, 64, 128, 2, limit) == 5        # 245760 B at 6
+    assert linear.fit_stages(6, 0, 64, 64, 128, 2, limit) == 6
+    assert linear.fit_stages(3, 2, 64, 256, 256, 2, 1000) == 1        # never below one
+    for (mode, _, _, small), cfg in linear.CONFIGS.items():   # measured at 1 / 32 rows: kept
+        if cfg is not None:
+            m = 16 if small else 32
+            assert linear.fit_stages(cfg[3], mode, m, cfg[0], cfg[1], 2, limit) == cfg[3]
+
+
 def test_pick_config_falls_back_to_default_and_torch():
     assert linear.pick_config(0, 123, 456, 1) == linear.DEFAULT_CONFIG
     assert linear.pick_config(0, 24576, 1536, 32) is None           # cuBLAS measured faster
@@ -274,11 +289,16 @@ def test_split_k_linear_on_gpu_eager_and_compiled(monkeypatch, rows, N, K):
 
 @pytest.mark.skipif(DEV != "cuda", reason="the Triton path of the ops runs on CUDA")
 @pytest.mark.parametrize("key", [k for k, v in linear.CONFIGS.items() if v is not None], ids=str)
-def test_measured_configs_at_their_shapes_vs_fp64(key):
-    """Each measured CONFIGS entry at its own DeepSeek-V3 shape and 1 or 32 rows: the
-    config a converted model runs computes its GEMM (the pair is q_a + kv_a, N2 = 576)."""
+@pytest.mark.parametrize("big", [False, True], ids=["rows", "64-rows"])
+def test_measured_configs_at_their_shapes_vs_fp64(key, big):
+    """Each measured CONFIGS entry at its own DeepSeek-V3 shape and 1 or 32 rows (and the
+    large-row entries at 64 rows, a short prefill, where launch() trims pipeline stages
+    to fit shared memory): the config a converted model runs computes its GEMM (the pair
+    is q_a + kv_a, N2 = 576)."""
     mode, N, K, small = key
-    cfg, M = linear.CONFIGS[key], (1 if small else 32)
+    if big and small:
+        pytest.skip("the <= 16-row entries never see 64 rows")
+    cfg, M = linear.CONFIGS[key], (64 if big else 1 if small else 32)
     g = torch.Generator(device=DEV).manual_seed(N + K + M)
 
     def rnd(*shape, scale=1.0):

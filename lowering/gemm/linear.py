@@ -21,6 +21,7 @@ Inductor sees the kernel (and, at more rows, plain aten.mm).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -96,6 +97,28 @@ def linear_unmet(x: torch.Tensor, *ws: torch.Tensor) -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def max_shared_bytes(device_index: int) -> int:
+    """Shared memory one program may take on this CUDA device (Triton's own limit)."""
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+def fit_stages(stages: int, mode: int, block_m: int, block_n: int, block_k: int,
+               elem_bytes: int, limit: int) -> int:
+    """The most pipeline stages, up to `stages`, whose buffers fit in `limit` bytes.
+
+    Per stage the kernel buffers an x tile [BLOCK_K, BLOCK_M] and one weight tile
+    [BLOCK_N, BLOCK_K] (two in mode 2); mode 1 compiles a copy of the loop for each
+    weight, so its buffers count twice (an upper bound: on an H200 with triton 3.6 mode 1
+    took 1.5-2x of one copy's buffers, modes 0 and 2 exactly one copy's). The
+    configs were chosen at <= 32 rows; at up to 64 rows (a short prefill) the x tile
+    doubles, so a config may need fewer stages there.
+    """
+    per_stage = (block_m + block_n * (2 if mode == 2 else 1)) * block_k * elem_bytes
+    per_stage *= 2 if mode == 1 else 1
+    return max(1, min(stages, limit // per_stage))
+
+
 def split_k_of(config) -> int:
     """K splits of a config: its optional fifth entry (1 when absent)."""
     return config[4] if config is not None and len(config) > 4 else 1
@@ -124,6 +147,10 @@ def launch(x2: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor], mode:
                                  or residual.stride(-1) != 1):
         raise ValueError(f"a residual needs mode 0 without split-K and the shape of y "
                          f"{tuple(y1.shape)} with a contiguous last dim")
+    block_m = max(16, triton.next_power_of_2(M))
+    if x2.is_cuda:
+        stages = fit_stages(stages, mode, block_m, block_n, block_k, x2.element_size(),
+                            max_shared_bytes(x2.device.index))
     n1_blocks = triton.cdiv(N1, block_n)
     grid = (n1_blocks + (triton.cdiv(N2, block_n) if mode == 1 else 0), split_k)
     kernel = torch.library.wrap_triton(decode_linear_kernel)
@@ -134,7 +161,7 @@ def launch(x2: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor], mode:
         x2.stride(0), w1.stride(0), w2_.stride(0), y1.stride(-2), y2_.stride(-2),
         y1.stride(0) if split_k > 1 else 0, n1_blocks,
         residual if residual is not None else x2, residual.stride(0) if residual is not None else 0,
-        MODE=mode, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n,
+        MODE=mode, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=K % (block_k * split_k) == 0, DOT_F32=not x2.is_cuda,
         SPLIT_K=split_k, Y2_COL0=y2_col0 if (mode == 1 and y2 is None) else 0,
         HAS_RES=residual is not None, num_warps=warps, num_stages=stages)
