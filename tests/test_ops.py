@@ -147,7 +147,7 @@ def test_attention_bad_input_names_argument():
     call(14, torch.empty(5, 60, dtype=torch.float64), TypeError, "output")
     call(3, step.cache.kv[0].to(torch.float16), TypeError, "kv_cache")
     lens = good[7].clone(); lens[0] = 1000
-    call(7, lens, ValueError, "cache_seqlens|blocks")
+    call(7, lens, ValueError, "seq_lens|blocks")
     bt = good[6].clone(); bt[0, 0] = 999
     call(6, bt, ValueError, "block ids")
     table = torch.randint(0, 9, (66, 8), dtype=torch.int32)
