@@ -94,7 +94,9 @@ def check_attention_args(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_tab
         if num_decode_tokens not in qsl:
             raise ValueError(f"num_decode_tokens={num_decode_tokens} must fall on a request "
                              f"boundary of query_start_loc {qsl}")
-        check_decode_values(kv_cache, block_table, seq_lens, 0, "seq_lens")
+        decode_requests = qsl.index(num_decode_tokens)    # the decode rows' requests
+        check_decode_values(kv_cache, block_table[:decode_requests],
+                            seq_lens[:decode_requests], 0, "seq_lens")
 
 
 def _quant_impl(x: torch.Tensor):

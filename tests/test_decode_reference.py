@@ -201,3 +201,30 @@ def test_mla_decode_compiles_fullgraph():
         torch.testing.assert_close(got[1].double(), ref_lse, rtol=0, atol=1e-5)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_route_table():
+    """One table for both entries: explicit priorities, auto order as documented, one
+    unmet() per route; an unknown backend is a ValueError naming the choices."""
+    from lowering import config
+    from lowering.decode.registry import ROUTES, TABLE, DecodeCall, choose_route, route_unmet
+    assert lowering.BACKENDS == ("flashmla", "gluon", "triton", "reference")
+    assert lowering.FP8Q_BACKENDS == ("flashmla", "gluon", "triton")
+    assert [r.name for r in ROUTES] == ["flashmla", "gluon", "triton", "reference",
+                                        "flashmla-fp8q", "gluon-fp8q", "triton-fp8q"]
+    for query, routes in TABLE.items():
+        priorities = [r.priority for r in routes.values()]
+        assert priorities == sorted(set(priorities))
+    q, cache, table, seqlens, _, _ = paged_problem(1, 1, 2, 32, 16, [5], 4)
+    call = DecodeCall(q, cache, table, seqlens, 0.2, True, "auto", None, 32)
+    assert choose_route(call, "bf16", "auto").name == "reference"
+    with config.patch(batch_invariant=True):
+        assert choose_route(call, "bf16", "auto").name == "reference"
+    with pytest.raises(ValueError, match="'auto', 'flashmla', 'gluon', 'triton' or 'reference'"):
+        choose_route(call, "bf16", "cuda")
+    assert "CUDA" in route_unmet("flashmla", q, cache)
+    assert "CUDA" in route_unmet("gluon-fp8q", q.to(torch.float8_e4m3fn),
+                                 cache.to(torch.float8_e4m3fn))
+    assert route_unmet("reference", q, cache) is None
+    with pytest.raises(ValueError, match="no decode route"):
+        route_unmet("nope", q, cache)

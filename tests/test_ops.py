@@ -189,3 +189,16 @@ def test_graph_capture_scatter_drops_out_of_range_slots():
     expect[2] = rows[1]
     scatter_rows_no_sync(flat, rows, torch.tensor([99, 2, -1]))   # 99: past the cache
     assert torch.equal(flat, expect)
+
+
+def test_scatter_drops_out_of_range_slots():
+    """The sync-free write (CUDA without the value checks) drops slots outside the cache
+    as it drops padding: nothing else is written."""
+    from mla_ops.ops import scatter_rows_no_sync
+    g = torch.Generator().manual_seed(3)
+    flat = torch.randn(8, 6, generator=g)
+    rows = torch.randn(4, 6, generator=g)
+    expect = flat.clone()
+    expect[2] = rows[1]
+    scatter_rows_no_sync(flat, rows, torch.tensor([8, 2, -1, 1000]))
+    assert torch.equal(flat, expect)

@@ -3,8 +3,10 @@ lowering.mla_decode_fp8q (an fp8 query over an fp8 cache).
 
 A route is a kernel family serving one kind of query, with
     priority  the order backend="auto" tries the routes of a query kind (lower first),
-    unmet     unmet(call) -> None if the route serves this DecodeCall, else a sentence
-              naming the unmet condition (shown in BackendUnavailable),
+    unmet     unmet(call, auto) -> None if the route serves this DecodeCall, else a
+              sentence naming the unmet condition (shown in BackendUnavailable); auto:
+              asked by backend="auto" (which passes over the interpreter on CPU, and over
+              flashmla and gluon in the batch-invariant mode: the Triton kernels give it),
     run       run(call) -> (out [B, s_q, H, head_dim_v], lse [B, H, s_q] fp32),
     bounds_in_kernel  its kernels bound lengths and block ids themselves; the others get
               their block_table / cache_seqlens clamped before the launch (unless the
@@ -134,7 +136,7 @@ def _flashmla_unmet(call, auto):
     reason = hopper_unmet(call.q, "FlashMLA's dense decode")
     if reason is None:
         from lowering.decode.flashmla import flashmla_unmet
-        reason = flashmla_unmet(call)
+        reason = flashmla_unmet(call) or _batch_invariant_unmet(auto)
     return reason
 
 
@@ -142,7 +144,7 @@ def _gluon_unmet(call, auto):
     reason = hopper_unmet(call.q, "the gluon backend")
     if reason is None:
         from lowering.decode.gluon_decode import gluon_unmet
-        reason = gluon_unmet(call)
+        reason = gluon_unmet(call) or _batch_invariant_unmet(auto)
     return reason
 
 
