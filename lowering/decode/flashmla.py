@@ -59,11 +59,11 @@ def _join_schedule_stream(device) -> None:
     complete before it began (capture starts with a device synchronize), and waiting on
     work outside a capture would invalidate it."""
     side = _schedule_stream(device)
-    capturing = torch.cuda.is_current_stream_capturing()
-    with torch.cuda.stream(side):
-        side_capturing = torch.cuda.is_current_stream_capturing()
-    if capturing == side_capturing:
-        torch.cuda.current_stream(device).wait_stream(side)
+    if torch.cuda.is_current_stream_capturing():
+        with torch.cuda.stream(side):
+            if not torch.cuda.is_current_stream_capturing():
+                return
+    torch.cuda.current_stream(device).wait_stream(side)
 
 
 @functools.lru_cache(maxsize=1)
