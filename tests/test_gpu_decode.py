@@ -74,6 +74,33 @@ def test_auto_choice_and_flashmla_block_size_error():
             lowering.mla_decode(q, kv, bt, cl, SCALE, backend="flashmla")
 
 
+@pytest.mark.parametrize("backend", ["triton", "flashmla", "gluon", "reference"])
+def test_value_checks_are_opt_in_and_kernels_bound_the_rest(backend):
+    """On CUDA the length and block-id checks run with validate=True or the setting
+    (lowering.config.validate); without them a bad length or block id gives the rows of
+    the clamped inputs (bound_decode_inputs), no error and no read outside the cache."""
+    from lowering import config
+    from lowering.decode.registry import route_unmet
+    q, kv, bt, cl = make_case(2, 1, 128, L, R, 64, [300, 40], "cuda", seed=9)
+    reason = route_unmet(backend, q, kv)
+    if reason is not None:
+        pytest.skip(f"{backend} cannot serve here: {reason}")
+    bad_cl, bad_bt = cl.clone(), bt.clone()
+    bad_cl[0] = 100_000
+    bad_bt[1, 0] = 10 ** 6
+    with pytest.raises(ValueError, match="exceeds the blocks"):
+        lowering.mla_decode(q, kv, bt, bad_cl, SCALE, backend=backend, validate=True)
+    with config.patch(validate=True):
+        with pytest.raises(ValueError, match="block ids"):
+            lowering.mla_decode(q, kv, bad_bt, cl, SCALE, backend=backend)
+    out, lse = lowering.mla_decode(q, kv, bad_bt, bad_cl, SCALE, backend=backend)
+    good_bt, good_cl = lowering.bound_decode_inputs(kv, bad_bt, bad_cl)
+    want, want_lse = lowering.mla_decode(q, kv, good_bt, good_cl, SCALE, backend=backend)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out.float()).all()
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
 def test_batch_invariance_gpu():
     from lowering import config
     H = 128
