@@ -12,13 +12,15 @@ producer warp; 0.75-0.79x). Helpers both share: gluon_common.py.
 Serves: q on an SM90 GPU, triton with Gluon's Hopper API, q bf16 with a bf16 cache
 (kind "auto"), rows of 576 = 512 + 64, head_dim_v 512, H a multiple of 64, a page size
 that is a multiple of 32 (the SM90 check is the registry's). Anything else is named by
-gluon_unmet() (so backend="auto" moves on to the next backend). q and the cache must also start 16-byte aligned (TMA);
-the op checks that (a ValueError) where it sees the real tensors.
+gluon_unmet() (so backend="auto" moves on to the next backend). q and the cache must
+also start 16-byte aligned (TMA); the op checks that (a ValueError) where it sees the
+real tensors.
 
 The ops are opaque to torch.compile (Gluon kernels cannot go through wrap_triton); they
-have fake impls (eager calls run the launcher directly, no dispatch), and they capture in CUDA graphs: the grid and the TMA descriptors depend
-on shapes and addresses only, and each request's split size is derived on the device
-from its length, so replays with changing lengths stay correct. Lengths and page ids are
+have fake impls (eager calls run the launchers directly, no dispatch), and they capture
+in CUDA graphs: the grid and the TMA descriptors depend on shapes and addresses only,
+and each request's split size is derived on the device from its length, so replays with
+changing lengths stay correct. Lengths and page ids are
 bounded in the kernels (as in the Triton kernel), so no clamp kernels run before them.
 Splits: as the Triton backend sizes them (batch x row blocks x splits about fills the
 GPU once), with at least MIN_SPLIT_KEYS keys per split; the partials are merged by
