@@ -23,8 +23,9 @@ bt = torch.randperm(B * S // PAGE, device="cuda").int().reshape(B, S // PAGE)
 lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
 for _ in range(2):
     td.triton_decode_op(q, kv, bt, lens, None, None, 192 ** -0.5, True, L, 0, False, torch.bfloat16)
-from lowering.decode.gluon_decode import gluon_decode_op, gluon_unmet  # noqa: E402
-if gluon_unmet(q, kv, "auto") is None:
+from lowering.decode.gluon_decode import gluon_decode_op  # noqa: E402
+from lowering.decode.registry import route_unmet  # noqa: E402
+if route_unmet("gluon", q, kv) is None:
     for _ in range(2):
         gluon_decode_op(q, kv, bt, lens, 192 ** -0.5, True)
 try:
