@@ -247,7 +247,6 @@ def test_cuda_graph_replay_500_steps(backend):
 
 
 def test_fp8_kv_and_fp8_q_accuracy():
-    from lowering.decode.triton_decode import mla_decode_fp8q
     B, H = 4, 128
     lens = _lens(B, 3000, seed=9)
     q, kv, bt, cl = make_case(B, 1, H, L, R, 64, lens, "cuda", seed=9)
@@ -261,7 +260,8 @@ def test_fp8_kv_and_fp8_q_accuracy():
     assert (lse.double() - ref_lse).abs().max().item() < 2e-3
     q_scale = (q.float().abs().amax() / 448.0).reshape(1)
     q8 = (q.float() / q_scale).to(torch.float8_e4m3fn)
-    out, lse = mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale, k_scale=k_scale)
+    out, lse = lowering.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale,
+                                        k_scale=k_scale, backend="triton")
     ref, ref_lse = decode_ref64(q8.double() * q_scale.double(), kv_true, bt, cl, SCALE, True, L)
     assert out.dtype == torch.bfloat16
     assert rel_err(out, ref) < 5e-2          # P @ V with P in e4m3: ~2-3% expected

@@ -47,8 +47,9 @@ def _needs_gluon():
 
 
 def _run(q, kv, bt, cl, causal=True, num_splits=0):
-    from lowering.decode.gluon_decode import gluon_decode
-    return gluon_decode(q, kv, bt, cl, SCALE, causal, num_splits)
+    """The op (mla::gluon_decode), so that compiled callers trace it as one node."""
+    from lowering.decode.gluon_decode import gluon_decode_op
+    return gluon_decode_op(q, kv, bt, cl, SCALE, causal, num_splits)
 
 
 @pytest.mark.parametrize("kernel", ["pair where the page allows", "ring"])

@@ -325,7 +325,13 @@ def test_fp8_query_steps_take_flashmla_fp8_schedule_once_per_step():
     assert lowering.backend_choices["flashmla-fp8q"] - before == cfg.num_hidden_layers
     self_scheduled, n_self = step(*prefilled_cache(False))
     extra = n_self - n_planned                           # kernel names -> count, where more
-    assert sum(extra.values()) == cfg.num_hidden_layers - 1 and not n_planned - n_self, extra
+    sched = sum(n for k, n in extra.items() if "metadata" in k)
+    clamps = sum(n for k, n in extra.items() if "clamp" in k)
+    # self-scheduling layers: one scheduler kernel each (the first layer's replaces the
+    # plan's), and their unbounded inputs clamped into the cache (table and lengths)
+    assert sched == cfg.num_hidden_layers - 1, extra
+    assert clamps == 2 * cfg.num_hidden_layers and sched + clamps == sum(extra.values()), extra
+    assert not n_planned - n_self, n_planned - n_self
     assert torch.equal(planned, self_scheduled)
 
     runs = []

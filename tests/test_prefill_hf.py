@@ -8,6 +8,8 @@ path (cuDNN) runs in bf16 against HF in bf16.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -42,6 +44,8 @@ def forward_chunks(model, ref, cfg, device, tol, block_size=4):
 
 @pytest.mark.parametrize("family,kernels", [("v3", "triton"), ("v2", "torch")])
 def test_hf_prefill_through_the_cuda_path_on_cpu(family, kernels, monkeypatch):
+    if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1")
     calls = []
 
     def via_step(q, kv_c, k_pe, kv_cache, W_UK_T, W_UV, bt, lens, qsl, nd, scale, kind,
@@ -61,10 +65,17 @@ def test_hf_prefill_through_the_cuda_path_on_cpu(family, kernels, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 0.15)],
+                         ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", ["v3", "v2"])
-def test_hf_prefill_on_gpu_bf16(family):
+def test_hf_prefill_on_gpu(family, dtype, tol):
+    """The CUDA prefill path (gather and merge kernels; cuDNN in bf16, the reference
+    attention in fp32) against HF's forward over a prompt and chunks on cached context.
+    fp32 is the tight check of the path; in bf16 the tiny MoE models' routing can pick
+    other experts on rounding differences of either implementation, so its bound only
+    catches gross errors (the bf16 logits of the real shapes are in BENCHMARKS.md)."""
     cfg = tiny_config(family, q_lora_rank=192 if family == "v3" else None)
-    ref, model = build_pair(cfg, seed=5, dtype=torch.bfloat16)
+    ref, model = build_pair(cfg, seed=5, dtype=dtype)
     ref, model = ref.cuda(), model.cuda()
     H.convert(model)
-    forward_chunks(model, ref, cfg, "cuda", 5e-2, block_size=16)
+    forward_chunks(model, ref, cfg, "cuda", tol, block_size=16)
