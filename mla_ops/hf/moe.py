@@ -189,11 +189,16 @@ def check_block(name: str, m, family: str) -> None:
                          f"are not supported")
     if gu.device.type == "meta":
         raise ValueError(f"{name} has weights on the meta device; load them before converting")
-    if gate.num_group < 1 or E % gate.num_group:
-        raise ValueError(f"{name}: n_group={gate.num_group} must divide the {E} experts")
     if family == "v2" and gate.topk_method not in V2_TOPK_METHODS:
         raise ValueError(f"{name}: config.topk_method={gate.topk_method!r} is not one of "
                          f"{V2_TOPK_METHODS}")
+    if family == "v3" or gate.topk_method == "group_limited_greedy":       # groups used
+        G, KG = gate.num_group, gate.topk_group
+        if not (isinstance(G, int) and G >= 1 and E % G == 0 and isinstance(KG, int)
+                and 1 <= KG <= G and gate.top_k <= KG * (E // G)):
+            raise ValueError(f"{name}: config.n_group={G} must divide the {E} experts and "
+                             f"config.topk_group={KG} lie in [1, n_group] with top_k="
+                             f"{gate.top_k} experts in topk_group groups")
     impl = getattr(experts.config, "_experts_implementation", None)
     registered = _registered_impls()
     if impl not in (None, "eager") and registered and impl not in registered:
