@@ -172,6 +172,55 @@ def run_shape(name: str, tokens: list, args, bandwidth: float, device) -> list:
     return rows
 
 
+GATE_UP_SWEEP = [(16, 128, 4, 3), (16, 256, 4, 3), (32, 64, 4, 4), (32, 128, 4, 3),
+                 (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 8, 3), (64, 64, 4, 3),
+                 (64, 128, 4, 3), (64, 128, 8, 3), (64, 128, 4, 2), (128, 64, 8, 3)]
+DOWN_SWEEP = [(32, 128, 4, 3), (32, 256, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
+              (64, 128, 4, 4), (64, 128, 8, 3), (64, 256, 4, 3), (64, 256, 8, 3),
+              (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (32, 64, 4, 6)]
+
+
+def sweep_shape(name: str, tokens: list, device) -> None:
+    """Time each kernel of the decode op alone over the configs above (launchers called
+    directly; nothing in the library is changed) and print the best as CONFIGS entries."""
+    from lowering.moe import experts
+    from mla_ops.hf.moe import convert_moe, route
+    block = build_block(SHAPES[name], device, torch.bfloat16)
+    convert_moe(block)
+    e = block.experts
+    gate_up, down = e.gate_up_proj, e.down_proj
+    E, I2, H = gate_up.shape
+    I = I2 // 2
+    for T in [t for t in tokens if t <= experts.MAX_ROWS]:
+        x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            idx, w = route(block, x)
+        K = idx.shape[1]
+        se, sp = experts.sort_pairs(idx)
+        h = torch.empty(T * K, I, device=device, dtype=x.dtype)
+        out = torch.zeros(T * K, H, device=device, dtype=torch.float32)
+        wf = w.reshape(-1).float()
+        best = {}
+        for kernel, sweep in (("gate_up", GATE_UP_SWEEP), ("down", DOWN_SWEEP)):
+            times = []
+            for cfg in sweep:
+                if kernel == "gate_up":
+                    fn = lambda: experts.launch_gate_up(x, gate_up, se, sp, K, h, cfg, wrap=False)
+                else:
+                    fn = lambda: experts.launch_down(h, down, wf, se, sp, K, out, cfg, wrap=False)
+                try:
+                    times.append((time_us(fn, graph=True), cfg))
+                except Exception as exc:                       # out of resources etc.
+                    print(f"  {kernel} {cfg}: {type(exc).__name__}")
+            us, cfg = min(times)
+            best[kernel] = cfg
+            N, Kdim = (I, H) if kernel == "gate_up" else (H, I)
+            print(f"    ({kernel!r}, {N}, {Kdim}, {T <= 16}): {cfg},   # {name} T={T}: "
+                  f"{us:.1f} µs")
+    del block
+    torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -185,8 +234,17 @@ def main():
     ap.add_argument("--eager-max", type=int, default=4096,
                     help="time HF's eager experts only up to this many tokens")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON here")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the decode op's two kernels over candidate configs instead "
+                         "(CUDA) and print the best as lowering.moe.experts.CONFIGS entries")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.sweep:
+        if device.type != "cuda":
+            raise SystemExit("--sweep needs a CUDA device")
+        for name in args.shapes:
+            sweep_shape(name, args.tokens, device)
+        return
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else 0.0
     if bandwidth:
         print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})")

@@ -27,15 +27,17 @@ from lowering.moe.gate_up_kernel import moe_gate_up_kernel
 
 MAX_ROWS = 64
 
-# (kernel, I or H rows, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages); DEFAULT elsewhere.
+# (kernel, N, K, tokens <= 16) -> (BLOCK_N, BLOCK_K, num_warps, num_stages), N the weight
+# rows a kernel streams per expert (gate_up: I, down: H) and K their length; DEFAULT_CONFIG
+# elsewhere. Entries come from benchmarks/bench_moe.py --sweep on the target GPU.
 # BLOCK_M (tokens of one expert per dot) is 16, the smallest tl.dot takes.
 CONFIGS: dict[tuple, tuple[int, int, int, int]] = {}
 DEFAULT_CONFIG = {"gate_up": (32, 128, 4, 3), "down": (64, 128, 4, 3)}
 BLOCK_M = 16
 
 
-def pick_config(kernel: str, N: int, K: int) -> tuple[int, int, int, int]:
-    return CONFIGS.get((kernel, N, K), DEFAULT_CONFIG[kernel])
+def pick_config(kernel: str, N: int, K: int, T: int) -> tuple[int, int, int, int]:
+    return CONFIGS.get((kernel, N, K, T <= 16), DEFAULT_CONFIG[kernel])
 
 
 def check_args(x, topk_idx, topk_weight, gate_up, down) -> tuple[int, int, int, int, int]:
@@ -122,10 +124,10 @@ def run_kernels(x, topk_idx, topk_weight, gate_up, down, *, wrap=True) -> torch.
     weight = topk_weight.reshape(-1).to(torch.float32)                       # [P]
     h = torch.empty((T * K, I), dtype=x.dtype, device=x.device)              # [P, I]
     launch_gate_up(x, gate_up, sorted_expert, sorted_pair, K, h,
-                   pick_config("gate_up", I, H), wrap=wrap)
+                   pick_config("gate_up", I, H, T), wrap=wrap)
     out = torch.zeros((T * K, H), dtype=torch.float32, device=x.device)      # [P, H]
     launch_down(h, down, weight, sorted_expert, sorted_pair, K, out,
-                pick_config("down", H, I), wrap=wrap)
+                pick_config("down", H, I, T), wrap=wrap)
     return out.view(T, K, H).sum(1).to(x.dtype)                              # [T, H]
 
 

@@ -35,7 +35,7 @@ def moe_gate_up_kernel(
     n_ok = offs_n < I
     w_base = w_ptr + e.to(tl.int64) * stride_we
     g_rows = w_base + offs_n.to(tl.int64)[:, None] * stride_wn                 # [BLOCK_N, 1]
-    u_rows = g_rows + I.to(tl.int64) * stride_wn
+    u_rows = g_rows + I * stride_wn                                            # the up half
     dt = h_ptr.dtype.element_ty
     for m0 in range(0, run, BLOCK_M):
         pair, token, m_ok = run_rows(sorted_pair_ptr, s, m0, run, P, TOP_K, BLOCK_M)
