@@ -49,16 +49,21 @@ def build_block(shape: dict, device, dtype):
     family = kw.pop("family")
     cfg = (DeepseekV3Config if family == "v3" else DeepseekV2Config)(hidden_act="silu", **kw)
     cfg._experts_implementation = "grouped_mm"
-    with torch.device(device):
-        block = (DeepseekV3MoE if family == "v3" else DeepseekV2Moe)(cfg)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)               # the experts built in dtype: no fp32 copy
+    try:
+        with torch.device(device):
+            block = (DeepseekV3MoE if family == "v3" else DeepseekV2Moe)(cfg)
+    finally:
+        torch.set_default_dtype(default)
     block = block.to(dtype).eval().requires_grad_(False)
     g = torch.Generator(device=device).manual_seed(0)
-    for name, p in block.named_parameters():
-        fan_in = p.shape[-1]
-        p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=p.dtype) / fan_in ** 0.5)
-    for name, b in block.named_buffers():
-        if "e_score_correction_bias" in name:
-            b.copy_(torch.rand(b.shape, generator=g, device=device, dtype=b.dtype) * 0.1)
+    with torch.no_grad():
+        for p in block.parameters():                        # in place: no temporary copy
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
+        for name, b in block.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.uniform_(0.0, 0.1, generator=g)
     return block
 
 

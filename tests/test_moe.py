@@ -104,7 +104,7 @@ def test_router_vs_fp64_and_hf(family, method, norm):
                                            ("v2", "group_limited_greedy")])
 def test_router_ties_broken_as_hf(family, method):
     """Experts with equal router rows (equal scores) and whole groups alike: HF's and our
-    choice agree index for index."""
+    choice agree index for index (on the GPU where there is one)."""
     ref, model = moe_pair(family, **({} if method is None else {"topk_method": method}))
     convert_moe(model)
     hf_gate, block = ref.model.layers[1].mlp.gate, model.model.layers[1].mlp
@@ -120,6 +120,7 @@ def test_router_ties_broken_as_hf(family, method):
         block.gate.load_state_dict(hf_gate.state_dict())
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(5))
     x[:8] = 0.0                           # all scores equal within each token
+    hf_gate, block, x = hf_gate.to(DEVICE), block.to(DEVICE), x.to(DEVICE)   # GPU too
     idx, w = route(block, x)
     _, hf_w, hf_idx = hf_gate(x)
     assert torch.equal(idx, hf_idx) and torch.equal(w, hf_w)
@@ -270,3 +271,33 @@ def test_converted_block_bf16_on_gpu(family, T):
     with torch.no_grad():
         a, b = hf_block(x).float(), block(x).float()
     assert ((a - b).abs().max() / a.abs().max()).item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
+def test_bf16_moe_decode_graph_captures(fresh_dynamo, impl):
+    """bf16 on the GPU: the converted MoE decode step (routed experts on the decode op)
+    captures in DecodeGraph whatever _experts_implementation says, and its replays give the
+    tokens of generate() with the same compiled kernels."""
+    from transformers.generation.configuration_utils import CompileConfig
+    _, model = build_pair(moe_config("v3"), seed=8, dtype=torch.bfloat16)
+    model.config._experts_implementation = impl
+    model = H.convert(model).to("cuda")
+    convert_moe(model)
+    ids, mask = (t.to("cuda") for t in left_padded([30, 70, 5], seed=8))
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False)
+    cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=128, device="cuda",
+                            dtype=torch.bfloat16)
+    cc = CompileConfig(fullgraph=True, dynamic=False, backend="inductor", mode=None)
+    with torch.no_grad():
+        exp = model.generate(ids, cache=cache, compile_config=cc, **kw)
+    cache.reset()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                      cache=cache).logits[:, -1].argmax(-1)
+    runner = H.DecodeGraph(model, cache)
+    assert runner.graph_enabled
+    got = torch.cat([first[:, None], runner.greedy(first, 11)], 1)
+    assert torch.equal(got, exp[:, ids.shape[1]:])

@@ -76,6 +76,16 @@ def test_kernel_pair_rows_and_gate_up_rounding():
         assert rel(h[p], g * torch.sigmoid(g) * u) < 1e-5
 
 
+def test_expert_repeated_within_a_token():
+    """Not what a router picks, but served: every pair counts, runs longer than T included."""
+    T, K, E, I, H = 6, 4, 3, 24, 40
+    x, _, w, gate_up, down = problem(T, K, E, I, H, seed=12)
+    idx = torch.randint(0, E, (T, K), generator=torch.Generator().manual_seed(1))
+    idx[:, :3] = 2                                   # expert 2: a run of 18 slots or more
+    got = experts.run_kernels(x.float(), idx, w.float(), gate_up.float(), down.float(), wrap=False)
+    assert rel(got, moe_fp64(x, idx, w, gate_up, down)) < 1e-5
+
+
 def test_out_of_range_experts_add_nothing():
     """The kernels bound what they read: a pair whose expert id is outside [0, E) adds zero."""
     T, K, E, I, H = 3, 2, 4, 20, 40
@@ -139,7 +149,8 @@ def test_op_compiles_fullgraph_and_captures():
 
     eager = step(xs, idx, w)
     compiled = torch.compile(step, fullgraph=True)
-    assert torch.equal(compiled(xs, idx, w), eager)
+    got = compiled(xs, idx, w)            # Inductor may sum over k in another order
+    assert ((got.float() - eager.float()).abs().max() / eager.float().abs().max()).item() < 1e-2
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = step(xs, idx, w)

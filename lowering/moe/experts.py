@@ -86,14 +86,14 @@ def sort_pairs(topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def launch_gate_up(x, gate_up, sorted_expert, sorted_pair, top_k, h, config, *, wrap=True):
     """h [P, I] = SiLU(gate) * up per pair (gate_up_kernel.py); x [T, H] with unit last stride."""
-    T, H = x.shape
+    H = x.shape[1]
     P, I = h.shape
     block_n, block_k, warps, stages = config
     kernel = torch.library.wrap_triton(moe_gate_up_kernel) if wrap else moe_gate_up_kernel
     kernel[(P, triton.cdiv(I, block_n))](
         x, gate_up, h, sorted_expert, sorted_pair, P, gate_up.shape[0], I, H, top_k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        BLOCK_R=max(16, triton.next_power_of_2(T)), BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        BLOCK_R=max(16, triton.next_power_of_2(P)), BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=H % block_k == 0, DOT_F32=not x.is_cuda,
         num_warps=warps, num_stages=stages)
 
@@ -102,13 +102,12 @@ def launch_down(h, down, weight, sorted_expert, sorted_pair, top_k, out, config,
     """out [P, H] fp32 = weight[p] * (h[p] @ down[e].T) per pair (down_kernel.py)."""
     P, I = h.shape
     H = down.shape[1]
-    T = P // top_k
     block_n, block_k, warps, stages = config
     kernel = torch.library.wrap_triton(moe_down_kernel) if wrap else moe_down_kernel
     kernel[(P, triton.cdiv(H, block_n))](
         h, down, weight, out, sorted_expert, sorted_pair, P, down.shape[0], H, I, top_k,
         h.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        BLOCK_R=max(16, triton.next_power_of_2(T)), BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        BLOCK_R=max(16, triton.next_power_of_2(P)), BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=I % block_k == 0, DOT_F32=not h.is_cuda,
         num_warps=warps, num_stages=stages)
 

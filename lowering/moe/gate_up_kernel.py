@@ -23,7 +23,7 @@ def moe_gate_up_kernel(
     sorted_expert_ptr, sorted_pair_ptr,      # [P] each
     P, E, I, H, TOP_K,
     stride_xt, stride_we, stride_wn, stride_hp,
-    BLOCK_R: tl.constexpr,                   # >= the longest run (next power of 2 of T)
+    BLOCK_R: tl.constexpr,                   # >= the longest run (next power of 2 of P)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
 ):

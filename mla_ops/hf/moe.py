@@ -22,9 +22,9 @@ The routed experts (HF's DeepseekV3Experts / DeepseekV2Experts, weights as store
       graph;
     - anything else: HF's experts as config._experts_implementation asks ("grouped_mm", the
       default on GPUs, is torch's grouped GEMM over tokens sorted by expert), except that
-      "eager" (HF's loop over the experts hit, data dependent) is replaced by HF's
-      grouped_mm implementation while torch.compile traces, so the compiled model works
-      whatever the setting. A name that is not a registered experts implementation is
+      "eager" (HF's loop over the experts hit: data dependent, with host syncs) is
+      replaced by HF's grouped_mm implementation while torch.compile traces or a CUDA
+      graph captures, so the compiled / captured model works whatever the setting. A name that is not a registered experts implementation is
       refused at conversion.
 
 The ops have no autograd formulas: with grad enabled for the expert weights, HF's own
@@ -132,8 +132,10 @@ def routed_experts(block, x: torch.Tensor, topk_idx: torch.Tensor,
         return torch.ops.mla.moe_experts_decode(x, topk_idx, topk_weight, gate_up, down)
     impl = getattr(experts.config, "_experts_implementation", None)
     grouped = grouped_mm_forward()
-    if impl in (None, "eager") and grouped is not None and torch.compiler.is_compiling():
-        return grouped(experts, x, topk_idx, topk_weight)      # HF's loop does not trace
+    if impl in (None, "eager") and grouped is not None and (
+            torch.compiler.is_compiling()
+            or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return grouped(experts, x, topk_idx, topk_weight)      # HF's loop syncs, no trace
     return experts(x, topk_idx, topk_weight)
 
 
