@@ -131,7 +131,7 @@ def test_router_ties_broken_as_hf(family, method):
 
 @pytest.mark.parametrize("family,method", [("v3", None), ("v2", "greedy"),
                                            ("v2", "group_limited_greedy")])
-@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager", "batched_mm"])
 def test_converted_model_matches_hf(family, method, impl):
     ref, model = moe_pair(family, **({} if method is None else {"topk_method": method}))
     for m in (ref, model):
@@ -165,6 +165,15 @@ def test_convert_moe_keeps_parameters_and_rejects_bad_blocks():
     with pytest.raises(ValueError, match="topk_method"):
         convert_moe(bad)
     assert not any(getattr(m, "_mla_converted", False) for m in bad.modules())
+    _, bad = moe_pair("v3")
+    bad.model.layers[2].mlp.gate.topk_group = 5                      # more than n_group
+    with pytest.raises(ValueError, match="topk_group"):
+        convert_moe(bad)
+    _, bad = moe_pair("v3")
+    bad.config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="SiLU"):
+        convert_moe(bad)
+    assert not any(getattr(m, "_mla_converted", False) for m in bad.modules())
 
 
 # ------------------------------------------------------------------------- compile
@@ -178,7 +187,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager", "batched_mm"])
 def test_compiled_decode_step_fullgraph(fresh_dynamo, impl):
     """A converted model's decode steps under torch.compile(fullgraph=True): one graph, no
     graph breaks, HF's tokens; HF's eager experts loop included (replaced while tracing)."""
