@@ -1,7 +1,7 @@
 """Decode attention alone: our Gluon (Hopper: BF16, FP8 q+cache) and Triton (BF16, FP8 cache,
 FP8 q+cache) kernels, FlashMLA (BF16, and its dense FP8 q+cache kernel), pure torch.
 
-    python benchmarks/bench_decode.py --json results.json [--sweep] [--budget-s 400]
+    python benchmarks/bench_decode.py --json results.json [--shapes 0,1] [--budget-s 400]
 
 BF16 latent cache [num_blocks, 64, 576], every request at length S, random page order.
 Each implementation is captured in a CUDA graph and timed with triton.testing.do_bench
@@ -9,8 +9,7 @@ Each implementation is captured in a CUDA graph and timed with triton.testing.do
 The ceilings are measured in the same run: device copy bandwidth (bytes read + written)
 and a bf16 8192^3 GEMM; the roofline time of a shape is max(FLOPs / GEMM rate,
 bytes / copy bandwidth) and each result is reported as that time over the measured one.
-With --sweep, several kernel configs are timed per shape and the best is reported
-(all are written to the JSON).
+The kernel configs themselves were chosen by sweeps recorded in the decode notes.
 """
 from __future__ import annotations
 
@@ -23,51 +22,17 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
+from timing import graph_time_us      # benchmarks/timing.py, beside this script
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import lowering.decode.triton_decode as td  # noqa: E402
-from lowering.decode.reference import mla_decode_reference  # noqa: E402
-from timing import graph_time_us  # noqa: E402
+import lowering.decode.triton_decode as td
+from lowering.decode.reference import mla_decode_reference
+from lowering.decode.registry import route_unmet
 
 SHAPES = [(1, 128, 4096), (32, 128, 4096), (64, 128, 8192), (128, 16, 4096),
           (8, 128, 32768), (256, 16, 1024)]
 FLASHMLA_NOTES = {(1, 128, 4096): 24.6, (32, 128, 4096): 74.9, (64, 128, 8192): 238.0,
                   (128, 16, 4096): 165.5}
 L, R, PAGE = 512, 64, 64
-# Kernel variants tried with --sweep: (tag, kinds, overrides of the CONFIGS defaults).
-SWEEP = {
-    "wide": [
-        ("lazy", ("bf16", "fp8kv", "fp8q"), dict(lazy_rescale=1)),
-        ("ws", ("bf16",), dict(warp_specialize=True)),
-        ("w16", ("bf16",), dict(num_warps=16)),
-        ("lazy_s3", ("bf16", "fp8kv", "fp8q"), dict(lazy_rescale=1, num_stages=3)),
-        ("n32_lazy", ("fp8kv", "fp8q"), dict(lazy_rescale=1, block_n=32, num_stages=3)),
-        ("n128s2", ("fp8q",), dict(block_n=128, num_stages=2)),
-        ("n128s1", ("bf16", "fp8q"), dict(block_n=128, num_stages=1)),
-        ("n64s3", ("bf16",), dict(num_stages=3)),
-        # two programs per row block, each half of the value columns (see the kernel)
-        ("m128v2", ("bf16", "fp8kv", "fp8q"), dict(block_m=128, v_parts=2)),
-        ("m128v2n32", ("bf16", "fp8kv", "fp8q"), dict(block_m=128, v_parts=2, block_n=32,
-                                                      num_stages=2)),
-        ("m128v2s2", ("fp8q",), dict(block_m=128, v_parts=2, num_stages=2)),
-        ("m64v2w4", ("bf16", "fp8q"), dict(v_parts=2, num_warps=4)),
-        ("m64v2w4n32", ("bf16", "fp8q"), dict(v_parts=2, num_warps=4, block_n=32)),
-        ("m128v2n32s1", ("bf16", "fp8kv"), dict(block_m=128, v_parts=2, block_n=32,
-                                                num_stages=1)),
-        ("m128v2n16", ("bf16",), dict(block_m=128, v_parts=2, block_n=16, num_stages=2)),
-    ],
-    "narrow": [
-        ("splits1", ("bf16",), dict(num_splits=1)),
-        ("splits4", ("bf16",), dict(num_splits=4)),
-        ("lazy", ("bf16", "fp8kv", "fp8q"), dict(lazy_rescale=1)),
-        ("n64w4s3", ("bf16", "fp8kv", "fp8q"), dict(block_n=64, num_warps=4, num_stages=3)),
-        ("n128w8s3", ("bf16", "fp8kv", "fp8q"), dict(block_n=128, num_warps=8, num_stages=3)),
-        ("n64w8s3", ("fp8kv", "fp8q"), dict(block_n=64, num_warps=8, num_stages=3)),
-        ("n128w4s3", ("fp8kv", "fp8q"), dict(block_n=128, num_warps=4, num_stages=3)),
-    ],
-}
 
 
 def measure_ceilings():
@@ -153,103 +118,74 @@ def bench_shape(B, H, S, args, ceilings, log):
         rows.append(row)
         return row
 
-    try:
+    if route_unmet("flashmla", q, kv) is None:
         import lowering.decode.flashmla as fm
-        fm_fn = lambda: fm.flashmla_decode_op(q, kv, bt, lens, scale, True, L)  # noqa: E731
-        record("flashmla", fm_fn, "bf16")
+        record("flashmla", lambda: fm.flashmla_decode_op(q, kv, bt, lens, scale, True, L), "bf16")
         # the scheduler table computed once outside the timed call, as a model's step
         # plan does for all its layers: FlashMLA's decode kernels alone
-        if fm.flashmla_unmet(q, kv, "auto") is None:
-            sched = fm.flashmla_schedule(bt, lens, PAGE, H)
-            record("flashmla[kernel only]", lambda: fm.flashmla_decode_op(
-                q, kv, bt, lens, scale, True, L, *sched), "bf16")
-    except ImportError as exc:
-        log(f"  flashmla unavailable: {exc}")
-    from lowering.decode.gluon_decode import (gluon_decode_fp8q_op, gluon_decode_op, gluon_fp8q_unmet,
-                                       gluon_unmet)
-    reason = gluon_unmet(q, kv, "auto")
+        sched = fm.flashmla_schedule(bt, lens, PAGE, H)
+        record("flashmla[kernel only]", lambda: fm.flashmla_decode_op(
+            q, kv, bt, lens, scale, True, L, *sched), "bf16")
+    else:
+        log(f"  flashmla: {route_unmet('flashmla', q, kv)}")
+    reason = route_unmet("gluon", q, kv)
     if reason is None:
-        import lowering.decode.gluon_decode as gd
+        from lowering.decode.gluon_decode import gluon_decode_op
         record("gluon_bf16", lambda: gluon_decode_op(q, kv, bt, lens, scale, True), "bf16")
-
-        def ring():                       # the kernel pages of 32 take, at page 64 here
-            gd.PAIR_KERNEL = False
-            try:
-                return gluon_decode_op(q, kv, bt, lens, scale, True)
-            finally:
-                gd.PAIR_KERNEL = True
-        record("gluon_bf16[ring]", ring, "bf16")
+        # the ring kernel, which pages of 32 take: the same cache seen as pages of 32
+        kv32 = kv.view(-1, PAGE // 2, L + R)                                 # [2 * blocks, 32, 576]
+        bt32 = torch.stack([2 * bt, 2 * bt + 1], dim=-1).reshape(B, -1).contiguous()
+        record("gluon_bf16[ring]", lambda: gluon_decode_op(q, kv32, bt32, lens, scale, True),
+               "bf16")
     else:
         log(f"  gluon: {reason}")
-    reason = gluon_fp8q_unmet(q8, kv8, L, torch.bfloat16)
+    reason = route_unmet("gluon-fp8q", q8, kv8)
     if reason is None:
+        from lowering.decode.gluon_decode import gluon_decode_fp8q_op
         record("gluon_fp8q", lambda: gluon_decode_fp8q_op(q8, kv8, bt, lens, q_scale, k_scale,
                                                           scale, True), "fp8")
     else:
         log(f"  gluon fp8: {reason}")
-    try:
-        import lowering.decode.flashmla as fm
-        reason = fm.flashmla_fp8q_unmet(q8, kv8, L, torch.bfloat16)
-    except ImportError as exc:
-        reason = str(exc)
+    reason = route_unmet("flashmla-fp8q", q8, kv8)
     if reason is None:
+        import lowering.decode.flashmla as fm
         # as the bf16 rows: FlashMLA's scheduler in the call, no clamp kernels
-        record("flashmla_fp8q", lambda: fm.flashmla_fp8q_decode(
-            q8, kv8, bt, lens, scale, q_scale=q_scale, k_scale=k_scale, causal=True,
-            bounded=True), "fp8")
+        record("flashmla_fp8q", lambda: fm.flashmla_decode_fp8q_op(
+            q8, kv8, bt, lens, q_scale, k_scale, scale, True), "fp8")
         # its scheduler table computed once outside the timed call (a model's step
         # computes it once for all layers)
         sched8 = fm.flashmla_schedule(bt, lens, PAGE, H, fp8=True)
-        record("flashmla_fp8q[kernel only]", lambda: fm.flashmla_fp8q_decode(
-            q8, kv8, bt, lens, scale, q_scale=q_scale, k_scale=k_scale, causal=True,
-            schedule=sched8, bounded=True), "fp8")
+        record("flashmla_fp8q[kernel only]", lambda: fm.flashmla_decode_fp8q_op(
+            q8, kv8, bt, lens, q_scale, k_scale, scale, True, *sched8), "fp8")
     else:
         log(f"  flashmla fp8: {reason}")
     if not args.no_reference:
         record("reference", lambda: mla_decode_reference(q, kv, bt, lens, scale, causal=True,
                                                          kind="auto", k_scale=None, head_dim_v=L),
                "bf16")
-    wide = "wide" if H >= 64 else "narrow"
-    variants = [("default", ("bf16", "fp8kv", "fp8q"), {})]
-    if args.sweep:
-        variants += [v for v in SWEEP[wide] if not args.variants or v[0] in args.variants]
-    for tag, kinds, tune in variants:
-        if time.time() > args.deadline:
-            log("  (time budget reached, skipping variants)")
-            break
-        if "bf16" in kinds:
-            record(f"triton_bf16[{tag}]", lambda: td.triton_decode_op(
-                q, kv, bt, lens, None, None, scale, True, L, 0, False, torch.bfloat16, **tune),
-                "bf16", dict(cfg=tag))
-        if "fp8kv" in kinds:
-            record(f"triton_fp8kv[{tag}]", lambda: td.triton_decode_op(
-                q, kv8, bt, lens, None, k_scale, scale, True, L, 1, False, torch.bfloat16, **tune),
-                "fp8", dict(cfg=tag))
-        if "fp8q" in kinds:
-            record(f"triton_fp8q[{tag}]", lambda: td.triton_decode_op(
-                q8, kv8, bt, lens, q_scale, k_scale, scale, True, L, 2, False, torch.bfloat16,
-                **tune), "fp8", dict(cfg=tag))
+    record("triton_bf16[default]", lambda: td.triton_decode_op(
+        q, kv, bt, lens, None, None, scale, True, L, 0, False, torch.bfloat16),
+        "bf16", dict(cfg="default"))
+    record("triton_fp8kv[default]", lambda: td.triton_decode_op(
+        q, kv8, bt, lens, None, k_scale, scale, True, L, 1, False, torch.bfloat16),
+        "fp8", dict(cfg="default"))
+    record("triton_fp8q[default]", lambda: td.triton_decode_op(
+        q8, kv8, bt, lens, q_scale, k_scale, scale, True, L, 2, False, torch.bfloat16),
+        "fp8", dict(cfg="default"))
     record("triton_bf16[invariant]", lambda: td.triton_decode_op(
         q, kv, bt, lens, None, None, scale, True, L, 0, True, torch.bfloat16), "bf16")
-    if args.splits and H >= 64:
-        for ns in args.splits:
-            record(f"triton_bf16[splits{ns}]", lambda: td.triton_decode_op(
-                q, kv, bt, lens, None, None, scale, True, L, 0, False, torch.bfloat16, num_splits=ns),
-                "bf16", dict(cfg=f"splits{ns}"))
     del q, kv, bt, lens, kv8, q8
     torch.cuda.empty_cache()
     return rows
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default="decode_results.json")
-    ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--splits", type=int, nargs="*", default=[])
     ap.add_argument("--shapes", default="all", help="'all' or indices like 0,1,3")
-    ap.add_argument("--budget-s", type=float, default=480)
+    ap.add_argument("--budget-s", type=float, default=480,
+                    help="stop starting new shapes after this many seconds")
     ap.add_argument("--cubin-dir", default=None)
-    ap.add_argument("--variants", nargs="*", default=[], help="sweep only these tags")
     ap.add_argument("--no-reference", action="store_true")
     args = ap.parse_args()
     args.deadline = time.time() + args.budget_s
@@ -267,6 +203,9 @@ def main():
                    triton=triton.__version__, copy_bw=copy_bw, gemm=gemm,
                    command=" ".join(sys.argv), rows=[])
     for B, H, S in shapes:
+        if time.time() > args.deadline:
+            log("(time budget reached, skipping the remaining shapes)")
+            break
         log(f"B={B} H={H} S={S}")
         results["rows"] += bench_shape(B, H, S, args, (copy_bw, gemm), log)
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import passes  # noqa: E402
-from timing import graph_time_us as time_graph  # noqa: E402
-from mla_ops import MLAAttention, MLAMetadata, PagedLatentCache  # noqa: E402
+import passes
+from timing import graph_time_us as time_graph
+from mla_ops import MLAAttention, MLAMetadata, PagedLatentCache
 
 P, R, V, L, PAGE = 128, 64, 128, 512, 64
 
@@ -105,7 +101,7 @@ def run_shape(B, N, S):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json")
     ap.add_argument("--shapes", default="1x128x4096,32x128x4096,128x16x4096")
     args = ap.parse_args()

@@ -14,16 +14,12 @@ reads these weights once per layer, never from L2). Prints the best configs as t
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from timing import (announce_ceiling, best_config, gemm_header, gemm_row,  # noqa: E402
+from timing import (announce_ceiling, best_config, gemm_header, gemm_row,
                     add_timer_args, chosen_timer, print_configs)
-from lowering.gemm import head_gemm  # noqa: E402
+from lowering.gemm import head_gemm
 
 # (BLOCK_J, BLOCK_K, num_warps, num_stages) swept
 SWEEP = [
@@ -67,7 +63,7 @@ def best_kernel(a, w, y, copy, ref, timer, show):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,32")
     ap.add_argument("--heads", type=int, default=128)
     add_timer_args(ap)

@@ -19,23 +19,23 @@ step time / num_layers (the step includes embedding, final norm and head).
     python benchmarks/bench_hf_decode.py --device cpu --config tiny --shapes 2x64 --iters 3
     python benchmarks/bench_hf_decode.py --device cuda --modes ours-graph \
         --kv-cache-dtype fp8 --k-scale 0.05 --fp8-decode-query 0.05 --ab mla-backend=gluon
+    python benchmarks/bench_hf_decode.py --device cuda --modes ours-graph \
+        --ab "config.linear_impl=torch;convert.fuse_norms=False;cache.schedule_per_step=False"
+
+A/B variants (--ab) go through the public surface only: lowering.config settings,
+convert() and PagedMLACache arguments, and the layers' decode backend.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-
-import mla_ops.hf  # noqa: E402
-from deepseek_demo import build_model, make_config  # noqa: E402
+import mla_ops.hf
+from deepseek_model import build_model, make_config
 
 
 def sync(dev):
@@ -56,15 +56,17 @@ def fill_static_cache(cfg, B, S, extra, dev, dtype):
     return cache
 
 
-def fill_paged_cache(cfg, B, S, extra, dev, dtype, args, block_size=64):
+def fill_paged_cache(cfg, B, S, extra, dev, dtype, args, **cache_args):
+    """A PagedMLACache of B rows holding S random tokens each (cache_args: PagedMLACache
+    arguments over the command line's)."""
+    kw = dict(block_size=64, kv_cache_dtype=args.kv_cache_dtype, k_scale=args.k_scale,
+              schedule_per_step=not args.per_layer_schedule)
+    kw.update(cache_args)
     cache = mla_ops.hf.PagedMLACache(cfg, max_batch_size=B, max_cache_len=S + extra,
-                                     block_size=block_size, device=dev, dtype=dtype,
-                                     kv_cache_dtype=args.kv_cache_dtype, k_scale=args.k_scale)
+                                     device=dev, dtype=dtype, **kw)
     for kv in cache.pool.kv:     # random rows (an fp8 cache: N(0, 1) / k_scale, rounded)
-        kv.copy_(torch.randn(kv.shape, device=dev).div_(args.k_scale).to(kv.dtype))
+        kv.copy_(torch.randn(kv.shape, device=dev).div_(kw["k_scale"]).to(kv.dtype))
     cache.occupy([S] * B)
-    if args.per_layer_schedule:
-        cache._flashmla_backends = cache._flashmla_fp8q_backends = frozenset()
     return cache
 
 
@@ -121,92 +123,87 @@ def host_time(step, dev, mark, n=20):
     return host
 
 
-def _setting(spec):
-    """(object, key, old value, new value) for 'MODULE.ATTR=VALUE' or 'MODULE.ATTR[KEY]=VALUE'
-    (KEY and VALUE as Python literals, else VALUE converted to the old value's type)."""
+def _literal(value: str):
+    """VALUE as a Python literal (True, 32, 0.05, 'x'), else as the string itself."""
     import ast
-    import importlib
-    target, value = spec.split("=", 1)
-    key = None
-    if target.endswith("]"):
-        target, key = target[:-1].split("[", 1)
-        key = ast.literal_eval(key)
-    parts = target.split(".")
-    for i in range(len(parts) - 1, 0, -1):     # longest importable prefix, then attributes
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-            break
-        except ImportError:
-            continue
-    for name in parts[i:-1]:
-        obj = getattr(obj, name)
-    if key is None:
-        key, old = parts[-1], getattr(obj, parts[-1])
-    else:
-        obj = getattr(obj, parts[-1])              # the dict whose entry is set
-        old = obj.get(key)
-    if isinstance(old, bool):
-        new = value.lower() in ("1", "true")
-    else:
-        try:
-            new = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            new = type(old)(value)
-    return obj, key, old, new
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return value
 
 
-def _settings(spec, model):
-    """The (object, key, old, new) settings of one --ab variant: '&'-joined
-    'MODULE.ATTR=VALUE' settings, or 'mla-backend=NAME' (every converted layer's decode
-    backend)."""
-    out = []
+def _variant(spec):
+    """One --ab variant: '&'-joined settings made together, each one of
+        mla-backend=NAME      every converted layer's decode backend
+        config.NAME=VALUE     a lowering.config setting (e.g. config.linear_impl=torch)
+        convert.ARG=VALUE     a convert() argument (e.g. convert.fuse_norms=False): the
+                              variant converts a model of its own (same weights)
+        cache.ARG=VALUE       a PagedMLACache argument (e.g. cache.schedule_per_step=False)
+    -> {"backend": NAME or None, "config": {...}, "convert": {...}, "cache": {...}}"""
+    import lowering.config as mla_config
+    out = {"backend": None, "config": {}, "convert": {}, "cache": {}}
     for part in spec.split("&"):
-        if part.startswith("mla-backend="):
-            name = part.split("=", 1)[1]
-            out += [(m.mla_attn, "backend", m.mla_attn.backend, name)
-                    for m in model.modules() if hasattr(m, "mla_attn")]
+        target, sep, value = part.partition("=")
+        kind, _, name = target.partition(".")
+        if not sep or (target != "mla-backend" and (kind not in out or kind == "backend"
+                                                    or not name)):
+            raise SystemExit(f"--ab: {part!r} is not mla-backend=NAME, config.NAME=VALUE, "
+                             f"convert.ARG=VALUE or cache.ARG=VALUE")
+        if target == "mla-backend":
+            out["backend"] = value
+        elif kind == "config":
+            if name not in mla_config.current():
+                raise SystemExit(f"--ab: lowering.config has no setting {name!r}; settings: "
+                                 f"{sorted(mla_config.current())}")
+            out["config"][name] = _literal(value)
         else:
-            out.append(_setting(part))
+            out[kind][name] = _literal(value)
     return out
 
 
-def _assign(obj, key, value):
-    if isinstance(obj, dict):
-        obj[key] = value
-    else:
-        setattr(obj, key, value)
-
-
 def ab_compare(args, runner_a, model, cfg, B, S, extra, dev, dtype, backend, nl):
-    """--ab: one more DecodeGraph per ';'-separated setting, each compiled (dynamo reset
-    first, so nothing compiled earlier is reused) and captured with that setting in force,
-    all timed against runner_a in rounds of greedy loops (args.iters steps each), each
-    round starting with the next variant. A setting equal to the default measures the
+    """--ab: one more DecodeGraph per ';'-separated variant, each compiled (dynamo reset
+    first, so nothing compiled earlier is reused) and captured with that variant's
+    settings in force (and timed with its lowering.config settings in force), all timed
+    against runner_a in rounds of greedy loops (args.iters steps each), each round
+    starting with the next variant. A variant equal to the default measures the
     harness's own spread."""
-    runners = [("as is", runner_a)]
+    import lowering.config as mla_config
+    runners = [("as is", runner_a, {})]
     for spec in args.ab.split(";"):
-        settings = _settings(spec, model)                          # set together
-        for obj, key, _, new in settings:
-            _assign(obj, key, new)
+        v = _variant(spec)
+        m = model
+        if v["convert"]:
+            m = build_model(cfg, dev, dtype)
+            mla_ops.hf.convert(m, **{"backend": args.mla_backend,
+                                     "fp8_decode_query": args.fp8_decode_query, **v["convert"]})
+        layers = [mod.mla_attn for mod in m.modules() if hasattr(mod, "mla_attn")]
+        old = [a.backend for a in layers]
+        if v["backend"] is not None:
+            for a in layers:
+                a.backend = v["backend"]
         try:
-            cache_b = fill_paged_cache(cfg, B, S, extra, dev, dtype, args)
-            torch._dynamo.reset()
-            runners.append((spec, mla_ops.hf.DecodeGraph(model, cache_b, batch_size=B,
-                                                         backend=backend,
-                                                         mode=args.graph_compile_mode)))
+            with mla_config.patch(**v["config"]):
+                cache_b = fill_paged_cache(cfg, B, S, extra, dev, dtype, args, **v["cache"])
+                torch._dynamo.reset()
+                runners.append((spec, mla_ops.hf.DecodeGraph(m, cache_b, batch_size=B,
+                                                             backend=backend,
+                                                             mode=args.graph_compile_mode),
+                                v["config"]))
         finally:
-            for obj, key, old, _ in reversed(settings):
-                _assign(obj, key, old)
+            for a, b in zip(layers, old):
+                a.backend = b
     ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
-    times = {name: [] for name, _ in runners}
+    times = {name: [] for name, _, _ in runners}
     for i in range(args.ab_rounds):          # each round starts with the next variant
-        for name, r in runners[i % len(runners):] + runners[:i % len(runners)]:
-            times[name].append(time_greedy(r, ids, dev, args.iters))
+        for name, r, settings in runners[i % len(runners):] + runners[:i % len(runners)]:
+            with mla_config.patch(**settings):
+                times[name].append(time_greedy(r, ids, dev, args.iters))
     ms = {k: statistics.median(v) * 1e3 / nl for k, v in times.items()}
     a = ms["as is"]
     print(f"  A/B B={B} S={S} ({args.ab_rounds} alternating rounds of {args.iters}-step "
           f"greedy loops), ms/layer: as is {a:.3f}", flush=True)
-    for spec, _ in runners[1:]:
+    for spec, _, _ in runners[1:]:
         print(f"    with {spec}: {ms[spec]:.3f} ({ms[spec] / a:.3f}x)", flush=True)
     return {"ab": args.ab, "ab-ms": ms}
 
@@ -249,7 +246,7 @@ def print_timeline(prof, steps):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--config", choices=["v3-shaped", "tiny"], default="v3-shaped")
     ap.add_argument("--layers", type=int, default=2)
@@ -262,16 +259,15 @@ def main():
                     help="torch.compile mode inside ours-graph (e.g. max-autotune-no-cudagraphs)")
     ap.add_argument("--mla-backend", default="auto", help="decode kernel: auto | reference | ...")
     ap.add_argument("--per-layer-schedule", action="store_true",
-                    help="ours: let every layer's FlashMLA call compute its own scheduler "
-                         "metadata (the default computes it once per step in the plan)")
+                    help="ours: PagedMLACache(schedule_per_step=False): every layer's "
+                         "FlashMLA call computes its own scheduler metadata (the default "
+                         "computes it once per step in the plan)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                     help="ours: the paged cache's storage (fp8: e4m3 with --k-scale)")
     ap.add_argument("--k-scale", type=float, default=1.0, help="ours: the fp8 cache's scale")
     ap.add_argument("--fp8-decode-query", type=float, default=None, metavar="Q_SCALE",
                     help="ours: convert(fp8_decode_query=Q_SCALE): fp8 x fp8 decode "
                          "(needs --kv-cache-dtype fp8)")
-    ap.add_argument("--no-split-k", action="store_true",
-                    help="ours: run the decode GEMM kernel without split-K (the best unsplit configs)")
     ap.add_argument("--vocab", type=int, default=None,
                     help="vocabulary size (default: the config's; 129280 is DeepSeek-V3's, "
                          "whose output head then weighs more than a layer)")
@@ -281,29 +277,26 @@ def main():
     ap.add_argument("--top", type=int, default=12, help="kernels listed by --profile")
     ap.add_argument("--profile", action="store_true",
                     help="print the top GPU kernels of one compiled step per mode")
-    ap.add_argument("--ab", default=None, metavar="MODULE.ATTR=VALUE[&...][;...]",
+    ap.add_argument("--ab", default=None, metavar="SETTING=VALUE[&...][;...]",
                     help="ours-graph: also capture one more DecodeGraph per ';'-separated "
-                         "setting ('&' joins settings made together), with that module "
-                         "attribute or dict entry set while its cache is built and it "
-                         "compiles and captures (e.g. mla-backend=gluon: every layer's "
-                         "decode backend, lowering.gemm.head_gemm.IMPL=torch, "
-                         "torch._inductor.config.triton.enable_pdl=1, "
-                         "'lowering.gemm.linear.CONFIGS[(2, 18432, 7168, False)]=(32, 256, 4, 4)'), "
-                         "and time them alternately in one process (runs of the same code "
-                         "differ by up to 7%% between processes)")
+                         "variant ('&' joins settings made together), each setting one of "
+                         "mla-backend=NAME (every layer's decode backend), "
+                         "config.NAME=VALUE (a lowering.config setting, e.g. "
+                         "config.linear_impl=torch, config.head_gemm_impl=torch), "
+                         "convert.ARG=VALUE (a convert() argument, e.g. "
+                         "convert.fuse_norms=False, convert.decode_head=False), "
+                         "cache.ARG=VALUE (a PagedMLACache argument, e.g. "
+                         "cache.schedule_per_step=False), and time them alternately in one "
+                         "process (runs of the same code differ by up to 7%% between "
+                         "processes)")
     ap.add_argument("--ab-rounds", type=int, default=10)
     ap.add_argument("--timeline", action="store_true",
                     help="with --profile: also list one step's kernels in launch order")
     args = ap.parse_args()
 
     import lowering
-    if args.no_split_k:       # the best configs without split-K (measured before it existed)
-        from lowering.gemm import linear
-        linear.CONFIGS.update({(1, 2112, 7168, True): (16, 512, 4, 4),
-                               (1, 2112, 7168, False): (16, 256, 4, 4)})
-        for key, cfg in list(linear.CONFIGS.items()):
-            if cfg is not None:
-                linear.CONFIGS[key] = cfg[:4]
+    for spec in args.ab.split(";") if args.ab else ():
+        _variant(spec)                       # refuse a bad --ab before building anything
     dev = torch.device(args.device)
     dtype = torch.bfloat16
     on_cuda = dev.type == "cuda"

@@ -14,17 +14,13 @@ the `lowering.gemm.linear.CONFIGS` entries they are.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from timing import (announce_ceiling, best_config, gemm_header, gemm_row,  # noqa: E402
+from timing import (announce_ceiling, best_config, gemm_header, gemm_row,
                     add_timer_args, chosen_timer, print_configs)
-from lowering.gemm import linear  # noqa: E402
+from lowering.gemm import linear
 
 # (name, mode, out_features (w1, w2), in_features) of V3's attention + dense MLP weights
 GEMMS = [
@@ -85,10 +81,10 @@ def best_triton(mode, x, ws, ref, timer=None, show=False):
 
         def run():            # split-K as the partials op launches it: one output tensor
             if S > 1:
-                linear.launch(x, ws[0], w2, mode, parts, None, cfg, wrap=False,
+                linear.launch(x, ws[0], w2, mode, parts, None, cfg,
                               y2_col0=ws[0].shape[0] if mode == 1 else 0)
             else:
-                linear.launch(x, ws[0], w2, mode, y1, y2, cfg, wrap=False)
+                linear.launch(x, ws[0], w2, mode, y1, y2, cfg)
 
         def output():
             if S > 1:
@@ -100,7 +96,7 @@ def best_triton(mode, x, ws, ref, timer=None, show=False):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,32")
     ap.add_argument("--gemms", default=None, help="indices into GEMMS to time, e.g. 0,2 (default: all)")
     add_timer_args(ap)

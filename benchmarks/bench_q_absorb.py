@@ -1,31 +1,27 @@
 """A decode step's query after q_a_layernorm: three launches against mla::decode_q_absorb.
 
-    unfused: q = q_b_proj(q_a) (the converted layer's GEMM op), mla::decode_q_rope(q),
+    unfused: q = decode_linear(q_a, w) (the converted layer's GEMM op), mla::decode_q_rope(q),
              [q_nope @ W_UK_T | q_pe] (lowering.gemm.head_gemm.absorb_query)
     fused:   q_absorb_kernel, each config of SWEEP (checked against fp32 first)
 
 DeepSeek-V3's query (q_lora 1536, 128 heads, P 128, R 64, L 512), bf16, interleaved RoPE.
 The weights read are q_b's 75.5 MB and W_UK_T's 16.8 MB; "of ceiling" is the bytes over
 the time, as a fraction of the measured copy ceiling. Prints the best configs as the
-`lowering.fused.prologue.Q_ABSORB_CONFIGS` entries they are.
+`lowering.fused.q_absorb.CONFIGS` entries they are.
 
     python benchmarks/bench_q_absorb.py --timer kernel --show      # rows 1 and 32
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from timing import (add_timer_args, announce_ceiling, best_config, capture,  # noqa: E402
+from timing import (add_timer_args, announce_ceiling, best_config, capture,
                     chosen_timer)
-from lowering.fused import prologue  # noqa: E402
-from lowering.gemm.head_gemm import absorb_query  # noqa: E402
-from mla_ops.hf.linear import _decode_linear  # noqa: E402
+from lowering.fused import q_absorb
+from lowering.gemm.head_gemm import absorb_query
+from mla_ops.hf.linear import decode_linear
 
 # (BLOCK_K, BLOCK_L, num_warps, num_stages) swept
 SWEEP = [(bk, bl, w, s) for bk in (64, 128) for bl in (64, 128) for w in (4, 8)
@@ -39,7 +35,7 @@ def _graphed(fn):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,32", help="comma-separated token counts")
     add_timer_args(ap)
     args = ap.parse_args()
@@ -59,7 +55,7 @@ def main():
         cos, sin = torch.cat([ang, ang], -1).cos().to(dt), torch.cat([ang, ang], -1).sin().to(dt)
 
         def unfused():
-            q = _decode_linear(q_a, w).view(T, N, P + R)
+            q = decode_linear(q_a, w).view(T, N, P + R)
             return absorb_query(torch.ops.mla.decode_q_rope(q, cos, sin, True), wuk)
         ref = unfused().float()
         t_unfused = timer(_graphed(unfused))
@@ -67,7 +63,7 @@ def main():
 
         def make_run(cfg):
             def run():
-                prologue.launch_q_absorb(q_a, w, wuk, cos, sin, True, y, wrap=False, config=cfg)
+                q_absorb.launch(q_a, w, wuk, cos, sin, True, y, config=cfg)
             return run, lambda: y
         us, cfg = best_config(SWEEP, make_run, ref, timer=timer, show=args.show)
 
@@ -76,7 +72,7 @@ def main():
         print(f"| {T} | {cell(t_unfused)} | {cell(us)} | {us / t_unfused:.2f} | {cfg} |",
               flush=True)
         best[T <= 16] = cfg
-    print("\nlowering.prologue.Q_ABSORB_CONFIGS entries (rows <= 16):")
+    print("\nlowering.fused.q_absorb.CONFIGS entries (rows <= 16):")
     for k, cfg in best.items():
         print(f"    {k}: {cfg},")
 

@@ -2,13 +2,8 @@
 
     python benchmarks/plot_decode.py benchmarks/decode_results.json benchmarks/decode.png
 """
+import argparse
 import json
-import sys
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 IMPLS = [("flashmla", "FlashMLA"), ("flashmla[kernel only]", "FlashMLA kernels only"),
          ("flashmla_fp8q", "FlashMLA FP8 q+cache"),
@@ -21,6 +16,10 @@ IMPLS = [("flashmla", "FlashMLA"), ("flashmla[kernel only]", "FlashMLA kernels o
 
 
 def main(src, dst):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     data = json.load(open(src))
     rows = data["rows"]
     shapes = []
@@ -51,4 +50,8 @@ def main(src, dst):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("src", help="bench_decode.py's JSON, e.g. benchmarks/decode_results.json")
+    ap.add_argument("dst", help="the PNG to write, e.g. benchmarks/decode.png")
+    args = ap.parse_args()
+    main(args.src, args.dst)

@@ -1,14 +1,22 @@
-"""Input checks shared by every decode backend.
+"""Input checks of the public entries (the torch.ops.mla.* ops, lowering.mla_decode,
+mla_decode_fp8q, decode_schedule, bound_decode_inputs), run once per call there; what
+they call inside takes the checked arguments as they are.
 
-Every public entry validates before it touches memory, and names the argument
-that is wrong. Value checks that would need a device->host copy (block ids in
-range) are skipped while a CUDA graph is being captured or torch.compile traces the
-call (lengths and block ids are then clamped into the cache in the graph instead);
-shape and dtype checks always run.
+Two kinds, both naming the argument that is wrong:
+  shape / dtype / device checks: host-only, always on.
+  value checks (lengths, block ids, slots in range): they read tensor data on the host.
+    CPU tensors: always (no device sync). CUDA tensors: only when asked for, with
+    lowering.config.validate (MLA_VALIDATE=1) or validate=True on the entry, and never
+    while torch.compile traces or a CUDA graph captures the call. Without them a bad
+    value gives wrong rows, never an out-of-bounds access: every decode kernel bounds
+    the lengths and block ids it reads (in-kernel, or clamped before the launch), and
+    the cache write drops out-of-range slots.
 """
 from __future__ import annotations
 
 import torch
+
+from lowering import config
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -68,58 +76,74 @@ def check_kv_cache_dtype_pair(kv_cache: torch.Tensor, kv_cache_dtype: str,
     return kind
 
 
-def check_decode_args(q, kv_cache, block_table, cache_seqlens, softmax_scale,
-                      kv_cache_dtype, k_scale, head_dim_v):
-    """Validate mla_decode arguments; return (kind, head_dim_v)."""
-    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+def wants_value_checks(t: torch.Tensor, validate=None) -> bool:
+    """Whether the value checks run for a call on t's device: always for CPU tensors, for
+    CUDA ones when validate (None: lowering.config.validate) says so; never while
+    torch.compile traces the call or a CUDA graph is being captured (no host reads)."""
+    if torch.compiler.is_compiling():
+        return False
+    if t.device.type == "cpu":
+        return True
+    if not (config.validate if validate is None else validate):
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def check_decode_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, kv_cache_dtype,
+                      k_scale, head_dim_v, q_dtypes=FLOAT_DTYPES):
+    """Shapes, dtypes and devices of a decode call (host-only); returns (kind, head_dim_v)
+    with kind "auto" | "fp8" and head_dim_v resolved (default L + R - 64)."""
+    check_tensor("q", q, ndim=4, dtypes=q_dtypes)
     check_tensor("kv_cache", kv_cache, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES, contiguous=True)
     check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), contiguous=True)
     check_tensor("cache_seqlens", cache_seqlens, ndim=1, dtypes=(torch.int32,), contiguous=True)
     B, s_q, H, D = q.shape
-    nb, bs, Dk = kv_cache.shape
-    if D != Dk:
-        raise ValueError(f"q head size {D} must equal the cache row width kv_cache.shape[-1]={Dk} (L+R)")
+    if D != kv_cache.shape[2]:
+        raise ValueError(f"q head size {D} must equal the cache row width "
+                         f"kv_cache.shape[-1]={kv_cache.shape[2]} (L+R)")
     if q.stride(-1) != 1:
         raise ValueError("q must be contiguous in its last dim")
     if block_table.shape[0] != B:
         raise ValueError(f"block_table has {block_table.shape[0]} rows, q has batch {B}")
     if cache_seqlens.shape[0] != B:
         raise ValueError(f"cache_seqlens has {cache_seqlens.shape[0]} entries, q has batch {B}")
-    for name, t in (("kv_cache", kv_cache), ("block_table", block_table), ("cache_seqlens", cache_seqlens)):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    device = q.device
+    for name, t in (("kv_cache", kv_cache), ("block_table", block_table),
+                    ("cache_seqlens", cache_seqlens)):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, q on {device}")
     if not isinstance(softmax_scale, (float, int)) or not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be a positive float, got {softmax_scale!r}")
     if head_dim_v is None:
         head_dim_v = D - 64
     if not 0 < head_dim_v < D:
         raise ValueError(f"head_dim_v must be in (0, {D}), got {head_dim_v}")
-    kind = check_kv_cache_dtype_pair(kv_cache, kv_cache_dtype, k_scale, q.dtype, "q")
-    if B > 0 and not is_capturing(q):
-        max_blocks = block_table.shape[1]
-        lens = cache_seqlens.to("cpu")
-        if (lens < s_q).any():
-            raise ValueError(f"cache_seqlens must be >= s_q={s_q} (the query tokens are in the cache), got {lens.tolist()}")
-        if (lens > max_blocks * bs).any():
-            raise ValueError(
-                f"cache_seqlens {lens.max().item()} exceeds the blocks given: block_table has "
-                f"{max_blocks} blocks of {bs}")
-        needed = (lens + bs - 1) // bs  # [B]
-        bt = block_table.to("cpu")
-        used = torch.arange(max_blocks)[None, :] < needed[:, None]
-        ids = bt[used]
-        if ids.numel() and (ids.min() < 0 or ids.max() >= nb):
-            raise ValueError(f"block_table holds block ids outside [0, {nb}) within cache_seqlens")
+    ref_dtype = q.dtype if q.dtype not in FP8_DTYPES else kv_cache.dtype
+    kind = check_kv_cache_dtype_pair(kv_cache, kv_cache_dtype, k_scale, ref_dtype, "q")
     return kind, head_dim_v
 
 
-def bound_for_capture(q, kv_cache, block_table, cache_seqlens):
-    """Under CUDA-graph capture or torch.compile the value checks above are skipped (they
-    need a host sync), so bound what a kernel can read: bad lengths or block ids then give
-    wrong rows, never an out-of-bounds access. Elsewhere the checks have run: no-op."""
-    if not is_capturing(q):
-        return block_table, cache_seqlens
-    return bound_decode_inputs(kv_cache, block_table, cache_seqlens)
+def check_decode_values(kv_cache, block_table, cache_seqlens, s_q: int,
+                        lens_name: str = "cache_seqlens") -> None:
+    """The value checks of a decode call (host reads; see wants_value_checks): each length
+    in [s_q, table width x block_size], each block id within a length in [0, num_blocks)."""
+    if block_table.shape[0] == 0:
+        return
+    nb, bs, _ = kv_cache.shape
+    max_blocks = block_table.shape[1]
+    lens = cache_seqlens.to("cpu")                                        # [B]
+    if (lens < s_q).any():
+        raise ValueError(f"{lens_name} must be >= s_q={s_q} (the query tokens are in the "
+                         f"cache), got {lens.tolist()}")
+    if (lens > max_blocks * bs).any():
+        raise ValueError(
+            f"{lens_name} {lens.max().item()} exceeds the blocks given: block_table has "
+            f"{max_blocks} blocks of {bs}")
+    needed = (lens + bs - 1) // bs                                        # [B]
+    used = torch.arange(max_blocks)[None, :] < needed[:, None]            # [B, max_blocks]
+    ids = block_table.to("cpu")[used]
+    if ids.numel() and (ids.min() < 0 or ids.max() >= nb):
+        raise ValueError(f"block_table holds block ids outside [0, {nb}) within {lens_name}")
 
 
 def check_table_and_lengths(kv_cache, block_table, cache_seqlens) -> None:
@@ -136,20 +160,11 @@ def check_table_and_lengths(kv_cache, block_table, cache_seqlens) -> None:
             raise ValueError(f"{name} is on {t.device}, kv_cache on {kv_cache.device}")
 
 
-def bound_decode_inputs(kv_cache, block_table, cache_seqlens):
-    """(block_table clamped to [0, num_blocks - 1], cache_seqlens to [1, table width x
-    block_size]): what a decode kernel may read, whatever the values. A caller that
-    bounds once for many calls passes bounded=True to mla_decode."""
-    check_table_and_lengths(kv_cache, block_table, cache_seqlens)
-    nb, bs, _ = kv_cache.shape
-    return (block_table.clamp(0, nb - 1),
-            cache_seqlens.clamp(1, block_table.shape[1] * bs))
-
-
 def check_fp8q_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, q_scale, k_scale,
-                    head_dim_v, out_dtype):
-    """Checks of a decode call with an fp8 query (mla_decode_fp8q); returns head_dim_v."""
-    check_tensor("q", q, ndim=4, dtypes=(torch.float8_e4m3fn,))
+                    head_dim_v, out_dtype) -> int:
+    """Shapes, dtypes and devices of a decode call with an fp8 query over an fp8 cache
+    (mla_decode_fp8q); returns head_dim_v."""
+    check_tensor("q", q, ndim=4, dtypes=FP8_DTYPES)
     for name, t in (("q_scale", q_scale), ("k_scale", k_scale)):
         check_tensor(name, t, dtypes=(torch.float32,))
         if t.numel() != 1:
@@ -159,9 +174,6 @@ def check_fp8q_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, q_sc
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
     if out_dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
-    # the rest as mla_decode checks it, with a bf16 stand-in of q's shape (no copy)
-    stand_in = torch.empty((1, 1, 1, q.shape[-1]), dtype=torch.bfloat16,
-                           device=q.device).expand(*q.shape)
-    _, head_dim_v = check_decode_args(stand_in, kv_cache, block_table, cache_seqlens,
-                                      softmax_scale, "fp8", k_scale, head_dim_v)
+    _, head_dim_v = check_decode_args(q, kv_cache, block_table, cache_seqlens, softmax_scale,
+                                      "fp8", k_scale, head_dim_v, q_dtypes=FP8_DTYPES)
     return head_dim_v

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import torch
 
-import lowering
+from lowering.checks import (FLOAT_DTYPES, check_decode_values, check_kv_cache_dtype_pair,
+                             check_tensor, wants_value_checks)
+from lowering.decode.entry import run_decode
+from lowering.decode.registry import HAVE_TRITON, DecodeCall
 from lowering.gemm.head_gemm import absorb_output, absorb_query
-from lowering.checks import FLOAT_DTYPES, check_kv_cache_dtype_pair, check_tensor, is_capturing
 from mla_ops.prefill import prefill_attention
 from mla_ops.quant import FP8, quant_fp8_group, quant_fp8_static, group_scales
 
@@ -82,7 +84,7 @@ def check_attention_args(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_tab
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
     check_kv_cache_dtype_pair(kv_cache, kv_cache_dtype, k_scale, q.dtype, "q")
-    if not is_capturing(q):
+    if wants_value_checks(q):
         qsl = query_start_loc.tolist()
         lens = seq_lens.tolist()
         if qsl[0] != 0 or qsl[-1] != T or any(b < a for a, b in zip(qsl, qsl[1:])):
@@ -92,6 +94,9 @@ def check_attention_args(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_tab
         if num_decode_tokens not in qsl:
             raise ValueError(f"num_decode_tokens={num_decode_tokens} must fall on a request "
                              f"boundary of query_start_loc {qsl}")
+        decode_requests = qsl.index(num_decode_tokens)    # the decode rows' requests
+        check_decode_values(kv_cache, block_table[:decode_requests],
+                            seq_lens[:decode_requests], 0, "seq_lens")
 
 
 def _quant_impl(x: torch.Tensor):
@@ -99,10 +104,10 @@ def _quant_impl(x: torch.Tensor):
     importable and selected for x; None means the torch reference here."""
     try:
         from mla_ops import quant_ops as pq
-        import lowering.fused.quant_kernels  # noqa: F401  (needs triton)
+        import triton  # noqa: F401  (the quant kernels need it)
     except ImportError:
         return None
-    return pq if pq._use_triton(x) else None
+    return pq if pq.quant_kernel_unmet(x) is None else None
 
 
 def _write_output(out: torch.Tensor, dst: torch.Tensor, output_scale, block_scale) -> None:
@@ -142,8 +147,8 @@ def decode_output(out_latent, W_UV, dst, output_scale, block_scale) -> None:
         pq = _quant_impl(out_latent)
         g = None if block_scale is None else dst.shape[1] // block_scale.shape[1]
         if pq is not None:
-            from lowering.fused.quant_kernels import wuv_quant, wuv_quant_supported
-            if wuv_quant_supported(out_latent, W_UV, g) is None:
+            from lowering.fused.wuv_quant import wuv_quant, wuv_quant_unmet
+            if wuv_quant_unmet(out_latent, W_UV, g) is None:
                 wuv_quant(out_latent, W_UV, scale=output_scale, group_size=g, out=dst,
                           block_scale=block_scale)
                 return
@@ -193,27 +198,26 @@ def build_decode_query(q, W_UK_T):
 
 def _fp8_query_decode(q8, q_scale, kv_cache, block_table, lens, softmax_scale, kind, k_scale,
                       backend, L, out_dtype, schedule=None):
-    """Decode with an fp8 query: the fp8 x fp8 kernels (FlashMLA's or our Gluon kernel on
+    """Decode with an fp8 query: the fp8 x fp8 routes (FlashMLA's or our Gluon kernel on
     Hopper, else Triton) over an fp8 cache, else any backend on the dequantized query
     (fp32, exact: stored * scale). schedule: FlashMLA's fp8 table and splits for these
-    (bounded) inputs, from lowering.decode_schedule(..., fp8q=True), or None."""
-    if kind == "fp8" and q8.is_cuda and backend in ("auto", "flashmla", "gluon", "triton"):
-        try:
-            from lowering.decode import triton_decode  # noqa: F401  (the fp8 kernels need triton)
-            have_triton = True
-        except ImportError:
-            have_triton = False
-        if have_triton:
-            from lowering.decode.flashmla import FP8Schedule
-            sched = None if schedule is None else FP8Schedule(*schedule)
-            return lowering.mla_decode_fp8q(q8, kv_cache, block_table, lens, softmax_scale,
-                                            q_scale=q_scale, k_scale=k_scale, causal=True,
-                                            head_dim_v=L, out_dtype=out_dtype, backend=backend,
-                                            schedule=sched, bounded=sched is not None)
+    (bounded) inputs, from lowering.decode_schedule(..., fp8q=True), or None.
+    Arguments checked by the op."""
+    if (kind == "fp8" and q8.is_cuda and HAVE_TRITON and out_dtype in FP8Q_OUT_DTYPES
+            and backend in ("auto", "flashmla", "gluon", "triton")):
+        from lowering.decode.flashmla import FP8Schedule
+        sched = None if schedule is None else FP8Schedule(*schedule)
+        call = DecodeCall(q8, kv_cache, block_table, lens, float(softmax_scale), True, kind,
+                          k_scale, L, q_scale=q_scale, out_dtype=out_dtype, schedule=sched,
+                          bounded=sched is not None)
+        return run_decode(call, "fp8q", backend)
     q_deq = q8.float() * q_scale.float().reshape(())
-    return lowering.mla_decode(q_deq, kv_cache, block_table, lens, softmax_scale, causal=True,
-                               kv_cache_dtype=kind, k_scale=k_scale, backend=backend,
-                               head_dim_v=L)
+    call = DecodeCall(q_deq, kv_cache, block_table, lens, float(softmax_scale), True, kind,
+                      k_scale, L)
+    return run_decode(call, "bf16", backend)
+
+
+FP8Q_OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_start_loc,
@@ -252,10 +256,9 @@ def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_sta
                                           schedule=schedule)
         out_latent = out_latent.to(W_UV.dtype)
     else:
-        out_latent, _ = lowering.mla_decode(
-            q_mqa[:, None], kv_cache, bt, lens, softmax_scale, causal=True, kv_cache_dtype=kind,
-            k_scale=k_scale, backend=backend, head_dim_v=L,
-            schedule=schedule, bounded=schedule is not None)             # [t, 1, N, L]
+        call = DecodeCall(q_mqa[:, None], kv_cache, bt, lens, float(softmax_scale), True, kind,
+                          k_scale, L, schedule=schedule, bounded=schedule is not None)
+        out_latent, _ = run_decode(call, "bf16", backend)                # [t, 1, N, L]
     return out_latent[:, 0]                                              # [t, N, L]
 
 

@@ -7,6 +7,11 @@
 kv_cache_update returns a fresh 0-element tensor. Passing it to
 attention_with_output makes the cache write a data dependency of the read, so
 torch.compile can neither drop the write nor move it after the read.
+
+Both ops check their arguments once, here (lowering.checks): shapes, dtypes and devices
+always; values (slots, lengths, block ids, query_start_loc) for CPU tensors always and
+for CUDA tensors with lowering.config.validate (MLA_VALIDATE=1). What they call inside
+takes the checked arguments as they are; the kernels bound what they read and write.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from typing import Optional
 import torch
 
 from lowering.checks import (FLOAT_DTYPES, FP8_DTYPES, check_kv_cache_dtype_pair,
-                             check_tensor, is_capturing)
+                             check_tensor, is_capturing, wants_value_checks)
 from mla_ops.quant import quant_fp8_static
 
 # ---------------------------------------------------------------- kv_cache_update
@@ -45,7 +50,7 @@ def _check_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtyp
         if t.device != kv_c_normed.device:
             raise ValueError(f"{name} is on {t.device}, kv_c_normed on {kv_c_normed.device}")
     kind = check_kv_cache_dtype_pair(kv_cache, kv_cache_dtype, k_scale, kv_c_normed.dtype, "kv_c_normed")
-    if T and not is_capturing(slot_mapping):
+    if T and wants_value_checks(slot_mapping):
         n = kv_cache.shape[0] * kv_cache.shape[1]
         lo, hi = slot_mapping.min().item(), slot_mapping.max().item()
         if lo < -1 or hi >= n:
@@ -107,11 +112,11 @@ def kv_cache_update(kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: tor
     rows = torch.cat([kv_c_normed, k_pe.reshape(T, -1)], dim=-1)   # [T, L + R]
     rows = quant_fp8_static(rows, k_scale) if kind == "fp8" else rows.to(kv_cache.dtype)
     flat = kv_cache.view(-1, kv_cache.shape[-1])                     # [num_blocks * block_size, L + R]
-    if is_capturing(slot_mapping):
-        scatter_rows_no_sync(flat, rows, slot_mapping)
-    else:
-        valid = slot_mapping >= 0
+    if slot_mapping.device.type == "cpu" and not is_capturing(slot_mapping):
+        valid = slot_mapping >= 0           # the slots were checked (CPU: always)
         flat[slot_mapping[valid]] = rows[valid]
+    else:                                   # unchecked slots: out-of-range ones dropped
+        scatter_rows_no_sync(flat, rows, slot_mapping)
     return torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device)
 
 

@@ -1,7 +1,15 @@
-"""Prefill as MHA on up-projected K/V, with chunked keys and queries.
+"""Prefill as MHA on up-projected K/V: the CUDA path and the torch reference.
 
-For each prefill request: the new tokens attend causally to themselves (K 192
-wide = [k_nope | k_pe], V 128 wide) and to the context already in the paged cache.
+On CUDA, prefill_attention runs lowering.prefill.mla_prefill: one launch of the dense
+attention op (cuDNN where it serves) for the new tokens of all requests, bf16 GEMMs for
+the up-projection, one gather kernel and one merge kernel per context window; no Python
+loop over requests. The host ints it needs (prefill requests, longest prompt and
+context) come from `shape` when the caller passes them, else from one device->host copy
+(lowering.prefill.prefill_shape).
+
+Elsewhere (CPU) it keeps the torch reference below. For each prefill request: the new
+tokens attend causally to themselves (K 192 wide = [k_nope | k_pe], V 128 wide) and to
+the context already in the paged cache.
 Keys are taken at most `workspace_rows` tokens at a time (new tokens, then cached
 context gathered from the paged cache), up-projected, and each chunk's (out, lse)
 is merged by online softmax; queries are split so one score block holds at most
@@ -13,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from lowering.decode.reference import dequant_cache
+from lowering.prefill.step import PrefillShape, mla_prefill, prefill_shape
 
 
 def up_project(kv_c: torch.Tensor, W_UK_T: torch.Tensor, W_UV: torch.Tensor):
@@ -64,13 +73,38 @@ def gather_context(kv_cache, block_row, start: int, end: int, kind, k_scale):
     return dequant_cache(rows, kind, k_scale)
 
 
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def prefill_attention(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
                       query_start_loc, num_decode_tokens, softmax_scale, kind, k_scale,
-                      workspace_rows):
+                      workspace_rows, shape: PrefillShape | None = None):
     """Attention for tokens [num_decode_tokens, T) -> [T - num_decode_tokens, N * V] (q dtype).
 
-    q [T, N, P+R]; kv_c_normed [T, L]; k_pe [T, R].
+    q [T, N, P+R]; kv_c_normed [T, L]; k_pe [T, R]. shape: the step's PrefillShape when
+    the caller knows it on the host (CUDA: saves the one device->host copy).
     """
+    if q.is_cuda:
+        if shape is None:
+            shape = prefill_shape(query_start_loc, seq_lens, num_decode_tokens)
+        return mla_prefill(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
+                           query_start_loc, num_decode_tokens, softmax_scale, kind, k_scale,
+                           workspace_rows, shape,
+                           kernels="triton" if triton_available() else "torch")
+    return reference_prefill(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table,
+                             seq_lens, query_start_loc, num_decode_tokens, softmax_scale,
+                             kind, k_scale, workspace_rows)
+
+
+def reference_prefill(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
+                      query_start_loc, num_decode_tokens, softmax_scale, kind, k_scale,
+                      workspace_rows):
+    """The torch reference of prefill_attention (float32, a loop over requests; any device)."""
     T, N, _ = q.shape
     L = W_UK_T.shape[-1]
     qsl = query_start_loc.tolist()

@@ -10,26 +10,28 @@
 
 Scales are dequantization scales (value = stored * scale). Each op has a torch reference
 (CPU, and the definition of the numerics; mla_ops/quant.py) and a Triton implementation
-(lowering/fused/quant_kernels.py: CUDA; on CPU only when IMPL is set to "triton", as the tests
-do under TRITON_INTERPRET=1). What a quantization is, as data (QuantKey), lives with the
-passes in passes/quant.py.
+(lowering/fused/static_quant.py, group_quant.py, concat_quant.py: CUDA; on CPU only when
+lowering.config.quant_impl is "triton", as the tests set it under TRITON_INTERPRET=1). The
+ops are opaque to the compiler, so the setting is read at each call. What a quantization
+is, as data (QuantKey), lives with the passes in passes/quant.py.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from lowering import config as mla_config
 from mla_ops.quant import FP8, group_scales, quant_fp8_group, quant_fp8_static
 
-# "auto": Triton on CUDA, torch elsewhere; "torch" / "triton" force one.
-IMPL = os.environ.get("MLA_QUANT_IMPL", "auto")
 
-
-def _use_triton(x: torch.Tensor) -> bool:
-    if IMPL == "triton":
-        return True
-    return IMPL == "auto" and x.is_cuda
+def quant_kernel_unmet(x: torch.Tensor) -> str | None:
+    """None when the Triton quant kernels serve a quant of x (lowering.config.quant_impl
+    "auto" on CUDA, or "triton"), else the unmet condition (the torch reference runs)."""
+    impl = mla_config.quant_impl
+    if impl == "triton":
+        return None
+    if impl == "torch":
+        return "lowering.config.quant_impl is 'torch'"
+    return None if x.is_cuda else f"x is on {x.device}: quant_impl 'auto' runs the kernels on CUDA"
 
 
 # ------------------------------------------------------------------ torch references
@@ -57,8 +59,8 @@ def _check_scale(scale):
 @torch.library.custom_op("mla::quant_fp8_static", mutates_args=())
 def quant_fp8_static_op(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     _check_scale(scale)
-    if _use_triton(x):
-        from lowering.fused.quant_kernels import static_quant
+    if quant_kernel_unmet(x) is None:
+        from lowering.fused.static_quant import static_quant
         return static_quant(x, scale)
     return ref_static(x, scale)
 
@@ -73,8 +75,8 @@ def quant_fp8_group_op(x: torch.Tensor, group_size: int,
                        pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() != 2 or x.shape[1] % group_size:
         raise ValueError(f"x must be [T, C] with C divisible by {group_size}, got {tuple(x.shape)}")
-    if _use_triton(x) and group_size & (group_size - 1) == 0:
-        from lowering.fused.quant_kernels import group_quant
+    if quant_kernel_unmet(x) is None and group_size & (group_size - 1) == 0:
+        from lowering.fused.group_quant import group_quant
         return group_quant(x, group_size, pow2)
     return ref_group(x, group_size, pow2)
 
@@ -92,8 +94,8 @@ def concat_quant_fp8_static_op(a: torch.Tensor, b: torch.Tensor,
     _check_scale(scale)
     if a.dim() != 3 or b.dim() != 3 or a.shape[:2] != b.shape[:2]:
         raise ValueError(f"a and b must be [t, H, *] alike, got {tuple(a.shape)}, {tuple(b.shape)}")
-    if _use_triton(a):
-        from lowering.fused.quant_kernels import concat_quant
+    if quant_kernel_unmet(a) is None:
+        from lowering.fused.concat_quant import concat_quant
         return concat_quant(a, b, scale)
     return ref_concat_static(a, b, scale)
 

@@ -182,7 +182,7 @@ class MLAFusionPass(CustomGraphPass):
             for qn, reason in pass_a.explain_candidates(graph, touched):
                 if qn in quants_before:
                     self._record("A", "cat_quant_fp8_static",
-                                 pass_a._consumer_attention(qn) or qn, reason)
+                                 pass_a.consumer_attention(qn) or qn, reason)
         if self.pass_b_on:
             keys = {pass_b.variant_key(n, self.v2) for n in attention_nodes(graph)}
             for key in sorted(keys, key=repr):

@@ -23,7 +23,7 @@ FUSED = torch.ops.mla.concat_quant_fp8_static.default
 DIMS = (-1, 2)   # a 3-D concat along the last dim is spelled either way
 
 
-def _consumer_attention(node, depth=4):
+def consumer_attention(node, depth=4):
     from passes.manager import ATTN, hop_target
     frontier = [node]
     for _ in range(depth):
@@ -53,7 +53,7 @@ def why_not(match: Match, dim: int, recorder) -> bool:
         reason = f"concat inputs must be one float dtype, got {a.dtype} and {b.dtype}"
     elif sc.dtype != torch.float32 or sc.numel() != 1:
         reason = f"static scale must be one fp32 value, got {sc.dtype} {tuple(sc.shape)}"
-    recorder("A", "cat_quant_fp8_static", _consumer_attention(quant) or quant, reason, quant=quant)
+    recorder("A", "cat_quant_fp8_static", consumer_attention(quant) or quant, reason, quant=quant)
     return not reason
 
 

@@ -2,8 +2,8 @@
 
 The FP8 quant custom ops (mla::quant_fp8_static, mla::quant_fp8_group,
 mla::concat_quant_fp8_static) are defined with their torch references in
-mla_ops/quant_ops.py, their Triton kernels in lowering/fused/quant_kernels.py; they are
-re-exported here for the passes.
+mla_ops/quant_ops.py, their Triton kernels in lowering/fused/ (static_quant.py,
+group_quant.py, concat_quant.py); they are re-exported here for the passes.
 """
 from __future__ import annotations
 

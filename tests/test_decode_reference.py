@@ -110,24 +110,49 @@ def test_bad_input():
             dec(q, cache, table, seqlens, 0.2, backend="flashmla")
 
 
-def test_bound_for_capture_keeps_reads_inside_the_cache(monkeypatch):
-    """Under graph capture the value checks cannot run; lengths past the block table and
-    bad block ids are clamped into the cache instead of read out of bounds."""
-    import lowering.checks as checks
+def test_unchecked_values_are_bounded_not_read_out_of_range():
+    """Without the value checks (a CUDA call with validation off, or under capture) bad
+    lengths and block ids reach the route: the reference's inputs are clamped into the
+    cache first, so a bad value gives the rows of the clamped inputs, never an error or
+    a read outside the cache."""
+    from lowering.decode.entry import clamp_decode_inputs, run_decode
+    from lowering.decode.registry import DecodeCall
     q, cache, table, seqlens, _, _ = paged_problem(2, 1, 2, 32, 16, [5, 3], 4)
-    monkeypatch.setattr(checks, "is_capturing", lambda t: True)
-    bt, lens = checks.bound_for_capture(q, cache, table - 100, seqlens + 1000)
+    bad_table, bad_lens = table - 100, seqlens + 1000
+    bt, lens = clamp_decode_inputs(cache, bad_table, bad_lens)
     assert int(bt.min()) >= 0 and int(bt.max()) < cache.shape[0]
     assert int(lens.max()) <= table.shape[1] * cache.shape[1]
-    monkeypatch.setattr(checks, "is_capturing", lambda t: False)
-    bt2, lens2 = checks.bound_for_capture(q, cache, table, seqlens)
-    assert bt2 is table and lens2 is seqlens
+    got = run_decode(DecodeCall(q, cache, bad_table, bad_lens, 0.2, True, "auto", None, 32),
+                     "bf16", "reference")
+    want = lowering.mla_decode(q, cache, bt, lens, 0.2, backend="reference", head_dim_v=32)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.isfinite(got[0]).all()
+
+
+def test_value_checks_on_cpu_always_run():
+    """validate=False (or the setting off) skips the host value checks of CUDA inputs
+    only: CPU inputs are checked without a device sync, so they always are."""
+    from lowering import config
+    from lowering.checks import wants_value_checks
+    q, cache, table, seqlens, _, _ = paged_problem(2, 1, 2, 32, 16, [5, 3], 4)
+    for validate in (None, False, True):
+        assert wants_value_checks(q, validate)
+        with pytest.raises(ValueError, match="exceeds the blocks"):
+            lowering.mla_decode(q, cache, table, seqlens + 100, 0.2, head_dim_v=32,
+                                validate=validate)
+    with config.patch(validate=False):
+        with pytest.raises(ValueError, match="block ids"):
+            lowering.mla_decode(q, cache, table + 50, seqlens, 0.2, head_dim_v=32)
+    assert not wants_value_checks(q.to("meta"), False)
+    with config.patch(validate=True):
+        assert wants_value_checks(q.to("meta"))
+    assert wants_value_checks(q.to("meta"), True) and not wants_value_checks(q.to("meta"))
 
 
 def test_bounded_inputs_skip_the_per_call_clamps(monkeypatch):
-    """bound_decode_inputs clamps always (not only under capture); a captured call told
-    its inputs are bounded (bounded=True) launches no clamps of its own, same result."""
-    import lowering.checks as checks
+    """bound_decode_inputs clamps; a call told its inputs are bounded (bounded=True)
+    launches no clamps of its own, with the same result; any other call to a route
+    whose kernels do not bound their inputs clamps them."""
     import lowering.decode.entry
     q, cache, table, seqlens, _, _ = paged_problem(2, 1, 2, 32, 16, [5, 3], 4)
     bt, lens = lowering.bound_decode_inputs(cache, table - 100, seqlens + 1000)
@@ -136,9 +161,8 @@ def test_bounded_inputs_skip_the_per_call_clamps(monkeypatch):
     assert int(table.min()) == -1                     # no block past row 1's first
     bt, lens = lowering.bound_decode_inputs(cache, table, seqlens)
     assert torch.equal(lens, seqlens) and int(bt.min()) == 0
-    monkeypatch.setattr(checks, "is_capturing", lambda t: True)
     want = lowering.mla_decode(q, cache, bt, lens, 0.2, backend="reference", head_dim_v=32)
-    monkeypatch.setattr(lowering.decode.entry, "bound_for_capture",
+    monkeypatch.setattr(lowering.decode.entry, "clamp_decode_inputs",
                         lambda *a: pytest.fail("a bounded call clamped its inputs again"))
     got = lowering.mla_decode(q, cache, bt, lens, 0.2, backend="reference", bounded=True,
                              head_dim_v=32)
@@ -177,3 +201,30 @@ def test_mla_decode_compiles_fullgraph():
         torch.testing.assert_close(got[1].double(), ref_lse, rtol=0, atol=1e-5)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_route_table():
+    """One table for both entries: explicit priorities, auto order as documented, one
+    unmet() per route; an unknown backend is a ValueError naming the choices."""
+    from lowering import config
+    from lowering.decode.registry import ROUTES, TABLE, DecodeCall, choose_route, route_unmet
+    assert lowering.BACKENDS == ("flashmla", "gluon", "triton", "reference")
+    assert lowering.FP8Q_BACKENDS == ("flashmla", "gluon", "triton")
+    assert [r.name for r in ROUTES] == ["flashmla", "gluon", "triton", "reference",
+                                        "flashmla-fp8q", "gluon-fp8q", "triton-fp8q"]
+    for query, routes in TABLE.items():
+        priorities = [r.priority for r in routes.values()]
+        assert priorities == sorted(set(priorities))
+    q, cache, table, seqlens, _, _ = paged_problem(1, 1, 2, 32, 16, [5], 4)
+    call = DecodeCall(q, cache, table, seqlens, 0.2, True, "auto", None, 32)
+    assert choose_route(call, "bf16", "auto").name == "reference"
+    with config.patch(batch_invariant=True):
+        assert choose_route(call, "bf16", "auto").name == "reference"
+    with pytest.raises(ValueError, match="'auto', 'flashmla', 'gluon', 'triton' or 'reference'"):
+        choose_route(call, "bf16", "cuda")
+    assert "CUDA" in route_unmet("flashmla", q, cache)
+    assert "CUDA" in route_unmet("gluon-fp8q", q.to(torch.float8_e4m3fn),
+                                 cache.to(torch.float8_e4m3fn))
+    assert route_unmet("reference", q, cache) is None
+    with pytest.raises(ValueError, match="no decode route"):
+        route_unmet("nope", q, cache)

@@ -137,7 +137,6 @@ def test_fp8q_routes_on_cpu():
     """On CPU, backend="gluon" or "flashmla" names what is missing, an unknown route is a
     ValueError; "auto" takes the Triton kernel (the interpreter here) and agrees with it
     called directly."""
-    from lowering.decode import triton_decode as td
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton route on CPU tensors needs TRITON_INTERPRET=1 (a CPU session)")
     g = torch.Generator().manual_seed(4)
@@ -157,7 +156,8 @@ def test_fp8q_routes_on_cpu():
     out, lse = lowering.mla_decode_fp8q(q8, kv8, bt, cl, 0.1, q_scale=qs, k_scale=ks,
                                         head_dim_v=64)
     assert lowering.backend_choices["triton-fp8q"] == n + 1
-    out_t, lse_t = td.mla_decode_fp8q(q8, kv8, bt, cl, 0.1, q_scale=qs, k_scale=ks, head_dim_v=64)
+    out_t, lse_t = lowering.mla_decode_fp8q(q8, kv8, bt, cl, 0.1, q_scale=qs, k_scale=ks,
+                                            head_dim_v=64, backend="triton")
     assert torch.equal(out, out_t) and torch.equal(lse, lse_t)
 
 
@@ -171,9 +171,8 @@ def test_fp8_config_by_split_length():
     assert long_tiles["BN"] == 64 and short_tiles["BN"] == 32
 
 
-def test_bf16_kernel_by_page(monkeypatch):
-    """The pair kernel where a page holds whole 64-key blocks, the ring kernel otherwise
-    (and everywhere with PAIR_KERNEL off)."""
+def test_bf16_kernel_by_page():
+    """The pair kernel where a page holds whole 64-key blocks, the ring kernel otherwise."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
     from lowering.decode import gluon_decode as gd
     from lowering.decode.gluon_ring_kernel import mla_decode_gluon_kernel
@@ -181,5 +180,4 @@ def test_bf16_kernel_by_page(monkeypatch):
     assert gd.bf16_kernel(64, 4096) == (mla_decode_pair_kernel, gd.PAIR_CONFIG)
     assert gd.bf16_kernel(128, 64) == (mla_decode_pair_kernel, gd.PAIR_CONFIG)
     assert gd.bf16_kernel(32, 4096) == (mla_decode_gluon_kernel, gd.CONFIG)
-    monkeypatch.setattr(gd, "PAIR_KERNEL", False)
-    assert gd.bf16_kernel(64, 4096) == (mla_decode_gluon_kernel, gd.CONFIG)
+    assert gd.bf16_kernel(96, 4096) == (mla_decode_gluon_kernel, gd.CONFIG)

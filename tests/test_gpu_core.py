@@ -63,3 +63,24 @@ def test_cuda_graph_decode_steps_match_eager():
         err = ((out_g.float() - out_e.float()).norm() / out_e.float().norm()).item()
         assert err < 1e-2, (i, err)
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+
+
+def test_cache_update_slots_checked_only_when_asked():
+    """On CUDA the slot range check is opt-in (lowering.config.validate): without it a slot
+    outside the cache is dropped by the write kernel, the other rows are written."""
+    from lowering import config
+    g = torch.Generator().manual_seed(2)
+    kv = torch.zeros(4, 16, 576, dtype=torch.bfloat16, device="cuda")
+    kv_c = torch.randn(3, 512, generator=g).to("cuda", torch.bfloat16)
+    k_pe = torch.randn(3, 64, generator=g).to("cuda", torch.bfloat16)
+    slots = torch.tensor([0, 21, 10 ** 6], device="cuda")
+    k_scale = torch.ones(1, device="cuda")
+    with config.patch(validate=True):
+        with pytest.raises(ValueError, match="slot_mapping"):
+            torch.ops.mla.kv_cache_update(kv_c, k_pe, kv, slots, "auto", k_scale)
+    assert not kv.any()                                   # nothing written before the error
+    torch.ops.mla.kv_cache_update(kv_c, k_pe, kv, slots, "auto", k_scale)
+    flat = kv.view(-1, 576)
+    want = torch.cat([kv_c, k_pe], dim=-1)
+    assert torch.equal(flat[0], want[0]) and torch.equal(flat[21], want[1])
+    assert flat[1:21].eq(0).all() and flat[22:].eq(0).all()

@@ -25,9 +25,10 @@ def _lens(B, S, seed):
 
 
 def _skip_without_flashmla_fp8(H=128):
-    from lowering.decode.flashmla import flashmla_fp8q_unmet
-    reason = flashmla_fp8q_unmet(torch.empty(1, 1, H, L + R, device="cuda"),
-                                 torch.empty(1, 64, L + R, device="cuda"), L, torch.bfloat16)
+    from lowering.decode.registry import route_unmet
+    fp8 = torch.float8_e4m3fn
+    reason = route_unmet("flashmla-fp8q", torch.empty(1, 1, H, L + R, device="cuda", dtype=fp8),
+                         torch.empty(1, 64, L + R, device="cuda", dtype=fp8))
     if reason is not None:
         pytest.skip(f"flashmla fp8 route cannot serve here: {reason}")
 
@@ -35,7 +36,7 @@ def _skip_without_flashmla_fp8(H=128):
 def _flashmla_ok():
     q = torch.empty(1, 1, 128, L + R, device="cuda", dtype=torch.bfloat16)
     kv = torch.empty(1, 64, L + R, device="cuda", dtype=torch.bfloat16)
-    return lowering.decode.registry.unmet_condition("flashmla", q, kv, "auto") is None
+    return lowering.decode.registry.route_unmet("flashmla", q, kv) is None
 
 
 @pytest.mark.parametrize("B,s_q,H,page,S", [
@@ -73,19 +74,46 @@ def test_auto_choice_and_flashmla_block_size_error():
             lowering.mla_decode(q, kv, bt, cl, SCALE, backend="flashmla")
 
 
+@pytest.mark.parametrize("backend", ["triton", "flashmla", "gluon", "reference"])
+def test_value_checks_are_opt_in_and_kernels_bound_the_rest(backend):
+    """On CUDA the length and block-id checks run with validate=True or the setting
+    (lowering.config.validate); without them a bad length or block id gives the rows of
+    the clamped inputs (bound_decode_inputs), no error and no read outside the cache."""
+    from lowering import config
+    from lowering.decode.registry import route_unmet
+    q, kv, bt, cl = make_case(2, 1, 128, L, R, 64, [300, 40], "cuda", seed=9)
+    reason = route_unmet(backend, q, kv)
+    if reason is not None:
+        pytest.skip(f"{backend} cannot serve here: {reason}")
+    bad_cl, bad_bt = cl.clone(), bt.clone()
+    bad_cl[0] = 100_000
+    bad_bt[1, 0] = 10 ** 6
+    with pytest.raises(ValueError, match="exceeds the blocks"):
+        lowering.mla_decode(q, kv, bt, bad_cl, SCALE, backend=backend, validate=True)
+    with config.patch(validate=True):
+        with pytest.raises(ValueError, match="block ids"):
+            lowering.mla_decode(q, kv, bad_bt, cl, SCALE, backend=backend)
+    out, lse = lowering.mla_decode(q, kv, bad_bt, bad_cl, SCALE, backend=backend)
+    good_bt, good_cl = lowering.bound_decode_inputs(kv, bad_bt, bad_cl)
+    want, want_lse = lowering.mla_decode(q, kv, good_bt, good_cl, SCALE, backend=backend)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out.float()).all()
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
 def test_batch_invariance_gpu():
-    from lowering.decode.triton_decode import triton_mla_decode
+    from lowering import config
     H = 128
     lens = [2500, 700, 3333, 64, 1]
     q, kv, bt, cl = make_case(5, 1, H, L, R, 64, lens, "cuda", seed=3)
-    run = lambda qq, bb, ll: triton_mla_decode(qq, kv, bb, ll, SCALE, causal=True, kind="auto",  # noqa: E731
-                                               k_scale=None, head_dim_v=L, batch_invariant=True)
-    full_o, full_l = run(q, bt, cl)
-    for idx in ([0], [0, 2], [2, 0, 4], [0, 1, 2, 3, 4, 0, 0]):
-        i = torch.tensor(idx, device="cuda")
-        o, l = run(q[i].contiguous(), bt[i].contiguous(), cl[i].contiguous())
-        for j, src in enumerate(idx):
-            assert torch.equal(o[j], full_o[src]) and torch.equal(l[j], full_l[src])
+    run = lambda qq, bb, ll: lowering.mla_decode(qq, kv, bb, ll, SCALE, backend="triton")  # noqa: E731
+    with config.patch(batch_invariant=True):
+        full_o, full_l = run(q, bt, cl)
+        for idx in ([0], [0, 2], [2, 0, 4], [0, 1, 2, 3, 4, 0, 0]):
+            i = torch.tensor(idx, device="cuda")
+            o, l = run(q[i].contiguous(), bt[i].contiguous(), cl[i].contiguous())
+            for j, src in enumerate(idx):
+                assert torch.equal(o[j], full_o[src]) and torch.equal(l[j], full_l[src])
     ref, _ = decode_ref64(q, kv, bt, cl, SCALE, True, L)
     assert rel_err(full_o, ref) < 1e-2
 
@@ -136,11 +164,9 @@ def test_flashmla_schedule_on_its_side_stream_sees_the_callers_lengths():
     lens.copy_(cl)                                # the real lengths land only after that
     sched = lowering.decode_schedule(kv, bt, lens, num_heads=H)
     out, _ = lowering.mla_decode(q, kv, bt, lens, SCALE, backend="flashmla", schedule=sched)
-    flashmla.OVERLAP_SCHEDULE = False
-    try:
-        inline = lowering.decode_schedule(kv, bt, cl, num_heads=H)
-    finally:
-        flashmla.OVERLAP_SCHEDULE = True
+    torch.cuda.synchronize()
+    inline = flashmla.compute_schedule(cl, H, H)      # after the lengths landed
+    torch.cuda.synchronize()
     # columns 5-7 of a table row are unused (left uninitialized by flash_mla)
     assert torch.equal(sched[0][:, :5], inline[0][:, :5]) and torch.equal(sched[1], inline[1])
     ref, _ = decode_ref64(q, kv, bt, cl, SCALE, True, L)
@@ -174,7 +200,7 @@ def test_cuda_graph_replay_500_steps(backend):
     if backend == "gluon":
         probe = torch.empty(1, 1, H, L + R, device="cuda", dtype=torch.bfloat16)
         kv_probe = torch.empty(1, 64, L + R, device="cuda", dtype=torch.bfloat16)
-        reason = lowering.decode.registry.unmet_condition("gluon", probe, kv_probe, "auto")
+        reason = lowering.decode.registry.route_unmet("gluon", probe, kv_probe)
         if reason is not None:
             pytest.skip(f"gluon backend cannot serve here: {reason}")
     q, kv, bt, cl = make_case(B, 1, H, L, R, 64, [S] * B, "cuda", seed=5)
@@ -243,13 +269,11 @@ def test_fp8_kv_and_fp8_q_accuracy():
 
 
 def test_triton_op_under_inductor_and_cuda_graphs():
-    from lowering.decode.triton_decode import triton_mla_decode
     B, H = 4, 128
     q, kv, bt, cl = make_case(B, 1, H, L, R, 64, [1500] * B, "cuda", seed=21)
 
     def run(q, kv, bt, cl):
-        return triton_mla_decode(q, kv, bt, cl, SCALE, causal=True, kind="auto", k_scale=None,
-                                 head_dim_v=L)
+        return lowering.mla_decode(q, kv, bt, cl, SCALE, backend="triton")
     check_compiled_and_graphed(run, "mla_decode_stage1_kernel", q, kv, bt, cl)
 
 
@@ -292,7 +316,7 @@ def test_flashmla_fp8q_route_choice_errors_and_compile():
     """auto takes FlashMLA's fp8 kernel when handed its schedule or when the Gluon kernel
     cannot serve, else ours; a schedule made for the other kernel is refused; an explicit
     "flashmla" names what it lacks; under torch.compile and CUDA graphs it matches eager."""
-    from lowering.decode.gluon_decode import gluon_fp8q_unmet
+    from lowering.decode.registry import route_unmet
     _skip_without_flashmla_fp8()
     q, kv, bt, cl = make_case(2, 1, 128, L, R, 64, [700, 90], "cuda", seed=4)
     q8, q_scale = quantize_e4m3(q)
@@ -305,7 +329,7 @@ def test_flashmla_fp8q_route_choice_errors_and_compile():
         assert not lowering.uses_flashmla(q8.device, fp8, 128, L + R, 64, **kw)
     assert not lowering.uses_flashmla(q8.device, fp8, 128, L + R, 16, kv_cache_dtype="fp8")
     sched8 = lowering.decode_schedule(kv8, bt, cl, num_heads=128, fp8q=True)
-    without = "gluon" if gluon_fp8q_unmet(q8, kv8, L, torch.bfloat16) is None else "flashmla"
+    without = "gluon" if route_unmet("gluon-fp8q", q8, kv8) is None else "flashmla"
     for schedule, route in ((None, without), (sched8, "flashmla")):
         before = lowering.backend_choices[f"{route}-fp8q"]
         out, _ = lowering.mla_decode_fp8q(q8, kv8, bt, cl, SCALE, q_scale=q_scale,

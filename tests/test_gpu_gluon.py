@@ -38,26 +38,27 @@ CASES = [
 
 @pytest.fixture(autouse=True)
 def _needs_gluon():
-    from lowering.decode.gluon_decode import gluon_unmet
+    from lowering.decode.registry import route_unmet
     q = torch.empty(1, 1, 64, L + R, device="cuda", dtype=torch.bfloat16)
     kv = torch.empty(1, 64, L + R, device="cuda", dtype=torch.bfloat16)
-    reason = gluon_unmet(q, kv, "auto")
+    reason = route_unmet("gluon", q, kv)
     if reason is not None:
         pytest.skip(f"gluon backend cannot serve here: {reason}")
 
 
 def _run(q, kv, bt, cl, causal=True, num_splits=0):
-    from lowering.decode.gluon_decode import gluon_mla_decode
-    return gluon_mla_decode(q, kv, bt, cl, SCALE, causal=causal, kind="auto", k_scale=None,
-                            head_dim_v=L, num_splits=num_splits)
+    from lowering.decode.gluon_decode import gluon_decode
+    return gluon_decode(q, kv, bt, cl, SCALE, causal, num_splits)
 
 
 @pytest.mark.parametrize("kernel", ["pair where the page allows", "ring"])
 @pytest.mark.parametrize("B,s_q,H,page,lens,splits", CASES)
 def test_gluon_vs_fp64(B, s_q, H, page, lens, splits, kernel, monkeypatch):
     from lowering.decode import gluon_decode
-    if kernel == "ring":
-        monkeypatch.setattr(gluon_decode, "PAIR_KERNEL", False)
+    if kernel == "ring":       # the ring kernel for every page size
+        from lowering.decode.gluon_ring_kernel import mla_decode_gluon_kernel
+        monkeypatch.setattr(gluon_decode, "bf16_kernel",
+                            lambda page, keys: (mla_decode_gluon_kernel, gluon_decode.CONFIG))
     elif page % 64:
         pytest.skip("pages of 32 take the ring kernel either way")
     q, kv, bt, cl = make_case(B, s_q, H, L, R, page, lens, "cuda", seed=B * 13 + H + page)
@@ -100,7 +101,7 @@ def test_gluon_capability_errors_and_auto_choice():
         lowering.mla_decode(q_off, kv, bt, cl, SCALE, backend="gluon")
     # auto: FlashMLA first where it serves, else this backend for 64-head multiples
     q, kv, bt, cl = make_case(2, 1, 128, L, R, 64, [100, 40], "cuda")
-    flashmla = lowering.decode.registry.unmet_condition("flashmla", q, kv, "auto") is None
+    flashmla = lowering.decode.registry.route_unmet("flashmla", q, kv) is None
     assert lowering.select_backend(q, kv) == ("flashmla" if flashmla else "gluon")
     q, kv, bt, cl = make_case(2, 1, 64, L, R, 32, [100, 40], "cuda")
     assert lowering.select_backend(q, kv) == "gluon"          # FlashMLA needs page 64
@@ -225,9 +226,10 @@ def test_layer_fp8_decode_takes_the_fp8_kernel(route):
     from scenario import Dims, Step, make_layer
     d = Dims(N=64, P=128, R=64, V=128, L=512)
     if route == "flashmla":
-        from lowering.decode.flashmla import flashmla_fp8q_unmet
-        reason = flashmla_fp8q_unmet(torch.empty(1, 1, d.N, 576, device="cuda"),
-                                     torch.empty(1, 64, 576, device="cuda"), 512, torch.bfloat16)
+        from lowering.decode.registry import route_unmet
+        fp8 = torch.float8_e4m3fn
+        reason = route_unmet("flashmla-fp8q", torch.empty(1, 1, d.N, 576, device="cuda", dtype=fp8),
+                             torch.empty(1, 64, 576, device="cuda", dtype=fp8))
         if reason is not None:
             pytest.skip(f"flashmla fp8 route cannot serve here: {reason}")
     layer, kv_b = make_layer(d, torch.bfloat16, kv_cache_dtype="fp8")

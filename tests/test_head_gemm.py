@@ -7,6 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
+import lowering.config as mla_config  # noqa: E402
 from lowering.gemm import head_gemm  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,23 +74,25 @@ def test_absorb_paths_match_torch_fallback(monkeypatch):
     assert _rel(qm[..., :L], torch.einsum("tnp,npl->tnl", q64[..., :P], wk64)) < tol
     assert torch.equal(qm[..., L:].cpu(), q[..., P:].cpu())
     assert _rel(out.view(t, N, V), torch.einsum("tnl,nlv->tnv", o64, wv64)) < tol
-    monkeypatch.setattr(head_gemm, "IMPL", "torch")
+    monkeypatch.setattr(mla_config, "head_gemm_impl", "torch")
     out_t = torch.empty_like(out)
     head_gemm.absorb_output(o, wv, out_t)
     assert _rel(out_t.view(t, N, V), torch.einsum("tnl,nlv->tnv", o64, wv64)) < tol
     assert _rel(head_gemm.absorb_query(q, wk)[..., :L], qm[..., :L].double().cpu()) < tol
 
 
-def test_unsupported_reasons():
+def test_unmet_reasons():
     x = torch.empty(2, 4, 192, dtype=torch.bfloat16)
     w = torch.empty(4, 128, 512, dtype=torch.bfloat16)
-    assert "CUDA" in head_gemm.unsupported(x, w, 64)
+    assert "CUDA" in head_gemm.head_gemm_unmet(x, w, 64)
+    with mla_config.patch(head_gemm_impl="torch"):
+        assert "head_gemm_impl" in head_gemm.head_gemm_unmet(x, w, 64)
     if DEV == "cuda":
         xc, wc = x.cuda(), w.cuda()
-        assert head_gemm.unsupported(xc, wc, 64) is None
-        assert "rows" in head_gemm.unsupported(torch.empty(65, 4, 192, dtype=x.dtype, device=DEV), wc, 64)
-        assert "power of two" in head_gemm.unsupported(xc, torch.empty(4, 128, 500, dtype=x.dtype, device=DEV), 64)
-        assert "bf16/fp16" in head_gemm.unsupported(xc.float(), wc.float(), 64)
+        assert head_gemm.head_gemm_unmet(xc, wc, 64) is None
+        assert "rows" in head_gemm.head_gemm_unmet(torch.empty(65, 4, 192, dtype=x.dtype, device=DEV), wc, 64)
+        assert "power of two" in head_gemm.head_gemm_unmet(xc, torch.empty(4, 128, 500, dtype=x.dtype, device=DEV), 64)
+        assert "bf16/fp16" in head_gemm.head_gemm_unmet(xc.float(), wc.float(), 64)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

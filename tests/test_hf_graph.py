@@ -237,11 +237,11 @@ def test_plan_bounds_the_flashmla_decode_inputs_once(fp8_query, monkeypatch):
     served = frozenset({"auto"})
     cache._flashmla_backends, cache._flashmla_fp8q_backends = ((frozenset(), served) if fp8_query
                                                                else (served, frozenset()))
-    assert cache._prepare(0, 2, 1, None, cache.dtype, cache.device,
-                          fp8_query=not fp8_query).meta.decode_schedule is None
+    assert cache.prepare(0, 2, 1, None, cache.dtype, cache.device,
+                         fp8_query=not fp8_query).meta.decode_schedule is None
     cache._step = None
     assert not seen
-    step = cache._prepare(0, 2, 1, None, cache.dtype, cache.device, fp8_query=fp8_query)
+    step = cache.prepare(0, 2, 1, None, cache.dtype, cache.device, fp8_query=fp8_query)
     table = step.table
     assert int(table.min()) == -1                         # the cache's view: unused columns
     assert torch.equal(step.meta.block_table, table.clamp(0, cache.num_blocks - 1))
@@ -249,7 +249,7 @@ def test_plan_bounds_the_flashmla_decode_inputs_once(fp8_query, monkeypatch):
                                                         device=cache.device))
     assert seen and seen[0][0] is step.meta.block_table and seen[0][1] is step.meta.seq_lens
     assert seen[0][2] == {"bounded": True, "fp8q": fp8_query}
-    cache._commit(step, 2, 1)
+    cache.commit(step, 2, 1)
     assert torch.equal(cache.block_table[:2], table)      # committed unclamped
 
 

@@ -201,9 +201,9 @@ def test_layer_passes_only_the_schedule_of_its_query_kind(fp8_query, monkeypatch
         monkeypatch.setattr(attn, "_fp8_query_decode",
                             lambda *a, schedule=None: seen.append(schedule) or real(*a))
     else:
-        real = attn.lowering.mla_decode
-        monkeypatch.setattr(attn.lowering, "mla_decode",
-                            lambda *a, schedule=None, **kw: seen.append(schedule) or real(*a, **kw))
+        real = attn.run_decode
+        monkeypatch.setattr(attn, "run_decode",
+                            lambda call, *a: seen.append(call.schedule) or real(call, *a))
     table = torch.zeros(8, 8, dtype=torch.int32)                  # stand-ins: never read here
     splits = torch.zeros(4, dtype=torch.int32)
     outs = []

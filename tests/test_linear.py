@@ -39,15 +39,15 @@ def test_kernel_modes_vs_fp64(M, N1, N2, K, cfg):
     x, w1, w2, w3 = (t.to(dt).double() for t in (x, w1, w2, w3))          # the rounded inputs
 
     y = torch.empty(M, N1, device=DEV, dtype=dt)
-    linear.launch(xs, w1s, None, 0, y, None, cfg, wrap=False)
+    linear.launch(xs, w1s, None, 0, y, None, cfg)
     assert _rel(y.cpu(), x @ w1.T) < tol
 
     y1, y2 = torch.empty(M, N1, device=DEV, dtype=dt), torch.empty(M, N2, device=DEV, dtype=dt)
-    linear.launch(xs, w1s, w2s, 1, y1, y2, cfg, wrap=False)
+    linear.launch(xs, w1s, w2s, 1, y1, y2, cfg)
     assert _rel(y1.cpu(), x @ w1.T) < tol and _rel(y2.cpu(), x @ w2.T) < tol
 
     y = torch.empty(M, N1, device=DEV, dtype=dt)
-    linear.launch(xs, w1s, w3s, 2, y, None, cfg, wrap=False)
+    linear.launch(xs, w1s, w3s, 2, y, None, cfg)
     ref = F.silu(x @ w1.T) * (x @ w3.T)
     assert _rel(y.cpu(), ref) < 3 * tol
 
@@ -65,14 +65,14 @@ def test_kernel_split_k_partials_vs_fp64(M, K, cfg):
     x, w1, w2 = (t.to(dt).double() for t in (x, w1, w2))
     S = cfg[4]
     parts = torch.full((S, M, 70), float("nan"), device=DEV)          # every entry written
-    linear.launch(xs, w1s, None, 0, parts, None, cfg, wrap=False)
+    linear.launch(xs, w1s, None, 0, parts, None, cfg)
     assert _rel(parts.sum(0).cpu(), x @ w1.T) < tol
     parts = torch.full((S, M, 79), float("nan"), device=DEV)
-    linear.launch(xs, w1s, w2s, 1, parts, None, cfg, wrap=False, y2_col0=70)    # one buffer
+    linear.launch(xs, w1s, w2s, 1, parts, None, cfg, y2_col0=70)    # one buffer
     assert _rel(parts.sum(0).cpu(), torch.cat([x @ w1.T, x @ w2.T], -1)) < tol
     assert (parts[1:].abs().sum() > 0) and (parts[0].abs().sum() > 0)   # K really split
     with pytest.raises(ValueError, match="SPLIT_K=.* needs mode 0 or 1"):
-        linear.launch(xs, w1s, w1s, 2, parts[..., :70], None, cfg, wrap=False)
+        linear.launch(xs, w1s, w1s, 2, parts[..., :70], None, cfg)
 
 
 @pytest.mark.parametrize("M,N,K,cfg", [(1, 100, 300, (32, 128, 4, 2)), (33, 50, 200, (64, 64, 4, 2)),
@@ -86,16 +86,16 @@ def test_kernel_residual_epilogue_vs_fp64(M, N, K, cfg):
     xs, ws, rs = (t.to(DEV, dt) for t in (x, w, r))
     x, w, r = (t.to(dt).double() for t in (x, w, r))
     y = torch.full((M, N), float("nan"), device=DEV, dtype=dt)
-    linear.launch(xs, ws, None, 0, y, None, cfg, wrap=False, residual=rs)
+    linear.launch(xs, ws, None, 0, y, None, cfg, residual=rs)
     ref = r + (x @ w.T)
     tol = 1e-2 if dt == torch.bfloat16 else 1e-5
     assert _rel(y.cpu(), ref) < tol
     assert _rel(y.cpu() - rs.cpu(), x @ w.T) < (5e-2 if dt == torch.bfloat16 else 1e-4)
     parts = torch.empty(2, M, N, device=DEV)
     with pytest.raises(ValueError, match="a residual needs mode 0 without split-K"):
-        linear.launch(xs, ws, None, 0, parts, None, (*cfg, 2), wrap=False, residual=rs)
+        linear.launch(xs, ws, None, 0, parts, None, (*cfg, 2), residual=rs)
     with pytest.raises(ValueError, match="a residual needs mode 0"):
-        linear.launch(xs, ws, ws, 2, y, None, cfg, wrap=False, residual=rs)
+        linear.launch(xs, ws, ws, 2, y, None, cfg, residual=rs)
 
 
 def test_residual_op_torch_path_and_errors():
@@ -142,8 +142,8 @@ def test_gate_up_kernel_reads_both_weights():
     x, wg, wu = (t.float().to(DEV) for t in (_randn(2, 64, g=g), _randn(40, 64, g=g), _randn(40, 64, g=g)))
     a = torch.empty(2, 40, device=DEV)
     b = torch.empty(2, 40, device=DEV)
-    linear.launch(x, wg, wu, 2, a, None, (16, 32, 4, 2), wrap=False)
-    linear.launch(x, wu, wg, 2, b, None, (16, 32, 4, 2), wrap=False)
+    linear.launch(x, wg, wu, 2, a, None, (16, 32, 4, 2))
+    linear.launch(x, wu, wg, 2, b, None, (16, 32, 4, 2))
     assert (a - b).abs().max() > 1e-2
 
 
@@ -172,6 +172,21 @@ def test_ops_reject_mismatched_weights():
         torch.ops.mla.decode_linear(x, torch.randn(8, 48, dtype=torch.float64))
     with pytest.raises(ValueError, match="at least one dimension"):
         torch.ops.mla.decode_linear(torch.tensor(1.0), torch.randn(8, 48))
+
+
+def test_fit_stages_trims_only_what_does_not_fit():
+    """Stages are cut to the shared memory a program may take (mode 1 counts its buffers
+    twice, mode 2 two weight tiles per stage), and configs that fit keep theirs."""
+    limit = 232448                                          # an H200's, as triton reads it
+    assert linear.fit_stages(4, 1, 64, 32, 256, 2, limit) == 2        # 294912 B at 4 stages
+    assert linear.fit_stages(4, 1, 16, 32, 256, 2, limit) == 4
+    assert linear.fit_stages(6, 2, 32, 64, 128, 2, limit) == 5        # 245760 B at 6
+    assert linear.fit_stages(6, 0, 64, 64, 128, 2, limit) == 6
+    assert linear.fit_stages(3, 2, 64, 256, 256, 2, 1000) == 1        # never below one
+    for (mode, _, _, small), cfg in linear.CONFIGS.items():   # measured at 1 / 32 rows: kept
+        if cfg is not None:
+            m = 16 if small else 32
+            assert linear.fit_stages(cfg[3], mode, m, cfg[0], cfg[1], 2, limit) == cfg[3]
 
 
 def test_pick_config_falls_back_to_default_and_torch():
@@ -274,11 +289,16 @@ def test_split_k_linear_on_gpu_eager_and_compiled(monkeypatch, rows, N, K):
 
 @pytest.mark.skipif(DEV != "cuda", reason="the Triton path of the ops runs on CUDA")
 @pytest.mark.parametrize("key", [k for k, v in linear.CONFIGS.items() if v is not None], ids=str)
-def test_measured_configs_at_their_shapes_vs_fp64(key):
-    """Each measured CONFIGS entry at its own DeepSeek-V3 shape and 1 or 32 rows: the
-    config a converted model runs computes its GEMM (the pair is q_a + kv_a, N2 = 576)."""
+@pytest.mark.parametrize("big", [False, True], ids=["rows", "64-rows"])
+def test_measured_configs_at_their_shapes_vs_fp64(key, big):
+    """Each measured CONFIGS entry at its own DeepSeek-V3 shape and 1 or 32 rows (and the
+    large-row entries at 64 rows, a short prefill, where launch() trims pipeline stages
+    to fit shared memory): the config a converted model runs computes its GEMM (the pair
+    is q_a + kv_a, N2 = 576)."""
     mode, N, K, small = key
-    cfg, M = linear.CONFIGS[key], (1 if small else 32)
+    if big and small:
+        pytest.skip("the <= 16-row entries never see 64 rows")
+    cfg, M = linear.CONFIGS[key], (64 if big else 1 if small else 32)
     g = torch.Generator(device=DEV).manual_seed(N + K + M)
 
     def rnd(*shape, scale=1.0):
@@ -291,12 +311,12 @@ def test_measured_configs_at_their_shapes_vs_fp64(key):
     if mode == 2:
         ref = F.silu(prods[0]) * prods[1]
         y = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
-        linear.launch(x, ws[0], ws[1], 2, y, None, cfg, wrap=False)
+        linear.launch(x, ws[0], ws[1], 2, y, None, cfg)
     else:
         ref = torch.cat(prods, -1)
         y = torch.full((S, M, sum(Ns)), float("nan"), device=DEV)          # fp32 partials
         linear.launch(x, ws[0], ws[1] if mode else None, mode, y if S > 1 else y[0], None,
-                      cfg, wrap=False, y2_col0=Ns[0] if mode else 0)
+                      cfg, y2_col0=Ns[0] if mode else 0)
         y = y.sum(0)
     assert _rel(y, ref) < 2e-2
 
@@ -336,10 +356,12 @@ def test_converted_hf_layer_uses_the_ops():
                    for n, m in model.named_modules())
 
 
-def test_impl_choice_is_part_of_the_traced_graph(monkeypatch):
-    """MLA_LINEAR_IMPL=torch is decided in the traced Python: the graph then holds the
-    modules' own linears, so a cached compile of one choice is never reused for the other."""
+def test_impl_choice_is_part_of_the_traced_graph():
+    """lowering.config.linear_impl is read in the traced Python: the graph of "torch" holds
+    the modules' own linears, and flipping the setting between calls of one compiled
+    function recompiles rather than reusing the graph of the other choice."""
     pytest.importorskip("transformers")
+    import lowering.config as mla_config
     import mla_ops.hf as H
     from hf_models import build_pair, tiny_config
     _, model = build_pair(tiny_config("v3"))
@@ -352,14 +374,31 @@ def test_impl_choice_is_part_of_the_traced_graph(monkeypatch):
         targets.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
         return gm.forward
 
-    for impl in ("auto", "torch"):
-        monkeypatch.setattr(linear, "IMPL", impl)
-        torch._dynamo.reset()
-        with torch.no_grad():
-            out = torch.compile(mlp, backend=backend, fullgraph=True)(x)
-        assert torch.equal(out, mlp._hf_forward(x))
+    torch._dynamo.reset()
+    compiled = torch.compile(mlp, backend=backend, fullgraph=True)
+    for impl in ("auto", "torch", "auto"):
+        with mla_config.patch(linear_impl=impl), torch.no_grad():
+            out = compiled(x)
+        assert torch.equal(out, mlp.hf_forward(x))
+    assert len(targets) == 2                      # one graph per choice, the first reused
     assert {"mla.decode_gate_up", "mla.decode_linear"} <= targets[0]
     assert not any("mla.decode" in t for t in targets[1])
+
+
+def test_linear_unmet_names_the_condition():
+    import lowering.config as mla_config
+    x, w = torch.randn(2, 48, dtype=torch.bfloat16), torch.randn(32, 48, dtype=torch.bfloat16)
+    assert "CUDA" in linear.linear_unmet(x, w)
+    assert "[N, K]" in linear.linear_unmet(x, w[:, :40])
+    with mla_config.patch(linear_impl="torch"):
+        assert "linear_impl" in linear.linear_unmet(x, w)
+    if DEV == "cuda":
+        xc, wc = x.cuda(), w.cuda()
+        assert linear.linear_unmet(xc, wc) is None
+        assert "rows" in linear.linear_unmet(torch.randn(65, 48, dtype=x.dtype, device=DEV), wc)
+        assert "bf16" in linear.linear_unmet(xc.float(), wc.float())
+        assert "contiguous" in linear.linear_unmet(xc, wc.t().contiguous().t())
+    assert linear.linear_split_k(x, w[:, :40]) == 1        # mismatched shapes: no split
 
 
 def test_opcheck_decode_gemm_ops():

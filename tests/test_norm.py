@@ -34,7 +34,7 @@ def test_kernel_vs_fp64(T, N, dt):
     w = (torch.rand(N, generator=g, dtype=torch.float64) + 0.5).to(dt)
     xs, ws = x.to(DEV), w.to(DEV)
     y = torch.full((T, N), float("nan"), device=DEV, dtype=dt)
-    norm.launch(xs, ws, 1e-6, y, wrap=False)
+    norm.launch(xs, ws, 1e-6, y)
     ref = _ref(x.double(), w.double(), 1e-6, dt)
     assert not y.isnan().any()
     # the fp32 sum of squares may round the normalized row one way where fp64 rounds the
@@ -48,7 +48,7 @@ def test_kernel_reads_strided_rows():
     buf = torch.randn(4, 300, generator=g).to(DEV)
     w = torch.rand(200, generator=g).add(0.5).to(DEV)
     y = torch.empty(4, 200, device=DEV)
-    norm.launch(buf[:, 50:250], w, 1e-5, y, wrap=False)
+    norm.launch(buf[:, 50:250], w, 1e-5, y)
     assert _ulps(y.cpu(), _ref(buf[:, 50:250].double().cpu(), w.double().cpu(), 1e-5,
                                  torch.float32)) <= 2.0
 
@@ -95,14 +95,15 @@ def test_op_on_gpu_eager_and_compiled(T):
 
 def test_converted_layer_graph_holds_the_ops_and_matches_hf(monkeypatch):
     """A converted decoder layer traces to mla::rms_norm and the residual GEMMs (no HF
-    norm left), computes what HF's layer computes, and FUSE_NORMS=False traces HF's own
-    layer instead: the choice is part of the graph."""
+    norm left), computes what HF's layer computes, and convert(fuse_norms=False) traces
+    HF's own layer instead."""
     pytest.importorskip("transformers")
     import mla_ops.hf as H
-    import mla_ops.hf.layer as HL
     from hf_models import build_pair, tiny_config
     ref_model, model = build_pair(tiny_config("v3"))
     H.convert(model)
+    _, unfused = build_pair(tiny_config("v3"))
+    H.convert(unfused, fuse_norms=False)
     ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(0))
     targets = []
 
@@ -110,12 +111,11 @@ def test_converted_layer_graph_holds_the_ops_and_matches_hf(monkeypatch):
         targets.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
         return gm.forward
 
-    for fuse in (True, False):
-        monkeypatch.setattr(HL, "FUSE_NORMS", fuse)
+    for m in (model, unfused):
         torch._dynamo.reset()
-        cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=16, block_size=4)
+        cache = H.PagedMLACache(m.config, max_batch_size=2, max_cache_len=16, block_size=4)
         with torch.no_grad():
-            out = torch.compile(model.forward, backend=backend, fullgraph=True)(
+            out = torch.compile(m.forward, backend=backend, fullgraph=True)(
                 ids, past_key_values=cache).logits
             ref = ref_model(ids).logits
         assert (out - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())

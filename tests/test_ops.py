@@ -147,7 +147,7 @@ def test_attention_bad_input_names_argument():
     call(14, torch.empty(5, 60, dtype=torch.float64), TypeError, "output")
     call(3, step.cache.kv[0].to(torch.float16), TypeError, "kv_cache")
     lens = good[7].clone(); lens[0] = 1000
-    call(7, lens, ValueError, "cache_seqlens|blocks")
+    call(7, lens, ValueError, "seq_lens|blocks")
     bt = good[6].clone(); bt[0, 0] = 999
     call(6, bt, ValueError, "block ids")
     table = torch.randint(0, 9, (66, 8), dtype=torch.int32)
@@ -188,4 +188,17 @@ def test_graph_capture_scatter_drops_out_of_range_slots():
     expect = flat.clone()
     expect[2] = rows[1]
     scatter_rows_no_sync(flat, rows, torch.tensor([99, 2, -1]))   # 99: past the cache
+    assert torch.equal(flat, expect)
+
+
+def test_scatter_drops_out_of_range_slots():
+    """The sync-free write (CUDA without the value checks) drops slots outside the cache
+    as it drops padding: nothing else is written."""
+    from mla_ops.ops import scatter_rows_no_sync
+    g = torch.Generator().manual_seed(3)
+    flat = torch.randn(8, 6, generator=g)
+    rows = torch.randn(4, 6, generator=g)
+    expect = flat.clone()
+    expect[2] = rows[1]
+    scatter_rows_no_sync(flat, rows, torch.tensor([8, 2, -1, 1000]))
     assert torch.equal(flat, expect)

@@ -12,30 +12,30 @@ def u8(t):
 
 def test_triton_quant_kernels_bitwise_on_cuda():
     import passes.quant as Q
-    from lowering.fused import quant_kernels as K
+    from lowering.fused import concat_quant, group_quant, static_quant, wuv_quant
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(257, 1024, generator=g, device="cuda") * 4).bfloat16()
     s = torch.tensor([0.013], device="cuda")
-    assert torch.equal(u8(K.static_quant(x, s)), u8(Q.ref_static(x, s)))
+    assert torch.equal(u8(static_quant.static_quant(x, s)), u8(Q.ref_static(x, s)))
     for gs in (64, 128):
         for pow2 in (False, True):
-            y, sc = K.group_quant(x, gs, pow2)
+            y, sc = group_quant.group_quant(x, gs, pow2)
             y2, sc2 = Q.ref_group(x, gs, pow2)
             assert torch.equal(sc, sc2) and torch.equal(u8(y), u8(y2))
     a = x.view(257, 2, 512)[..., :448].transpose(0, 1).contiguous().transpose(0, 1)
     b = x.view(257, 2, 512)[..., 448:]
-    assert torch.equal(u8(K.concat_quant(a, b, s)), u8(Q.ref_concat_static(a, b, s)))
+    assert torch.equal(u8(concat_quant.concat_quant(a, b, s)), u8(Q.ref_concat_static(a, b, s)))
 
 
 def test_wuv_epilogue_on_cuda():
     import passes.quant as Q
-    from lowering.fused import quant_kernels as K
+    from lowering.fused import wuv_quant
     g = torch.Generator(device="cuda").manual_seed(1)
     t, N, L, V = 70, 16, 512, 128
     a = torch.randn(N, t, L, generator=g, device="cuda").bfloat16().transpose(0, 1)
     W = (torch.randn(N, L, V, generator=g, device="cuda") / 16).bfloat16()
     o = torch.einsum("tnl,nlv->tnv", a.double(), W.double()).bfloat16().reshape(t, -1)
-    y, sc = K.wuv_quant(a, W, group_size=128)
+    y, sc = wuv_quant.wuv_quant(a, W, group_size=128)
     y2, sc2 = Q.ref_group(o, 128, False)
     d1 = y.double() * sc.repeat_interleave(128, 1).double()
     d2 = y2.double() * sc2.repeat_interleave(128, 1).double()

@@ -2,9 +2,13 @@
 import pytest
 import torch
 
-import mla_ops.quant_ops as QO
 import passes.quant as Q
-from lowering.fused import quant_kernels as K
+import lowering.config as mla_config
+import mla_ops.quant_ops as QO
+from lowering.fused.concat_quant import concat_quant
+from lowering.fused.group_quant import group_quant
+from lowering.fused.static_quant import static_quant
+from lowering.fused.wuv_quant import wuv_quant, wuv_quant_unmet
 from passes.quant import QUANT_KEYS, QuantKey
 
 FP8 = torch.float8_e4m3fn
@@ -94,7 +98,7 @@ def test_group_reference_vs_float64(g, pow2):
 def test_triton_static_bitwise(dtype):
     x = rand((9, 333), 2, dtype=dtype)                    # not a multiple of the block
     s = torch.tensor([0.02])
-    assert torch.equal(u8(K.static_quant(x, s)), u8(Q.ref_static(x, s)))
+    assert torch.equal(u8(static_quant(x, s)), u8(Q.ref_static(x, s)))
 
 
 @interpreter_only
@@ -102,7 +106,7 @@ def test_triton_static_bitwise(dtype):
 @pytest.mark.parametrize("pow2", [False, True])
 def test_triton_group_bitwise(g, pow2):
     x = rand((6, 512), 3)[:, :384]                       # strided rows
-    y, s = K.group_quant(x, g, pow2)
+    y, s = group_quant(x, g, pow2)
     y2, s2 = Q.ref_group(x, g, pow2)
     assert torch.equal(s, s2)
     assert torch.equal(u8(y), u8(y2))
@@ -114,7 +118,7 @@ def test_triton_concat_bitwise_non_contiguous():
     a = torch.randn(3, 5, 32, generator=g).bfloat16().transpose(0, 1)     # [5, 3, 32] strided
     b = torch.randn(5, 3, 40, generator=g).bfloat16()[..., 8:24]          # [5, 3, 16] sliced
     s = torch.tensor([0.01])
-    assert torch.equal(u8(K.concat_quant(a, b, s)), u8(Q.ref_concat_static(a, b, s)))
+    assert torch.equal(u8(concat_quant(a, b, s)), u8(Q.ref_concat_static(a, b, s)))
 
 
 @interpreter_only
@@ -125,13 +129,13 @@ def test_every_e4m3_rounding_boundary():
     x = torch.cat([mids, -mids]).float()[None]
     one = torch.tensor([1.0])
     assert torch.equal(Q.ref_static(x, one).double(), nearest_e4m3(x.double()))
-    assert torch.equal(u8(K.static_quant(x, one)), u8(Q.ref_static(x, one)))
+    assert torch.equal(u8(static_quant(x, one)), u8(Q.ref_static(x, one)))
 
 
 @interpreter_only
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_custom_ops_dispatch(monkeypatch, impl):
-    monkeypatch.setattr(QO, "IMPL", impl)
+    monkeypatch.setattr(mla_config, "quant_impl", impl)
     x = rand((4, 256), 5)
     s = torch.tensor([0.03])
     assert torch.equal(u8(torch.ops.mla.quant_fp8_static(x, s)), u8(Q.ref_static(x, s)))
@@ -141,6 +145,28 @@ def test_custom_ops_dispatch(monkeypatch, impl):
     a, b = x.view(4, 2, 128)[..., :96], x.view(4, 2, 128)[..., 96:]
     assert torch.equal(u8(torch.ops.mla.concat_quant_fp8_static(a, b, s)),
                        u8(Q.ref_concat_static(a, b, s)))
+
+
+@interpreter_only
+def test_quant_impl_is_read_at_each_call_of_a_compiled_function(monkeypatch):
+    """The quant ops are opaque to the compiler and read lowering.config.quant_impl when
+    they run: flipping it between calls of one compiled function switches the path (no
+    graph keeps the old choice)."""
+    import lowering.fused.static_quant as SQ
+    calls = []
+    kernel_path = SQ.static_quant
+    monkeypatch.setattr(SQ, "static_quant", lambda x, s: calls.append(1) or kernel_path(x, s))
+    x, s = rand((4, 256), 9), torch.tensor([0.02])
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, s: torch.ops.mla.quant_fp8_static(x, s), backend="aot_eager",
+                       fullgraph=True)
+    for impl, kernel_calls in (("torch", 0), ("triton", 1), ("torch", 1), ("auto", 1)):
+        with mla_config.patch(quant_impl=impl):
+            assert torch.equal(u8(fn(x, s)), u8(Q.ref_static(x, s)))
+        assert len(calls) == kernel_calls
+    with mla_config.patch(quant_impl="torch"):
+        assert "quant_impl" in QO.quant_kernel_unmet(x)
+    assert "CUDA" in QO.quant_kernel_unmet(x)                  # "auto" on CPU
 
 
 def test_opcheck_custom_ops():
@@ -180,13 +206,13 @@ def test_wuv_gemm_quant_epilogue(dtype, group):
     a = torch.randn(N, t, L, generator=g).to(dtype).transpose(0, 1)         # bmm-output layout
     W = (torch.randn(N, L, V, generator=g) / 8).to(dtype)
     o = torch.einsum("tnl,nlv->tnv", a.double(), W.double()).to(dtype).reshape(t, -1)
-    assert K.wuv_quant_supported(a, W, group) is None
+    assert wuv_quant_unmet(a, W, group) is None
     if group is None:
         s = torch.tensor([0.01])
-        y, _ = K.wuv_quant(a, W, scale=s)
+        y, _ = wuv_quant(a, W, scale=s)
         fp8_step_close(y, Q.ref_static(o, s))
     else:
-        y, sc = K.wuv_quant(a, W, group_size=group)
+        y, sc = wuv_quant(a, W, group_size=group)
         y2, sc2 = Q.ref_group(o, group, False)
         assert torch.allclose(sc, sc2, rtol=1e-2)
         fp8_step_close(y.double() * sc.repeat_interleave(group, 1).double(),
@@ -195,9 +221,9 @@ def test_wuv_gemm_quant_epilogue(dtype, group):
 
 def test_wuv_epilogue_conditions():
     a = torch.empty(2, 2, 64, dtype=torch.bfloat16)
-    assert "power of two" in K.wuv_quant_supported(a, torch.empty(2, 64, 96, dtype=a.dtype), None)
-    assert "dividing" in K.wuv_quant_supported(a, torch.empty(2, 64, 32, dtype=a.dtype), 64)
-    assert "bf16/fp16" in K.wuv_quant_supported(a.float(), torch.empty(2, 64, 64), None)
+    assert "power of two" in wuv_quant_unmet(a, torch.empty(2, 64, 96, dtype=a.dtype), None)
+    assert "dividing" in wuv_quant_unmet(a, torch.empty(2, 64, 32, dtype=a.dtype), 64)
+    assert "bf16/fp16" in wuv_quant_unmet(a.float(), torch.empty(2, 64, 64), None)
 
 
 @interpreter_only
@@ -209,7 +235,7 @@ def test_attention_op_epilogue_path_matches_reference_path(monkeypatch, quant):
     layer, _ = make_layer(d, torch.bfloat16)
     outs = []
     for impl in ("torch", "triton"):
-        monkeypatch.setattr(QO, "IMPL", impl)
+        monkeypatch.setattr(mla_config, "quant_impl", impl)
         step = Step(d, [6, 2, 0], [1, 1, 3], dtype=torch.bfloat16)
         q, kv_c, k_pe = step.inputs()
         T = q.shape[0]

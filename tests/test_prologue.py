@@ -1,5 +1,5 @@
-"""The attention prologue ops (lowering/fused/prologue.py): split-K partial sums -> q_a norm,
-kv_c norm and the key's RoPE; the query's RoPE. The kernels vs float64 (CPU: the Triton
+"""The attention prologue ops (lowering/fused/prologue.py, q_rope.py): split-K partial
+sums -> q_a norm, kv_c norm and the key's RoPE; the query's RoPE. The kernels vs float64 (CPU: the Triton
 interpreter in fp32; GPU: bf16), the ops' torch paths bit for bit against HF's own modules
 and RoPE functions, bad input, and on a GPU the converted DeepSeek-V3 attention's use of
 them at V3's shapes."""
@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")
 pytest.importorskip("transformers")
 
-from lowering.fused import prologue  # noqa: E402
+from lowering.fused import prologue, q_rope  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -71,7 +71,7 @@ def test_kernel_vs_fp64(S, T, NQ, L, R, interleave):
     q_out = torch.empty(T, NQ, dtype=dt, device=DEV)
     kv_out = torch.empty(T, L + R, dtype=dt, device=DEV)
     prologue.launch(part.float().to(DEV), w_q.to(DEV), w_kv.to(DEV), cos.to(DEV), sin.to(DEV),
-                    1e-6, 1e-6, interleave, q_out, kv_out, wrap=False)
+                    1e-6, 1e-6, interleave, q_out, kv_out)
     assert _rel(q_out, ref_q) < tol
     assert _rel(kv_out[:, :L], ref_kv[:, :L]) < tol
     assert _rel(kv_out[:, L:], ref_kv[:, L:]) < tol
@@ -130,7 +130,7 @@ def test_q_rope_kernel_vs_fp64(T, N, P, R, interleave):
     q = (torch.randn(T, N, P + R, generator=g, dtype=torch.float64) * 2).to(dt)
     ref = _q_reference(q.double(), cos, sin, interleave)
     y = torch.empty(T, N, P + R, dtype=dt, device=DEV)
-    prologue.launch_q_rope(q.to(DEV), cos.to(DEV), sin.to(DEV), interleave, y, wrap=False)
+    q_rope.launch(q.to(DEV), cos.to(DEV), sin.to(DEV), interleave, y)
     assert torch.equal(y[..., :P].cpu(), q[..., :P])              # q_nope copied as is
     assert _rel(y[..., P:], ref[..., P:]) < tol
 

@@ -1,4 +1,4 @@
-"""mla::decode_q_absorb (lowering/fused/prologue.py, q_absorb_kernel.py): q_b, the query's RoPE
+"""mla::decode_q_absorb (lowering/fused/q_absorb.py, q_absorb_kernel.py): q_b, the query's RoPE
 and the absorbed W_UK_T GEMM in one launch. The kernel vs float64 (CPU: the Triton
 interpreter in fp32; GPU: bf16), the op's torch path bit for bit against the unfused
 ops, bad input."""
@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from lowering.fused import prologue  # noqa: E402
+from lowering.fused import q_absorb  # noqa: E402
 from test_prologue import _inputs, _rel, _rope64  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,8 +53,8 @@ def test_kernel_vs_fp64(T, Q, N, P, R, L, interleave):
     q_a, w, wuk = q_a.to(dt), w.to(dt), wuk.to(dt)
     ref = _reference(q_a.double(), w.double(), wuk.double(), cos, sin, interleave, dt)
     y = torch.full((T, N, L + R), float("nan"), dtype=dt, device=DEV)
-    prologue.launch_q_absorb(q_a.to(DEV), w.to(DEV), wuk.to(DEV), cos.to(DEV), sin.to(DEV),
-                             interleave, y, wrap=False)
+    q_absorb.launch(q_a.to(DEV), w.to(DEV), wuk.to(DEV), cos.to(DEV), sin.to(DEV),
+                             interleave, y)
     assert not y.isnan().any()
     assert _rel(y[..., :L], ref[..., :L]) < tol
     assert _rel(y[..., L:], ref[..., L:]) < tol
@@ -108,10 +108,10 @@ def test_kernel_fp8_output_is_the_static_quant_of_its_query(T, Q, N, P, R, L, in
     _, _, _, cos, sin = _inputs(1, T, 1, 1, R, g, dt)
     cos, sin = cos.to(DEV), sin.to(DEV)
     y = torch.empty((T, N, L + R), dtype=dt, device=DEV)
-    prologue.launch_q_absorb(q_a, w, wuk, cos, sin, interleave, y, wrap=False)
+    q_absorb.launch(q_a, w, wuk, cos, sin, interleave, y)
     scale = (y.float().abs().amax() / 448.0 * 0.8).reshape(1)     # the top values saturate
     y8 = torch.zeros((T, N, L + R), dtype=torch.float8_e4m3fn, device=DEV)
-    prologue.launch_q_absorb(q_a, w, wuk, cos, sin, interleave, y8, wrap=False, q_scale=scale)
+    q_absorb.launch(q_a, w, wuk, cos, sin, interleave, y8, q_scale=scale)
     want = (y.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     assert torch.equal(y8.view(torch.uint8), want.view(torch.uint8))
     assert (y8.float().abs() == 448).any()

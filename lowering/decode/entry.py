@@ -1,47 +1,70 @@
-"""The decode entry points (documented in lowering/decode/__init__.py)."""
+"""The decode entry points (documented in lowering/decode/__init__.py).
+
+The public functions check their arguments once (lowering.checks) and hand a DecodeCall
+to run_decode(), which the torch.ops.mla.* ops call directly with arguments they have
+checked themselves: no second pass through the checks.
+"""
 from __future__ import annotations
 
 from collections import Counter
 
 import torch
 
-from lowering.decode.registry import BACKENDS, BACKEND_ORDER, BackendUnavailable, unmet_condition
-from lowering.checks import bound_decode_inputs, bound_for_capture, check_decode_args
+from lowering.checks import (canonical_kv_cache_dtype, check_decode_args, check_decode_values,
+                             check_fp8q_args, check_table_and_lengths, wants_value_checks)
+from lowering.decode.registry import (BACKENDS, FP8Q_BACKENDS, TABLE, BackendUnavailable,
+                                      DecodeCall, choose_route, route_for)
 
-__all__ = ["mla_decode", "mla_decode_fp8q", "BACKENDS", "BACKEND_ORDER", "BackendUnavailable",
-           "select_backend", "backend_choices", "decode_schedule", "uses_flashmla",
-           "bound_decode_inputs"]
+__all__ = ["mla_decode", "mla_decode_fp8q", "BACKENDS", "FP8Q_BACKENDS", "BackendUnavailable",
+           "DecodeCall", "select_backend", "backend_choices", "decode_schedule",
+           "uses_flashmla", "bound_decode_inputs", "run_decode", "record_choice"]
 
-# backend name -> number of mla_decode calls it served (read by the inspection tool).
+# route name -> number of eager decode calls it served (read by the inspection tool).
 backend_choices: Counter = Counter()
 
 
 def record_choice(name: str) -> None:
-    """Count a call served by backend `name`; not while torch.compile traces the caller
+    """Count a call served by route `name`; not while torch.compile traces the caller
     (a count read in the graph would be guarded on and recompile every call)."""
     if not torch.compiler.is_compiling():
         backend_choices[name] += 1
-# Backends whose kernels bound the lengths and page ids themselves (see
-# checks.bound_for_capture): no clamp kernels in a captured graph for them.
-BOUNDED_IN_KERNEL = frozenset({"triton", "gluon"})
 
 
-def select_backend(q, kv_cache, *, kv_cache_dtype="auto", backend="auto") -> str:
-    """Name of the backend that would serve this call (raises if none can)."""
-    if backend != "auto":
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
-        reason = unmet_condition(backend, q, kv_cache, kv_cache_dtype)
-        if reason is not None:
-            raise BackendUnavailable(f"backend {backend!r} cannot serve this call: {reason}")
-        return backend
-    reasons = []
-    for name in BACKEND_ORDER:
-        reason = unmet_condition(name, q, kv_cache, kv_cache_dtype, auto=True)
-        if reason is None:
-            return name
-        reasons.append(f"{name}: {reason}")
-    raise BackendUnavailable("no decode backend can serve this call; " + "; ".join(reasons))
+def clamp_decode_inputs(kv_cache, block_table, cache_seqlens):
+    """(block_table clamped to [0, num_blocks - 1], cache_seqlens to [1, table width x
+    block_size]): what a kernel may read, whatever the values (no checks, no sync)."""
+    nb, bs, _ = kv_cache.shape
+    return (block_table.clamp(0, nb - 1),
+            cache_seqlens.clamp(1, block_table.shape[1] * bs))
+
+
+def bound_decode_inputs(kv_cache, block_table, cache_seqlens):
+    """clamp_decode_inputs after checking shapes and types: a caller that bounds once for
+    many calls passes the result with bounded=True to mla_decode / mla_decode_fp8q."""
+    check_table_and_lengths(kv_cache, block_table, cache_seqlens)
+    return clamp_decode_inputs(kv_cache, block_table, cache_seqlens)
+
+
+def run_decode(call: DecodeCall, query: str = "bf16", backend: str = "auto"):
+    """Choose the route of query kind `query` ("bf16" | "fp8q") for an already checked
+    call and run it: count it, bound its table and lengths unless the route's kernels do
+    or the caller did (call.bounded). Returns (out, lse)."""
+    route = route_for(call, query, backend)
+    record_choice(route.name)
+    if not (route.bounds_in_kernel or call.bounded):
+        table, lens = clamp_decode_inputs(call.kv_cache, call.block_table, call.cache_seqlens)
+        call = call._replace(block_table=table, cache_seqlens=lens, bounded=True)
+    return route.run(call)
+
+
+def select_backend(q, kv_cache, *, kv_cache_dtype="auto", backend="auto",
+                   head_dim_v=None) -> str:
+    """Name of the mla_decode backend that would serve a call with this q and cache
+    (raises BackendUnavailable if none can)."""
+    kind = canonical_kv_cache_dtype(kv_cache_dtype)
+    head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
+    call = DecodeCall(q, kv_cache, None, None, 1.0, True, kind, None, head_dim_v)
+    return choose_route(call, "bf16", backend).backend
 
 
 def uses_flashmla(device, q_dtype, num_heads: int, width: int, block_size: int,
@@ -60,7 +83,9 @@ def uses_flashmla(device, q_dtype, num_heads: int, width: int, block_size: int,
     if q_dtype == torch.float8_e4m3fn:
         if kind != "fp8" or backend not in ("auto", "flashmla"):
             return False
-        return _fp8q_unmet("flashmla", q_like, kv_like, width - 64, torch.bfloat16) is None
+        call = DecodeCall(q_like, kv_like, None, None, 1.0, True, kind, None, width - 64,
+                          out_dtype=torch.bfloat16)
+        return TABLE["fp8q"]["flashmla"].unmet(call, False) is None
     try:
         return select_backend(q_like, kv_like, kv_cache_dtype=kind, backend=backend) == "flashmla"
     except (BackendUnavailable, ValueError):
@@ -79,42 +104,41 @@ def decode_schedule(kv_cache, block_table, cache_seqlens, *, num_heads, s_q=1, b
     fp8q: the split for FlashMLA's dense fp8 kernel instead, for mla_decode_fp8q(...,
     schedule=) (it has a scheduler of its own; the two are not interchangeable).
     """
-    from lowering.checks import check_table_and_lengths
-    from lowering.decode.flashmla import flashmla_schedule
     check_table_and_lengths(kv_cache, block_table, cache_seqlens)
     for name, v in (("num_heads", num_heads), ("s_q", s_q)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
+    from lowering.decode.flashmla import flashmla_schedule
     return flashmla_schedule(block_table, cache_seqlens, kv_cache.shape[1], num_heads, s_q,
                              bounded=bounded, fp8=bool(fp8q))
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, causal=True,
                kv_cache_dtype="auto", k_scale=None, backend="auto", head_dim_v=None,
-               schedule=None, bounded=False):
+               schedule=None, bounded=False, validate=None):
     """Absorbed-MLA decode over a paged latent cache (see the module docstring).
 
     head_dim_v (default L+R-64) is the width of the latent value part, L.
     schedule: decode_schedule()'s result for these block_table / cache_seqlens (used by
     the flashmla backend, ignored by the others), or None.
     bounded: the caller has passed block_table / cache_seqlens through
-    bound_decode_inputs(), so a captured call launches no clamp kernels of its own.
+    bound_decode_inputs(), so the call launches no clamp kernels of its own.
+    validate: run the value checks of CUDA inputs (lengths, block ids; a host sync);
+    None: lowering.config.validate. CPU inputs are always checked.
     """
     kind, head_dim_v = check_decode_args(q, kv_cache, block_table, cache_seqlens, softmax_scale,
                                          kv_cache_dtype, k_scale, head_dim_v)
-    name = select_backend(q, kv_cache, kv_cache_dtype=kind, backend=backend)
-    if name not in BOUNDED_IN_KERNEL and not bounded:
-        block_table, cache_seqlens = bound_for_capture(q, kv_cache, block_table, cache_seqlens)
-    record_choice(name)
-    extra = {"schedule": schedule} if name == "flashmla" and schedule is not None else {}
-    return BACKENDS[name](q, kv_cache, block_table, cache_seqlens, float(softmax_scale),
-                          causal=bool(causal), kind=kind, k_scale=k_scale, head_dim_v=head_dim_v,
-                          **extra)
+    if wants_value_checks(q, validate):
+        check_decode_values(kv_cache, block_table, cache_seqlens, q.shape[1])
+    call = DecodeCall(q, kv_cache, block_table, cache_seqlens, float(softmax_scale),
+                      bool(causal), kind, k_scale, head_dim_v, schedule=schedule,
+                      bounded=bool(bounded))
+    return run_decode(call, "bf16", backend)
 
 
 def mla_decode_fp8q(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, q_scale, k_scale,
                     causal=True, head_dim_v=None, out_dtype=torch.bfloat16, backend="auto",
-                    schedule=None, bounded=False):
+                    schedule=None, bounded=False, validate=None):
     """Decode with an fp8 query over an fp8 cache (see the module docstring).
 
     backend: "flashmla" (FlashMLA's dense fp8 kernel: SM90, H a multiple of 16 up to 128,
@@ -123,56 +147,20 @@ def mla_decode_fp8q(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, q
     either a schedule is given or gluon cannot serve it (FlashMLA's scheduler in the call
     costs 9-32 µs on an H200, which at one request makes it slower than gluon), else gluon
     where it serves, else triton; flashmla and gluon only while the batch-invariant mode
-    is off.
+    (lowering.config.batch_invariant) is off.
     schedule: decode_schedule(..., fp8q=True) of these lengths (read by flashmla only).
-    bounded: as for mla_decode (read by flashmla only; the other kernels bound in-kernel).
+    bounded, validate: as for mla_decode.
     Eager calls are counted in backend_choices as "flashmla-fp8q" / "gluon-fp8q" /
     "triton-fp8q".
     """
-    from lowering.checks import check_fp8q_args
-    from lowering.decode.triton_decode import batch_invariant_enabled
-    from lowering.decode.triton_decode import triton_fp8q_checked
-    if backend not in ("auto", "flashmla", "gluon", "triton"):
+    if backend != "auto" and backend not in FP8Q_BACKENDS:
         raise ValueError(f"backend must be 'auto', 'flashmla', 'gluon' or 'triton', got "
                          f"{backend!r}")
     head_dim_v = check_fp8q_args(q, kv_cache, block_table, cache_seqlens, softmax_scale,
                                  q_scale, k_scale, head_dim_v, out_dtype)
-    reasons = {}
-    for name in ("flashmla", "gluon"):
-        if backend in ("auto", name):
-            reasons[name] = _fp8q_unmet(name, q, kv_cache, head_dim_v, out_dtype)
-            if backend == "auto" and reasons[name] is None and batch_invariant_enabled():
-                reasons[name] = "the batch-invariant mode is on (the Triton kernel provides it)"
-    if backend in ("flashmla", "gluon") and reasons[backend] is not None:
-        raise BackendUnavailable(f"backend {backend!r} cannot serve this call: "
-                                 f"{reasons[backend]}")
-    pick = backend
-    if backend == "auto":
-        flash_first = schedule is not None or reasons["gluon"] is not None
-        order = ("flashmla", "gluon") if flash_first else ("gluon", "flashmla")
-        pick = next((n for n in order if reasons[n] is None), "triton")
-    if pick == "flashmla":
-        record_choice("flashmla-fp8q")
-        from lowering.decode.flashmla import flashmla_fp8q_decode
-        return flashmla_fp8q_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale,
-                                    q_scale=q_scale, k_scale=k_scale, causal=causal,
-                                    schedule=schedule, bounded=bounded)
-    if pick == "gluon":
-        record_choice("gluon-fp8q")
-        from lowering.decode.gluon_decode import gluon_decode_fp8q_op
-        return gluon_decode_fp8q_op(q, kv_cache, block_table, cache_seqlens,
-                                    q_scale.reshape(1), k_scale.reshape(1),
-                                    float(softmax_scale), bool(causal))
-    return triton_fp8q_checked(q, kv_cache, block_table, cache_seqlens, softmax_scale, q_scale,
-                               k_scale, causal, head_dim_v, out_dtype)
-
-
-def _fp8q_unmet(name, q, kv_cache, head_dim_v, out_dtype):
-    """Why route `name` of mla_decode_fp8q cannot serve this call, or None."""
-    if q.device.type != "cuda":
-        return "q is not on a CUDA device"
-    if name == "flashmla":
-        from lowering.decode.flashmla import flashmla_fp8q_unmet
-        return flashmla_fp8q_unmet(q, kv_cache, head_dim_v, out_dtype)
-    from lowering.decode.gluon_decode import gluon_fp8q_unmet
-    return gluon_fp8q_unmet(q, kv_cache, head_dim_v, out_dtype)
+    if wants_value_checks(q, validate):
+        check_decode_values(kv_cache, block_table, cache_seqlens, q.shape[1])
+    call = DecodeCall(q, kv_cache, block_table, cache_seqlens, float(softmax_scale),
+                      bool(causal), "fp8", k_scale, head_dim_v, q_scale=q_scale,
+                      out_dtype=out_dtype, schedule=schedule, bounded=bool(bounded))
+    return run_decode(call, "fp8q", backend)

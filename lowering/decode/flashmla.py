@@ -30,10 +30,11 @@ launches it on a side stream (forked from the caller's stream, so it sees the le
 they are at that point) and the decode op makes its stream wait for that side stream
 before reading the table: the kernel runs beside whatever the caller launches in between
 (a model's norms, RoPE, cache write, absorbed query GEMM). Under CUDA-graph capture the
-fork and the join become graph edges. OVERLAP_SCHEDULE = False runs it in line.
+fork and the join become graph edges.
 
-Both calls are custom ops (mla::flashmla_schedule, mla::flashmla_decode, with fake
-impls) so torch.compile treats each as one opaque node.
+The calls are custom ops (mla::flashmla_schedule, mla::flashmla_decode,
+mla::flashmla_decode_fp8q, with fake impls) so torch.compile treats each as one opaque
+node; eager calls run their implementations directly (no dispatch on the host).
 """
 from __future__ import annotations
 
@@ -42,8 +43,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-# Launch the scheduler kernel on a side stream (see the module docstring).
-OVERLAP_SCHEDULE = True
+from lowering.decode.registry import sm_count
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,11 +59,11 @@ def _join_schedule_stream(device) -> None:
     complete before it began (capture starts with a device synchronize), and waiting on
     work outside a capture would invalidate it."""
     side = _schedule_stream(device)
-    capturing = torch.cuda.is_current_stream_capturing()
-    with torch.cuda.stream(side):
-        side_capturing = torch.cuda.is_current_stream_capturing()
-    if capturing == side_capturing:
-        torch.cuda.current_stream(device).wait_stream(side)
+    if torch.cuda.is_current_stream_capturing():
+        with torch.cuda.stream(side):
+            if not torch.cuda.is_current_stream_capturing():
+                return
+    torch.cuda.current_stream(device).wait_stream(side)
 
 
 @functools.lru_cache(maxsize=1)
@@ -78,21 +78,20 @@ def _flash_mla_import_error():
     return None
 
 
-def flashmla_unmet(q, kv_cache, kind):
-    if q.device.type != "cuda":
-        return f"q is on {q.device.type}, FlashMLA needs a CUDA device"
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        cap = torch.cuda.get_device_capability(q.device)
-        return f"FlashMLA's dense decode needs an SM90 GPU, this one is SM{cap[0]}{cap[1]}"
+def flashmla_unmet(call):
+    """None if FlashMLA's dense bf16 decode serves this DecodeCall (on an SM90 GPU, which
+    the registry checks), else why not."""
+    q, kv_cache = call.q, call.kv_cache
     err = _flash_mla_import_error()
     if err is not None:
         return err
-    if kind != "auto":
+    if call.kind != "auto":
         return "FlashMLA here serves a bf16 cache only (kv_cache_dtype='auto')"
     if q.dtype != torch.bfloat16:
         return f"FlashMLA needs q in bfloat16, got {q.dtype}"
-    if q.shape[-1] != 576:
-        return f"FlashMLA needs q/cache rows of 576 (512 + 64), got {q.shape[-1]}"
+    if q.shape[-1] != 576 or call.head_dim_v != 512:
+        return (f"FlashMLA needs q/cache rows of 576 (512 + 64) and head_dim_v 512, got "
+                f"{q.shape[-1]} and {call.head_dim_v}")
     if kv_cache.shape[1] != 64:
         return f"FlashMLA needs block_size 64, kv_cache has block_size {kv_cache.shape[1]}"
     return None
@@ -105,13 +104,11 @@ _BLOCK_M, _META_INTS = 64, 8
 
 def schedule_rows(device, q_rows: int) -> int:
     """Rows of the scheduler table for q_rows query rows (s_q * H) per KV head (one)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return sms // -(-q_rows // _BLOCK_M)
+    return sm_count(device) // -(-q_rows // _BLOCK_M)
 
 
-@torch.library.custom_op("mla::flashmla_schedule", mutates_args=())
-def flashmla_schedule_op(cache_seqlens: torch.Tensor, q_rows: int, num_heads: int,
-                         fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_schedule(cache_seqlens: torch.Tensor, q_rows: int, num_heads: int,
+                     fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Scheduler table [parts, 8] int32 and split offsets [B + 1] int32 for these lengths
     (fp8: for the dense fp8 kernel, which has a scheduler of its own)."""
     import flash_mla
@@ -119,23 +116,24 @@ def flashmla_schedule_op(cache_seqlens: torch.Tensor, q_rows: int, num_heads: in
     def schedule():
         return flash_mla.get_mla_decoding_metadata(
             cache_seqlens, q_rows, 1, None if fp8 else num_heads, fp8, None, use_legacy=True)
-    if OVERLAP_SCHEDULE:
-        main, side = torch.cuda.current_stream(cache_seqlens.device), \
-            _schedule_stream(cache_seqlens.device)
-        side.wait_stream(main)                   # the lengths as the caller's stream has them
-        with torch.cuda.stream(side):
-            meta, splits = schedule()
-        cache_seqlens.record_stream(side)        # not reused by the caller while side reads it
-        for t in (meta, splits):
-            t.record_stream(main)                # allocated on side, read on main
-    else:
+    main, side = torch.cuda.current_stream(cache_seqlens.device), \
+        _schedule_stream(cache_seqlens.device)
+    side.wait_stream(main)                       # the lengths as the caller's stream has them
+    with torch.cuda.stream(side):
         meta, splits = schedule()
+    cache_seqlens.record_stream(side)            # not reused by the caller while side reads it
+    for t in (meta, splits):
+        t.record_stream(main)                    # allocated on side, read on main
     want = schedule_rows(cache_seqlens.device, q_rows)
     if tuple(meta.shape) != (want, _META_INTS):
         raise RuntimeError(f"flash_mla returned a scheduler table of shape {tuple(meta.shape)}, "
                            f"expected ({want}, {_META_INTS}); this flash_mla version is not "
                            f"supported (sgl-flash-mla 1.0.0 is)")
     return meta, splits
+
+
+flashmla_schedule_op = torch.library.custom_op("mla::flashmla_schedule",
+                                               mutates_args=())(compute_schedule)
 
 
 @flashmla_schedule_op.register_fake
@@ -145,16 +143,15 @@ def _(cache_seqlens, q_rows, num_heads, fp8=False):
             cache_seqlens.new_empty((B + 1,)))
 
 
-@torch.library.custom_op("mla::flashmla_decode", mutates_args=())
-def flashmla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                       cache_seqlens: torch.Tensor, softmax_scale: float, causal: bool,
-                       head_dim_v: int, sched_meta: Optional[torch.Tensor] = None,
-                       sched_splits: Optional[torch.Tensor] = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def flashmla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    cache_seqlens: torch.Tensor, softmax_scale: float, causal: bool,
+                    head_dim_v: int, sched_meta: Optional[torch.Tensor] = None,
+                    sched_splits: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     import flash_mla
     B, s_q, H, _ = q.shape
     if sched_meta is None:
-        sched_meta, sched_splits = flashmla_schedule_op(cache_seqlens, s_q * H, H)
+        sched_meta, sched_splits = compute_schedule(cache_seqlens, s_q * H, H)
     _join_schedule_stream(q.device)
     sched = flash_mla.flash_mla_interface.FlashMLASchedMeta()
     sched.tile_scheduler_metadata, sched.num_splits = sched_meta, sched_splits
@@ -162,6 +159,10 @@ def flashmla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         q, kv_cache.unsqueeze(2), block_table, cache_seqlens, head_dim_v, sched,
         softmax_scale=softmax_scale, causal=causal, is_fp8_kvcache=False, use_legacy=True)
     return out, lse
+
+
+flashmla_decode_op = torch.library.custom_op("mla::flashmla_decode",
+                                             mutates_args=())(flashmla_decode)
 
 
 @flashmla_decode_op.register_fake
@@ -189,7 +190,8 @@ def flashmla_schedule(block_table, cache_seqlens, block_size: int, num_heads: in
     never covers blocks the table lacks.
     """
     lens = cache_seqlens if bounded else cache_seqlens.clamp(1, block_table.shape[1] * block_size)
-    meta, splits = flashmla_schedule_op(lens, s_q * num_heads, num_heads, fp8)
+    schedule = flashmla_schedule_op if torch.compiler.is_compiling() else compute_schedule
+    meta, splits = schedule(lens, s_q * num_heads, num_heads, fp8)
     return FP8Schedule(meta, splits) if fp8 else (meta, splits)
 
 
@@ -214,59 +216,56 @@ def check_schedule(schedule, q, fp8=False):
                          f"decode_schedule() from this call's lengths)")
 
 
-def flashmla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, causal, kind,
-                    k_scale, head_dim_v, schedule=None):
-    """Backend "flashmla" of lowering.mla_decode (arguments already validated there).
-
-    schedule: (table, splits) from flashmla_schedule() for these lengths, or None to
-    compute it in this call.
-    """
-    if head_dim_v != 512:
-        from lowering.decode.registry import BackendUnavailable
-        raise BackendUnavailable(f"backend 'flashmla' needs head_dim_v 512, got {head_dim_v}")
+def run_flashmla(call):
+    """Route "flashmla" of lowering.mla_decode (a checked DecodeCall, inputs bounded).
+    call.schedule: (table, splits) from flashmla_schedule() for these lengths, or None
+    to compute it in this call."""
+    q = call.q
     meta = splits = None
-    if schedule is not None:
-        check_schedule(schedule, q)
-        meta, splits = schedule
-    return flashmla_decode_op(q, kv_cache, block_table, cache_seqlens, float(softmax_scale),
-                              bool(causal), int(head_dim_v), meta, splits)
+    if call.schedule is not None:
+        check_schedule(call.schedule, q)
+        meta, splits = call.schedule
+    decode = flashmla_decode_op if torch.compiler.is_compiling() else flashmla_decode
+    return decode(q, call.kv_cache, call.block_table, call.cache_seqlens, call.softmax_scale,
+                  call.causal, call.head_dim_v, meta, splits)
 
 
 # ---- fp8 q and cache: the route "flashmla" of lowering.mla_decode_fp8q ----
 
 
-def flashmla_fp8q_unmet(q, kv_cache, head_dim_v, out_dtype):
-    """None if FlashMLA's dense fp8 kernel serves this mla_decode_fp8q call, else why not."""
-    if q.device.type != "cuda":
-        return f"q is on {q.device.type}, FlashMLA needs a CUDA device"
-    cap = torch.cuda.get_device_capability(q.device)
-    if cap != (9, 0):
-        return f"FlashMLA's dense fp8 decode needs an SM90 GPU, this one is SM{cap[0]}{cap[1]}"
+def flashmla_fp8q_unmet(call):
+    """None if FlashMLA's dense fp8 kernel serves this mla_decode_fp8q DecodeCall (on an
+    SM90 GPU, which the registry checks), else why not."""
+    q, kv_cache = call.q, call.kv_cache
     err = _flash_mla_import_error()
     if err is not None:
         return err
-    if not hasattr(torch.ops.flash_mla_legacy, "fwd_kvcache_mla_fp8"):
+    if not _has_fp8_decode():
         return "this flash_mla build has no dense fp8 decode (fwd_kvcache_mla_fp8)"
-    if q.shape[-1] != 576 or head_dim_v != 512:
+    if q.shape[-1] != 576 or call.head_dim_v != 512:
         return (f"FlashMLA's fp8 decode needs rows of 576 and head_dim_v 512, got "
-                f"{q.shape[-1]} and {head_dim_v}")
+                f"{q.shape[-1]} and {call.head_dim_v}")
     if kv_cache.shape[1] != 64:
         return f"FlashMLA needs block_size 64, kv_cache has block_size {kv_cache.shape[1]}"
     if q.shape[2] % 16 or q.shape[2] > 128:
         return (f"FlashMLA's fp8 decode is used here for 16 to 128 heads in steps of 16 (the "
                 f"counts tested), q has {q.shape[2]}")
-    if out_dtype != torch.bfloat16:
-        return f"FlashMLA's fp8 decode writes bfloat16 only, out_dtype is {out_dtype}"
+    if call.out_dtype != torch.bfloat16:
+        return f"FlashMLA's fp8 decode writes bfloat16 only, out_dtype is {call.out_dtype}"
     return None
 
 
-@torch.library.custom_op("mla::flashmla_decode_fp8q", mutates_args=())
-def flashmla_decode_fp8q_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                            cache_seqlens: torch.Tensor, q_scale: torch.Tensor,
-                            k_scale: torch.Tensor, softmax_scale: float, causal: bool,
-                            sched_meta: Optional[torch.Tensor] = None,
-                            sched_splits: Optional[torch.Tensor] = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.lru_cache(maxsize=1)
+def _has_fp8_decode() -> bool:
+    return hasattr(torch.ops.flash_mla_legacy, "fwd_kvcache_mla_fp8")
+
+
+def flashmla_decode_fp8q(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                         cache_seqlens: torch.Tensor, q_scale: torch.Tensor,
+                         k_scale: torch.Tensor, softmax_scale: float, causal: bool,
+                         sched_meta: Optional[torch.Tensor] = None,
+                         sched_splits: Optional[torch.Tensor] = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, s_q, H, 576] e4m3 (true value = q * q_scale), kv_cache [blocks, 64, 576] e4m3
     (true value = kv * k_scale), scales [1] fp32 -> out [B, s_q, H, 512] bf16, lse [B, H, s_q].
     The scheduler table is computed here unless given (sched_meta, sched_splits)."""
@@ -279,7 +278,7 @@ def flashmla_decode_fp8q_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     _, s_q, H, _ = q.shape
     meta, splits = sched_meta, sched_splits
     if meta is None:
-        meta, splits = flashmla_schedule_op(cache_seqlens, s_q * H, H, True)
+        meta, splits = compute_schedule(cache_seqlens, s_q * H, H, True)
     _join_schedule_stream(q.device)
     sched = flash_mla.flash_mla_interface.FlashMLASchedMeta()
     sched.tile_scheduler_metadata, sched.num_splits = meta, splits
@@ -287,6 +286,10 @@ def flashmla_decode_fp8q_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         q, kv_cache.unsqueeze(2), block_table, cache_seqlens, 512, sched,
         softmax_scale=softmax_scale, causal=causal, is_fp8_kvcache=True, use_legacy=True,
         descale_q=q_scale, descale_k=k_scale)
+
+
+flashmla_decode_fp8q_op = torch.library.custom_op("mla::flashmla_decode_fp8q",
+                                                  mutates_args=())(flashmla_decode_fp8q)
 
 
 @flashmla_decode_fp8q_op.register_fake
@@ -297,20 +300,16 @@ def _(q, kv_cache, block_table, cache_seqlens, q_scale, k_scale, softmax_scale, 
             q.new_empty((B, H, s_q), dtype=torch.float32))
 
 
-def flashmla_fp8q_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, q_scale,
-                         k_scale, causal, schedule=None, bounded=False):
-    """The "flashmla" route of lowering.mla_decode_fp8q (arguments already validated).
-
-    schedule: flashmla_schedule(..., fp8=True) for these lengths, or None to compute it in
-    this call. bounded: as for lowering.mla_decode.
-    """
-    from lowering.checks import bound_for_capture
+def run_flashmla_fp8q(call):
+    """Route "flashmla-fp8q" of lowering.mla_decode_fp8q (a checked DecodeCall, inputs
+    bounded). call.schedule: flashmla_schedule(..., fp8=True) for these lengths, or None
+    to compute it in this call."""
+    q = call.q
     meta = splits = None
-    if schedule is not None:
-        check_schedule(schedule, q, fp8=True)
-        meta, splits = schedule
-    if not bounded:
-        block_table, cache_seqlens = bound_for_capture(q, kv_cache, block_table, cache_seqlens)
-    return flashmla_decode_fp8q_op(q, kv_cache, block_table, cache_seqlens,
-                                   q_scale.reshape(1), k_scale.reshape(1),
-                                   float(softmax_scale), bool(causal), meta, splits)
+    if call.schedule is not None:
+        check_schedule(call.schedule, q, fp8=True)
+        meta, splits = call.schedule
+    decode = flashmla_decode_fp8q_op if torch.compiler.is_compiling() else flashmla_decode_fp8q
+    return decode(q, call.kv_cache, call.block_table, call.cache_seqlens,
+                  call.q_scale.reshape(1), call.k_scale.reshape(1), call.softmax_scale,
+                  call.causal, meta, splits)

@@ -1,24 +1,26 @@
 """Backend "gluon": the Hopper decode kernels as custom ops: mla::gluon_decode (bf16 q
 and cache) and mla::gluon_decode_fp8q (fp8 q and cache with per-tensor scales,
-gluon_fp8_decode_kernel.py; the "gluon" route of lowering.mla_decode_fp8q, conditions in
+gluon_fp8_kernel.py; the "gluon-fp8q" route of lowering.mla_decode_fp8q, conditions in
 gluon_fp8q_unmet()).
 
 bf16 has two kernels, picked by the page size (bf16_kernel()): where a page holds whole
-64-key blocks, gluon_pair_decode_kernel.py (64-key blocks in pairs, two buffers refilled
-by halves; 0.81-0.86x of FlashMLA's kernels at the compute-bound 128-head shapes on an
-H200); with pages of 32, gluon_decode_kernel.py (32-key tiles in a ring of 4 fed by a
-producer warp; 0.75-0.79x).
+64-key blocks, gluon_pair_kernel.py (64-key blocks in pairs, two buffers refilled by
+halves; 0.81-0.86x of FlashMLA's kernels at the compute-bound 128-head shapes on an
+H200); with pages of 32, gluon_ring_kernel.py (32-key tiles in a ring of 4 fed by a
+producer warp; 0.75-0.79x). Helpers both share: gluon_common.py.
 
 Serves: q on an SM90 GPU, triton with Gluon's Hopper API, q bf16 with a bf16 cache
 (kind "auto"), rows of 576 = 512 + 64, head_dim_v 512, H a multiple of 64, a page size
-that is a multiple of 32. Anything else is named by gluon_unmet() (so backend="auto"
-moves on to the next backend). q and the cache must also start 16-byte aligned (TMA);
-the op checks that (a ValueError) where it sees the real tensors.
+that is a multiple of 32 (the SM90 check is the registry's). Anything else is named by
+gluon_unmet() (so backend="auto" moves on to the next backend). q and the cache must
+also start 16-byte aligned (TMA); the op checks that (a ValueError) where it sees the
+real tensors.
 
 The ops are opaque to torch.compile (Gluon kernels cannot go through wrap_triton); they
-have fake impls, and they capture in CUDA graphs: the grid and the TMA descriptors depend
-on shapes and addresses only, and each request's split size is derived on the device
-from its length, so replays with changing lengths stay correct. Lengths and page ids are
+have fake impls (eager calls run the launchers directly, no dispatch), and they capture
+in CUDA graphs: the grid and the TMA descriptors depend on shapes and addresses only,
+and each request's split size is derived on the device from its length, so replays with
+changing lengths stay correct. Lengths and page ids are
 bounded in the kernels (as in the Triton kernel), so no clamp kernels run before them.
 Splits: as the Triton backend sizes them (batch x row blocks x splits about fills the
 GPU once), with at least MIN_SPLIT_KEYS keys per split; the partials are merged by
@@ -34,7 +36,6 @@ import torch
 CONFIG = dict(BN=32, STAGES=4)
 # The pair kernel: two buffers of one 64-key block each.
 PAIR_CONFIG = dict(BN=64, STAGES=2)
-PAIR_KERNEL = True      # take the pair kernel where the page allows (False: the ring kernel)
 # fp8 tiles are half the bytes of bf16 ones: 3 x 64 or 8 x 32 keys fit beside q (224 KB).
 # 64-key tiles halve the hand-overs between the warpgroups per key but leave a ring of 3;
 # they win once a split holds FP8_LONG_SPLIT keys (H200: 1.13-1.19x at 2048-8192 keys per
@@ -49,7 +50,7 @@ def _gluon_import_error():
     """None if this triton has what the kernel uses, else a sentence saying what is missing."""
     try:
         import triton.experimental.gluon.nvidia.hopper  # noqa: F401  (TensorDescriptor)
-        from lowering.decode import gluon_ring_kernel as gluon_decode_kernel  # noqa: F401
+        from lowering.decode import gluon_common  # noqa: F401
     except Exception as exc:  # ImportError, or an API this triton lacks
         return f"triton's Gluon Hopper API is unavailable here ({type(exc).__name__}: {exc})"
     return None
@@ -61,13 +62,8 @@ IMPORT_ERROR = _gluon_import_error()
 
 
 def _kernel_unmet(q, kv_cache, block_n):
-    """What both Gluon kernels need: a Hopper GPU with Gluon's API, rows of 576, H a
+    """What both Gluon kernels need beside an SM90 GPU: Gluon's API, rows of 576, H a
     multiple of 64, pages of whole block_n-key tiles. None if all hold."""
-    if q.device.type != "cuda":
-        return f"q is on {q.device.type}; the gluon backend needs a CUDA device"
-    cap = torch.cuda.get_device_capability(q.device)
-    if cap != (9, 0):
-        return f"the gluon kernel uses Hopper's wgmma and TMA (SM90); this GPU is SM{cap[0]}{cap[1]}"
     if IMPORT_ERROR is not None:
         return IMPORT_ERROR
     if q.shape[-1] != 576:
@@ -80,16 +76,27 @@ def _kernel_unmet(q, kv_cache, block_n):
     return None
 
 
-def gluon_unmet(q, kv_cache, kind):
-    if kind != "auto":
+def gluon_unmet(call):
+    """None if the bf16 Gluon kernels serve this mla_decode DecodeCall, else why not."""
+    if call.kind != "auto":
         return "the gluon backend serves a bf16 cache only (kv_cache_dtype='auto')"
-    if q.dtype != torch.bfloat16:
-        return f"the gluon backend needs q in bfloat16, got {q.dtype}"
-    return _kernel_unmet(q, kv_cache, CONFIG["BN"])
+    if call.q.dtype != torch.bfloat16:
+        return f"the gluon backend needs q in bfloat16, got {call.q.dtype}"
+    if call.head_dim_v != 512:
+        return f"the gluon backend needs head_dim_v 512, got {call.head_dim_v}"
+    return _kernel_unmet(call.q, call.kv_cache, CONFIG["BN"])
 
 
-@torch.library.custom_op("mla::gluon_decode", mutates_args=())
-def gluon_decode_op(
+def gluon_fp8q_unmet(call):
+    """None if the fp8 Gluon kernel serves this mla_decode_fp8q DecodeCall, else why not."""
+    if call.head_dim_v != 512:
+        return f"the gluon fp8 kernel needs head_dim_v 512, got {call.head_dim_v}"
+    if call.out_dtype != torch.bfloat16:
+        return f"the gluon fp8 kernel writes bfloat16 only, out_dtype is {call.out_dtype}"
+    return _kernel_unmet(call.q, call.kv_cache, FP8_CONFIGS[-1]["BN"])
+
+
+def gluon_decode(
     q: torch.Tensor,              # [B, s_q, H, 576] bf16
     kv_cache: torch.Tensor,       # [num_blocks, PAGE, 576] bf16
     block_table: torch.Tensor,    # [B, max_blocks] int32
@@ -102,8 +109,7 @@ def gluon_decode_op(
                    causal, num_splits)
 
 
-@torch.library.custom_op("mla::gluon_decode_fp8q", mutates_args=())
-def gluon_decode_fp8q_op(
+def gluon_decode_fp8q(
     q: torch.Tensor,              # [B, s_q, H, 576] float8_e4m3fn (true value = q * q_scale)
     kv_cache: torch.Tensor,       # [num_blocks, PAGE, 576] float8_e4m3fn (x k_scale)
     block_table: torch.Tensor,    # [B, max_blocks] int32
@@ -118,10 +124,15 @@ def gluon_decode_fp8q_op(
                    softmax_scale, causal, num_splits)
 
 
+gluon_decode_op = torch.library.custom_op("mla::gluon_decode", mutates_args=())(gluon_decode)
+gluon_decode_fp8q_op = torch.library.custom_op("mla::gluon_decode_fp8q",
+                                               mutates_args=())(gluon_decode_fp8q)
+
+
 def bf16_kernel(page: int, keys_per_split: int):
     """(kernel, config) for the bf16 op: the pair kernel where a page holds whole 64-key
-    blocks (and PAIR_KERNEL is on), else the ring kernel."""
-    if PAIR_KERNEL and page % PAIR_CONFIG["BN"] == 0:
+    blocks, else the ring kernel."""
+    if page % PAIR_CONFIG["BN"] == 0:
         from lowering.decode.gluon_pair_kernel import mla_decode_pair_kernel
         return mla_decode_pair_kernel, PAIR_CONFIG
     from lowering.decode.gluon_ring_kernel import mla_decode_gluon_kernel
@@ -150,17 +161,17 @@ def _launch(pick, q, kv_cache, block_table, cache_seqlens, scales, softmax_scale
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from lowering.decode.gluon_ring_kernel import LOG2E
-    from lowering.decode.triton_decode import choose_num_splits, stage1_outputs
+    from lowering.decode.gluon_common import LOG2E
     from lowering.decode.merge_kernel import mla_decode_merge_kernel
+    from lowering.decode.registry import sm_count
+    from lowering.decode.triton_decode import choose_num_splits, stage1_outputs
 
     B, s_q, H, D = q.shape
     num_blocks, page, _ = kv_cache.shape
     rows = s_q * H
     m_blocks = rows // 64
     capacity = block_table.shape[1] * page                      # keys the table can address
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    splits = num_splits or choose_num_splits(B, m_blocks, capacity, sms,
+    splits = num_splits or choose_num_splits(B, m_blocks, capacity, sm_count(q.device),
                                              min_split_keys=MIN_SPLIT_KEYS)
     kernel, config = pick(page, -(-capacity // splits))
     L, BN = 512, config["BN"]
@@ -197,20 +208,16 @@ gluon_decode_op.register_fake(_fake)
 gluon_decode_fp8q_op.register_fake(_fake)
 
 
-def gluon_mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, *, causal, kind,
-                     k_scale, head_dim_v, num_splits=0):
-    """Backend "gluon" of lowering.mla_decode (arguments already validated there)."""
-    from lowering.decode.registry import BackendUnavailable
-    if head_dim_v != 512:
-        raise BackendUnavailable(f"backend 'gluon' needs head_dim_v 512, got {head_dim_v}")
-    return gluon_decode_op(q, kv_cache, block_table, cache_seqlens, float(softmax_scale),
-                           bool(causal), int(num_splits))
+def run_gluon(call):
+    """Route "gluon" of lowering.mla_decode (a checked DecodeCall)."""
+    decode = gluon_decode_op if torch.compiler.is_compiling() else gluon_decode
+    return decode(call.q, call.kv_cache, call.block_table, call.cache_seqlens,
+                  call.softmax_scale, call.causal)
 
 
-def gluon_fp8q_unmet(q, kv_cache, head_dim_v, out_dtype):
-    """None if the fp8 Gluon kernel serves this mla_decode_fp8q call, else why not."""
-    if head_dim_v != 512:
-        return f"the gluon fp8 kernel needs head_dim_v 512, got {head_dim_v}"
-    if out_dtype != torch.bfloat16:
-        return f"the gluon fp8 kernel writes bfloat16 only, out_dtype is {out_dtype}"
-    return _kernel_unmet(q, kv_cache, FP8_CONFIGS[-1]["BN"])
+def run_gluon_fp8q(call):
+    """Route "gluon-fp8q" of lowering.mla_decode_fp8q (a checked DecodeCall)."""
+    decode = gluon_decode_fp8q_op if torch.compiler.is_compiling() else gluon_decode_fp8q
+    return decode(call.q, call.kv_cache, call.block_table, call.cache_seqlens,
+                  call.q_scale.reshape(1), call.k_scale.reshape(1), call.softmax_scale,
+                  call.causal)

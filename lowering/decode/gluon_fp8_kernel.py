@@ -24,7 +24,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from lowering.decode.gluon_ring_kernel import _tma_load, cta_work, finish_rows, ring_barriers
+from lowering.decode.gluon_common import tma_load, cta_work, finish_rows, ring_barriers
 
 P_SCALE = gl.constexpr(256.0)      # P to e4m3 as p * P_SCALE
 
@@ -35,7 +35,7 @@ def _producer(q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sK, q_ro
               STAGES: gl.constexpr, NCH: gl.constexpr):
     mbarrier.expect(q_bar, NCH * 64 * 64)
     for c in gl.static_range(NCH):
-        _tma_load(q_desc, [q_row0, c * 64], q_bar, sQ.index(c))
+        tma_load(q_desc, [q_row0, c * 64], q_bar, sQ.index(c))
     nxt = gl.load(table_ptr + b * stride_bt + start // PAGE, mask=n_tiles > 0, other=0)
     for i in range(n_tiles):
         s = i % STAGES
@@ -48,7 +48,7 @@ def _producer(q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sK, q_ro
         row = page * PAGE + key % PAGE
         mbarrier.expect(kv_full.index(s), NCH * BN * 64)
         for c in gl.static_range(NCH):
-            _tma_load(kv_desc, [row, c * 64], kv_full.index(s), sK.index(s * NCH + c))
+            tma_load(kv_desc, [row, c * 64], kv_full.index(s), sK.index(s * NCH + c))
 
 
 @gluon.jit

@@ -35,7 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from lowering.decode.gluon_ring_kernel import _tma_load, cta_work, finish_rows, store_half
+from lowering.decode.gluon_common import tma_load, cta_work, finish_rows, store_half
 
 # S [64 rows, 64 keys] and each [64, 64] quarter of a warpgroup's O share this layout
 S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -58,10 +58,10 @@ def _load_half(kv_desc, table_ptr, full, sK, sKr, BUF: gl.constexpr, HALF: gl.co
     bar = full.index(BUF * 2 + HALF)
     mbarrier.expect(bar, NB * 64 * 64 * 2, pred=ok)
     for c in gl.static_range(4):
-        _tma_load(kv_desc, [row, (4 * HALF + c) * 64], bar, sK.index(BUF * 8 + 4 * HALF + c),
+        tma_load(kv_desc, [row, (4 * HALF + c) * 64], bar, sK.index(BUF * 8 + 4 * HALF + c),
                   pred=ok)
     if ROPE:
-        _tma_load(kv_desc, [row, 512], bar, sKr.index(BUF), pred=ok)
+        tma_load(kv_desc, [row, 512], bar, sKr.index(BUF), pred=ok)
 
 
 @gluon.jit
@@ -144,8 +144,8 @@ def _wg0(args, PAGE: gl.constexpr, DIRECT: gl.constexpr):
     if n_tiles > 0:
         mbarrier.expect(q_bar, 9 * 64 * 64 * 2)
         for c in gl.static_range(8):
-            _tma_load(q_desc, [q_row0, c * 64], q_bar, sQ.index(c))
-        _tma_load(q_desc, [q_row0, 512], q_bar, sQr)
+            tma_load(q_desc, [q_row0, c * 64], q_bar, sQ.index(c))
+        tma_load(q_desc, [q_row0, 512], q_bar, sQr)
         _load_half(kv_desc, table_ptr, full, sK, sKr, 0, 0, 0, n_tiles, b, start, stride_bt,
                    num_blocks, PAGE)
         _load_half(kv_desc, table_ptr, full, sK, sKr, 1, 0, 1, n_tiles, b, start, stride_bt,

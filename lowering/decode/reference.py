@@ -41,3 +41,10 @@ def mla_decode_reference(q, kv_cache, block_table, cache_seqlens, softmax_scale,
     kv = kv.masked_fill((pos[None, :] >= lens)[..., None], 0.0)
     out = torch.einsum("bhqs,bsv->bqhv", p, kv[..., :head_dim_v])        # [B, s_q, H, V]
     return out.to(q.dtype), lse.float()
+
+
+def run_reference(call):
+    """The "reference" route of lowering.mla_decode (a checked, bounded DecodeCall)."""
+    return mla_decode_reference(call.q, call.kv_cache, call.block_table, call.cache_seqlens,
+                                call.softmax_scale, causal=call.causal, kind=call.kind,
+                                k_scale=call.k_scale, head_dim_v=call.head_dim_v)

@@ -1,107 +1,296 @@
-"""Backend table: what each decode backend needs, and the function that runs it.
+"""The decode routes: one table for lowering.mla_decode (a bf16/fp16/fp32 query) and
+lowering.mla_decode_fp8q (an fp8 query over an fp8 cache).
 
-A backend is a run function plus a capability check that returns None when the
-backend can serve a call, or a sentence naming the unmet condition.
+A route is a kernel family serving one kind of query, with
+    priority  the order backend="auto" tries the routes of a query kind (lower first),
+    unmet     unmet(call, auto) -> None if the route serves this DecodeCall, else a
+              sentence naming the unmet condition (shown in BackendUnavailable); auto:
+              asked by backend="auto" (which passes over the interpreter on CPU, and over
+              flashmla and gluon in the batch-invariant mode: the Triton kernels give it),
+    run       run(call) -> (out [B, s_q, H, head_dim_v], lse [B, H, s_q] fp32),
+    bounds_in_kernel  its kernels bound lengths and block ids themselves; the others get
+              their block_table / cache_seqlens clamped before the launch (unless the
+              caller bounded them: call.bounded).
+backend_choices counts eager calls under the route's name ("flashmla", "gluon-fp8q", ...).
+
+Backend modules are imported when a route first runs or is asked, so `import lowering`
+needs neither triton nor flash_mla.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from lowering.decode.reference import mla_decode_reference
+from lowering import config
 
 
 class BackendUnavailable(RuntimeError):
     """The requested decode backend cannot serve this call (the message says why)."""
 
 
-def _reference_unmet(q, kv_cache, kind):
+class DecodeCall(NamedTuple):
+    """One decode call, arguments checked and resolved (see lowering.checks)."""
+    q: torch.Tensor                 # [B, s_q, H, L + R]
+    kv_cache: torch.Tensor          # [num_blocks, block_size, L + R]
+    block_table: torch.Tensor       # [B, max_blocks] int32
+    cache_seqlens: torch.Tensor     # [B] int32
+    softmax_scale: float
+    causal: bool
+    kind: str                       # cache storage: "auto" (q's dtype) | "fp8"
+    k_scale: Optional[torch.Tensor]  # [1] fp32 with an fp8 cache
+    head_dim_v: int                 # L
+    q_scale: Optional[torch.Tensor] = None      # [1] fp32: an fp8 query
+    out_dtype: Optional[torch.dtype] = None     # an fp8 query's output dtype
+    schedule: Optional[tuple] = None            # decode_schedule() of these lengths
+    bounded: bool = False           # block_table / cache_seqlens already bounded
+
+
+class Route(NamedTuple):
+    name: str                       # counted in backend_choices
+    backend: str                    # the backend= argument that asks for it
+    query: str                      # "bf16" (mla_decode) | "fp8q" (mla_decode_fp8q)
+    priority: int
+    unmet: Callable                 # (call, auto: bool) -> str | None
+    run: Callable                   # (call) -> (out, lse)
+    bounds_in_kernel: bool
+
+
+# Looked up once: torch.compile refuses to trace importlib's find_spec, and the route
+# choice runs inside compiled code.
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def device_capability(device: torch.device) -> tuple:
+    """torch.cuda.get_device_capability, asked once per device."""
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, asked once per device."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _capability(device) -> tuple:
+    # Under torch.compile the answer is traced as before (an lru_cache is not traced).
+    if torch.compiler.is_compiling():
+        return torch.cuda.get_device_capability(device)
+    return device_capability(device)
+
+
+def hopper_unmet(q, what: str) -> Optional[str]:
+    """None if q is on an SM90 GPU, else why `what` cannot run."""
+    if q.device.type != "cuda":
+        return f"q is on {q.device.type}; {what} needs a CUDA device"
+    cap = _capability(q.device)
+    if cap != (9, 0):
+        return f"{what} needs an SM90 GPU, this one is SM{cap[0]}{cap[1]}"
     return None
 
 
-# name -> run(q, kv_cache, block_table, cache_seqlens, scale, *, causal, kind, k_scale, head_dim_v)
-BACKENDS = {"reference": mla_decode_reference}
-# name -> unmet(q, kv_cache, kind) -> str | None
-CAPABILITY = {"reference": _reference_unmet}
-# Order tried by backend="auto": fastest first.
-BACKEND_ORDER = ["reference"]
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# name -> extra unmet(q, kv_cache, kind) checked only when backend="auto" picks
-AUTO_CAPABILITY = {}
+def _triton_unmet(call, auto, least):
+    q = call.q
+    if not HAVE_TRITON:
+        return "the triton package is not installed"
+    if q.device.type != "cuda":
+        if not _interpreting():
+            return f"q is on {q.device.type}; the triton backend needs CUDA (or TRITON_INTERPRET=1)"
+        if auto and call.q_scale is None:
+            return "backend='auto' uses triton only on CUDA (the CPU interpreter is for tests)"
+    L, R = call.head_dim_v, q.shape[-1] - call.head_dim_v
+    for name, v in (("head_dim_v (L)", L), ("rope width D - head_dim_v (R)", R)):
+        if v < least or v & (v - 1):
+            return f"the triton backend needs {name} to be a power of two >= {least}, got {v}"
+    return None
 
 
-def register_backend(name, run, unmet, *, priority: int, auto_unmet=None):
-    """Add a backend; lower priority numbers are tried first by backend='auto'."""
-    BACKENDS[name] = run
-    CAPABILITY[name] = unmet
-    if auto_unmet is not None:
-        AUTO_CAPABILITY[name] = auto_unmet
-    if name not in BACKEND_ORDER:
-        BACKEND_ORDER.insert(min(priority, len(BACKEND_ORDER)), name)
+def _bf16_triton_unmet(call, auto):
+    if call.q.dtype not in (torch.bfloat16, torch.float16):
+        return f"the triton backend needs q in bfloat16 or float16, got {call.q.dtype}"
+    return _triton_unmet(call, auto, 16)
 
 
-def unmet_condition(name, q, kv_cache, kind, auto=False):
-    reason = CAPABILITY[name](q, kv_cache, kind)
-    if reason is None and auto and name in AUTO_CAPABILITY:
-        reason = AUTO_CAPABILITY[name](q, kv_cache, kind)
+def _fp8q_triton_unmet(call, auto):
+    return _triton_unmet(call, auto, 32)      # fp8 dots need a reduction width >= 32
+
+
+def _batch_invariant_unmet(auto):
+    if auto and config.batch_invariant:
+        return "the batch-invariant mode is on (the Triton kernels provide it)"
+    return None
+
+
+# Backend modules are imported inside these functions (import statements, which
+# torch.compile traces; importlib calls it refuses).
+
+def _flashmla_unmet(call, auto):
+    reason = hopper_unmet(call.q, "FlashMLA's dense decode")
+    if reason is None:
+        from lowering.decode.flashmla import flashmla_unmet
+        reason = flashmla_unmet(call) or _batch_invariant_unmet(auto)
     return reason
 
 
-# ---- GPU backends, imported lazily so `import lowering` needs neither triton nor flash_mla ----
+def _gluon_unmet(call, auto):
+    reason = hopper_unmet(call.q, "the gluon backend")
+    if reason is None:
+        from lowering.decode.gluon_decode import gluon_unmet
+        reason = gluon_unmet(call) or _batch_invariant_unmet(auto)
+    return reason
 
-# Looked up once: torch.compile (torch 2.11) refuses to trace importlib's find_spec, and
-# mla_decode's backend choice runs inside compiled code.
-_HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+def _flashmla_fp8q_unmet(call, auto):
+    reason = hopper_unmet(call.q, "FlashMLA's dense fp8 decode")
+    if reason is None:
+        from lowering.decode.flashmla import flashmla_fp8q_unmet
+        reason = flashmla_fp8q_unmet(call) or _batch_invariant_unmet(auto)
+    if reason is None and auto and call.schedule is None and _gluon_fp8q_unmet(call, auto) is None:
+        # FlashMLA's scheduler inside the call costs 9-32 µs on an H200, which at one
+        # request makes it slower than the Gluon kernel: with no schedule, gluon first.
+        return "no decode_schedule given and the gluon route serves the call"
+    return reason
 
 
-def _triton_unmet(q, kv_cache, kind):
-    import os
-    if not _HAVE_TRITON:
-        return "the triton package is not installed"
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"q is on {q.device.type}; the triton backend needs CUDA (or TRITON_INTERPRET=1)"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"the triton backend needs q in bfloat16 or float16, got {q.dtype}"
+def _gluon_fp8q_unmet(call, auto):
+    reason = hopper_unmet(call.q, "the gluon fp8 kernel")
+    if reason is None:
+        from lowering.decode.gluon_decode import gluon_fp8q_unmet
+        reason = gluon_fp8q_unmet(call) or _batch_invariant_unmet(auto)
+    return reason
+
+
+def _reference_unmet(call, auto):
     return None
 
 
-def _triton_auto_unmet(q, kv_cache, kind):
-    if q.device.type != "cuda":
-        return "backend='auto' uses triton only on CUDA (the CPU interpreter is for tests)"
-    return None
+def _run_flashmla(call):
+    from lowering.decode.flashmla import run_flashmla
+    return run_flashmla(call)
 
 
-def _triton_run(*args, **kwargs):
-    from lowering.decode.triton_decode import triton_mla_decode
-    return triton_mla_decode(*args, **kwargs)
+def _run_gluon(call):
+    from lowering.decode.gluon_decode import run_gluon
+    return run_gluon(call)
 
 
-def _flashmla_unmet(q, kv_cache, kind):
-    if q.device.type != "cuda":
-        return f"q is on {q.device.type}, FlashMLA needs a CUDA device"
-    from lowering.decode.flashmla import flashmla_unmet
-    return flashmla_unmet(q, kv_cache, kind)
+def _run_triton(call):
+    from lowering.decode.triton_decode import run_triton
+    return run_triton(call)
 
 
-def _flashmla_run(*args, **kwargs):
-    from lowering.decode.flashmla import flashmla_decode
-    return flashmla_decode(*args, **kwargs)
+def _run_reference(call):
+    from lowering.decode.reference import run_reference
+    return run_reference(call)
 
 
-def _gluon_unmet(q, kv_cache, kind):
-    if q.device.type != "cuda":
-        return f"q is on {q.device.type}; the gluon backend needs a CUDA device"
-    from lowering.decode.gluon_decode import gluon_unmet
-    return gluon_unmet(q, kv_cache, kind)
+def _run_flashmla_fp8q(call):
+    from lowering.decode.flashmla import run_flashmla_fp8q
+    return run_flashmla_fp8q(call)
 
 
-def _gluon_run(*args, **kwargs):
-    from lowering.decode.gluon_decode import gluon_mla_decode
-    return gluon_mla_decode(*args, **kwargs)
+def _run_gluon_fp8q(call):
+    from lowering.decode.gluon_decode import run_gluon_fp8q
+    return run_gluon_fp8q(call)
 
 
-register_backend("triton", _triton_run, _triton_unmet, priority=0, auto_unmet=_triton_auto_unmet)
-register_backend("gluon", _gluon_run, _gluon_unmet, priority=0)
-register_backend("flashmla", _flashmla_run, _flashmla_unmet, priority=0)
+def _run_triton_fp8q(call):
+    from lowering.decode.triton_decode import run_triton_fp8q
+    return run_triton_fp8q(call)
+
+
+ROUTES = tuple(sorted((
+    Route("flashmla", "flashmla", "bf16", 0, _flashmla_unmet,
+          _run_flashmla, bounds_in_kernel=False),
+    Route("gluon", "gluon", "bf16", 1, _gluon_unmet,
+          _run_gluon, bounds_in_kernel=True),
+    Route("triton", "triton", "bf16", 2, _bf16_triton_unmet,
+          _run_triton, bounds_in_kernel=True),
+    Route("reference", "reference", "bf16", 3, _reference_unmet,
+          _run_reference, bounds_in_kernel=False),
+    Route("flashmla-fp8q", "flashmla", "fp8q", 0, _flashmla_fp8q_unmet,
+          _run_flashmla_fp8q, bounds_in_kernel=False),
+    Route("gluon-fp8q", "gluon", "fp8q", 1, _gluon_fp8q_unmet,
+          _run_gluon_fp8q, bounds_in_kernel=True),
+    Route("triton-fp8q", "triton", "fp8q", 2, _fp8q_triton_unmet,
+          _run_triton_fp8q, bounds_in_kernel=True),
+), key=lambda r: (r.query, r.priority)))
+
+# query kind -> backend name -> route, in priority order
+TABLE = {query: {r.backend: r for r in ROUTES if r.query == query} for query in ("bf16", "fp8q")}
+# The backend names of mla_decode, in the order backend="auto" tries them.
+BACKENDS = tuple(TABLE["bf16"])
+FP8Q_BACKENDS = tuple(TABLE["fp8q"])
+
+
+def choose_route(call: DecodeCall, query: str, backend: str) -> Route:
+    """The route serving `call` (query "bf16" | "fp8q"); an explicit backend that cannot
+    serve it raises BackendUnavailable with the reason, as does "auto" when none can."""
+    routes = TABLE[query]
+    if backend != "auto":
+        route = routes.get(backend)
+        if route is None:
+            names = [repr(n) for n in ("auto",) + tuple(routes)]
+            raise ValueError(f"backend must be {', '.join(names[:-1])} or {names[-1]}, got "
+                             f"{backend!r}")
+        reason = route.unmet(call, False)
+        if reason is not None:
+            raise BackendUnavailable(f"backend {backend!r} cannot serve this call: {reason}")
+        return route
+    reasons = []
+    for route in routes.values():
+        reason = route.unmet(call, True)
+        if reason is None:
+            return route
+        reasons.append(f"{route.backend}: {reason}")
+    raise BackendUnavailable("no decode backend can serve this call; " + "; ".join(reasons))
+
+
+# (query, backend, call class) -> route: the choice is a pure function of these in eager
+# mode (devices, dtypes, widths, settings), so it is made once per class of call.
+_chosen: dict = {}
+
+
+def call_class(call: DecodeCall, query: str, backend: str) -> tuple:
+    """What a route's unmet() reads of a call: devices, dtypes, widths, settings."""
+    q, kv = call.q, call.kv_cache
+    device = q.device
+    return (query, backend, device, q.dtype, kv.dtype, call.kind, q.shape[2], q.shape[3],
+            kv.shape[1], call.head_dim_v, call.out_dtype, call.schedule is None,
+            call.q_scale is None, config.batch_invariant,
+            device.type == "cuda" or _interpreting())
+
+
+def route_for(call: DecodeCall, query: str, backend: str) -> Route:
+    """choose_route, remembered per call class in eager mode (torch.compile traces the
+    choice itself and keeps its answer in the graph)."""
+    if torch.compiler.is_compiling():
+        return choose_route(call, query, backend)
+    key = call_class(call, query, backend)
+    route = _chosen.get(key)
+    if route is None:
+        route = _chosen[key] = choose_route(call, query, backend)
+    return route
+
+
+def route_unmet(name: str, q, kv_cache, *, kind: str = "auto", head_dim_v=None,
+                out_dtype=torch.bfloat16):
+    """Why route `name` ("flashmla", "gluon-fp8q", ...) cannot serve an explicit call with
+    this q and cache (only their devices, dtypes and shapes are read), or None: for tests
+    and benchmarks that skip a route a machine lacks."""
+    route = next((r for r in ROUTES if r.name == name), None)
+    if route is None:
+        raise ValueError(f"no decode route {name!r}; routes: {[r.name for r in ROUTES]}")
+    head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
+    fp8q = route.query == "fp8q"
+    call = DecodeCall(q, kv_cache, None, None, 1.0, True, "fp8" if fp8q else kind, None,
+                      head_dim_v, out_dtype=out_dtype if fp8q else None)
+    return route.unmet(call, False)

@@ -41,9 +41,8 @@ Dtypes (KV_KIND):
      (exact) before its one-time cast to fp16, so |q| up to 1e6 stays finite. The
      per-tensor k_scale is folded into the score scale and the output scale.
   2: q and cache fp8 e4m3 with q_scale and k_scale: fp8 tensor-core dots for the
-     scores; P @ V in fp8 too when PV_FP8 (P scaled by P_SCALE to keep it in e4m3's
-     normal range; Hopper's fp8 MMA wants V K-major, so Triton transposes it), else
-     in fp16 (V widened in registers, as for kind 1).
+     scores; P @ V in fp16 (V widened in registers, as for kind 1: fp8 P @ V needs V
+     K-major, a transpose per tile that measured 5x slower on an H200).
 """
 import triton
 import triton.language as tl
@@ -82,13 +81,9 @@ def mla_decode_stage1_kernel(
     DIRECT: tl.constexpr,  # num_splits == 1: write the final (out, lse)
     FIXED_CHUNK: tl.constexpr,
     KV_KIND: tl.constexpr,
-    PV_FP8: tl.constexpr,
-    P_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     V_PARTS: tl.constexpr,       # 1, or 2: this program computes half of the L columns
     DOT_F32: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr,  # rescale acc only when a row max grows by > 2^8
-    WARP_SPEC: tl.constexpr,     # ask Triton to warp-specialize the key loop
 ):
     D: tl.constexpr = L + R
     ROWS: tl.constexpr = S_Q * H
@@ -139,8 +134,6 @@ def mla_decode_stage1_kernel(
         out_scale = k_scale
     if KV_KIND == 2:
         qk_scale = qk_scale * tl.load(q_scale_ptr)
-        if PV_FP8:
-            out_scale = out_scale / P_SCALE
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)   # running max (base 2)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                 # running sum of p
@@ -148,7 +141,7 @@ def mla_decode_stage1_kernel(
 
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
-    for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPEC):
+    for n0 in tl.range(start, end, BLOCK_N):
         pos = n0 + offs_n                                   # [BLOCK_N] key positions
         in_range = pos < end
         page = tl.load(bt_row + pos // PAGE, mask=in_range, other=0)
@@ -172,26 +165,13 @@ def mla_decode_stage1_kernel(
 
         # 4. online softmax; a row with nothing visible yet keeps m = -inf, p = 0
         m_tile = tl.max(s, 1)                               # [BLOCK_M]
-        if LAZY_RESCALE:
-            # Keep the running max (and skip rescaling acc) unless some row's max grew
-            # by more than 2^8; p may then reach 256, harmless in fp32/bf16.
-            grow = tl.where(m_tile > m_i, m_tile - m_i, 0.0)
-            if tl.max(grow, 0) > 8.0:
-                m_new = tl.maximum(m_i, m_tile)
-                alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-                l_i = l_i * alpha
-                acc = acc * alpha[:, None]
-                m_i = m_new
-            p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-            l_i = l_i + tl.sum(p, 1)
-        else:
-            m_new = tl.maximum(m_i, m_tile)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)                    # [BLOCK_M]
-            p = tl.exp2(s - m_use[:, None])                 # [BLOCK_M, BLOCK_N]
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
+        m_new = tl.maximum(m_i, m_tile)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)                        # [BLOCK_M]
+        p = tl.exp2(s - m_use[:, None])                     # [BLOCK_M, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
 
         # 5. acc += p @ v   (v is the kv_c tile already loaded, or its half of columns)
         if V_PARTS == 1:
@@ -201,10 +181,7 @@ def mla_decode_stage1_kernel(
                         mask=in_range[:, None], other=0.0)                        # [BLOCK_N, LV]
             if KV_KIND == 1:
                 v = v.to(tl.float16)
-        if KV_KIND == 2 and PV_FP8:
-            p_op = (p * P_SCALE).to(v.dtype)
-            v_op = v
-        elif KV_KIND == 2:
+        if KV_KIND == 2:
             p_op = p.to(tl.float16)
             v_op = v.to(tl.float16)
         else:

@@ -15,16 +15,31 @@ from __future__ import annotations
 import torch
 import triton
 
-from lowering.fused.prologue import _norm
 from lowering.fused.rms_norm_kernel import rms_norm_kernel
 
 MAX_N = 16384          # a row in registers: 16384 fp32 over 8 warps is 64 per thread
 
 
-def kernel_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the Triton kernel computes rms_norm(x, weight) (else the torch path does)."""
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and weight.is_contiguous() and 0 < x.shape[-1] <= MAX_N and x.numel() > 0)
+def rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's DeepseekV3RMSNorm.forward on x in w's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+
+def rms_norm_unmet(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """None when the Triton kernel computes rms_norm(x, weight), else the unmet condition
+    (the torch path, rms_norm_torch, then runs)."""
+    if not x.is_cuda:
+        return f"x is on {x.device}, the kernel runs on CUDA"
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        return f"x and weight must both be bf16 or fp16, got {x.dtype} and {weight.dtype}"
+    if not weight.is_contiguous():
+        return "weight must be contiguous"
+    if not (0 < x.shape[-1] <= MAX_N and x.numel() > 0):
+        return f"rows of {x.shape[-1]} (of {x.numel()} values): the kernel serves 1 to {MAX_N}"
+    return None
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
@@ -39,12 +54,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
         raise ValueError(f"eps must be >= 0, got {eps}")
 
 
-def launch(x2: torch.Tensor, weight: torch.Tensor, eps: float, y: torch.Tensor, *,
-           wrap: bool = True) -> None:
+def launch(x2: torch.Tensor, weight: torch.Tensor, eps: float, y: torch.Tensor) -> None:
     """y [T, N] = rms_norm(x2 [T, N] (last dim contiguous)) * weight."""
     T, N = x2.shape
     block = triton.next_power_of_2(N)
-    kernel = torch.library.wrap_triton(rms_norm_kernel) if wrap else rms_norm_kernel
+    kernel = torch.library.wrap_triton(rms_norm_kernel)
     kernel[(T,)](x2, weight, y, N, x2.stride(0), float(eps), BLOCK=block,
                  num_warps=8 if block >= 4096 else 4)
 
@@ -52,8 +66,8 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, eps: float, y: torch.Tensor, 
 @torch.library.triton_op("mla::rms_norm", mutates_args={})
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check(x, weight, eps)
-    if not kernel_serves(x, weight):
-        return _norm(x, weight, eps)
+    if rms_norm_unmet(x, weight) is not None:
+        return rms_norm_torch(x, weight, eps)
     N = x.shape[-1]
     x2 = x.reshape(-1, N)
     if x2.stride(-1) != 1:

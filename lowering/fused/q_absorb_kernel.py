@@ -28,8 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lowering.fused.fp8_rounding import FP8_MAX, div_rn, to_e4m3
 from lowering.fused.q_rope_kernel import rotate
-from lowering.fused.quant_kernels import FP8_MAX, _div_rn, _to_e4m3
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def _out(v, scale, y_ptr, QUANT: tl.constexpr):
     out = v
     if QUANT:
         x = v.to(tl.float32)
-        out = _to_e4m3(tl.clamp(_div_rn(x, scale + tl.zeros_like(x)), -FP8_MAX, FP8_MAX), y_ptr)
+        out = to_e4m3(tl.clamp(div_rn(x, scale + tl.zeros_like(x)), -FP8_MAX, FP8_MAX), y_ptr)
     return out
 
 

@@ -6,22 +6,22 @@
 Both read a per-head weight once for a few rows. On CUDA, bf16/fp16, at most MAX_ROWS rows
 and power-of-two widths that the configs divide, one Triton launch serves each (for the
 query: the GEMM and the q_pe copy in one launch, no temporary); anything else, or
-MLA_HEAD_GEMM_IMPL=torch, runs torch.bmm into the same destination (cuBLAS), so CPU and
-prefill-sized calls keep cuBLAS's numerics. Called from inside mla::attention_with_output's
-body, so these are plain launches (the op is opaque to the compiler). Importable without
-triton (the torch path then serves every call).
+lowering.config.head_gemm_impl = "torch" (see head_gemm_unmet), runs torch.bmm into the
+same destination (cuBLAS), so CPU and prefill-sized calls keep cuBLAS's numerics. Called
+from inside mla::attention_with_output's body, so these are plain launches (the op is
+opaque to the compiler, and the setting is read at each call). Importable without triton
+(the torch path then serves every call).
 """
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import Optional
 
 import torch
 
+from lowering import config as mla_config
+
 MAX_ROWS = 64
-# "auto": the kernel where it serves; "torch": always torch.bmm (to compare against)
-IMPL = os.environ.get("MLA_HEAD_GEMM_IMPL", "auto")
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 # (K, J, rows <= 16) -> (BLOCK_J, BLOCK_K, num_warps, num_stages); DeepSeek's absorbed
@@ -42,12 +42,12 @@ def pick_config(K: int, J: int, rows: int) -> tuple[int, int, int, int]:
     return min(block_j, J), min(block_k, K), warps, stages
 
 
-def unsupported(a: torch.Tensor, w: torch.Tensor, copy: int = 0) -> Optional[str]:
+def head_gemm_unmet(a: torch.Tensor, w: torch.Tensor, copy: int = 0) -> Optional[str]:
     """None when the kernel serves a [t, N, K (+copy)] @ w [N, K, J], else why not (the
     caller then runs torch.bmm)."""
     t, K, J = a.shape[0], w.shape[1], w.shape[2]
-    if IMPL == "torch":
-        return "MLA_HEAD_GEMM_IMPL=torch"
+    if mla_config.head_gemm_impl == "torch":
+        return "lowering.config.head_gemm_impl is 'torch'"
     if not HAVE_TRITON:
         return "triton is not installed"
     if not a.is_cuda:
@@ -86,7 +86,7 @@ def absorb_query(q: torch.Tensor, W_UK_T: torch.Tensor) -> torch.Tensor:
     t, N, PR = q.shape
     P, L = W_UK_T.shape[1:]
     out = q.new_empty((t, N, L + PR - P))                                    # [t, N, L + R]
-    if unsupported(q, W_UK_T, PR - P) is None:
+    if head_gemm_unmet(q, W_UK_T, PR - P) is None:
         launch(q, W_UK_T, out, PR - P)
         return out
     q_nope, q_pe = q.split([P, PR - P], dim=-1)
@@ -102,7 +102,7 @@ def absorb_output(o: torch.Tensor, W_UV: torch.Tensor, out: torch.Tensor) -> Non
     t, N = o.shape[:2]
     V = W_UV.shape[-1]
     y = out.view(t, N, V)                                                    # [t, N, V]
-    if unsupported(o, W_UV) is None:
+    if head_gemm_unmet(o, W_UV) is None:
         launch(o, W_UV, y, 0)
         return
     with torch.no_grad():   # straight into out viewed [N, t, V] (strided batch): no copy

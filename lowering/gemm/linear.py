@@ -14,25 +14,24 @@
 
 At most MAX_ROWS rows of x on CUDA in bf16 / fp16 run the weight-streaming kernel of
 linear_kernel.py (a decode step: each weight byte read once); anything else (prefill, CPU,
-fp32, non-contiguous weights, or MLA_LINEAR_IMPL=torch) runs exactly what nn.Linear / the HF
-MLP would (F.linear, F.silu), so converting a model changes no numerics off the GPU's decode
-path. Defined with
-torch.library.triton_op, so Inductor sees the kernel (and, at more rows, plain aten.mm).
+fp32, non-contiguous weights, or lowering.config.linear_impl = "torch": see linear_unmet)
+runs exactly what nn.Linear / the HF MLP would (F.linear, F.silu), so converting a model
+changes no numerics off the GPU's decode path. Defined with torch.library.triton_op, so
+Inductor sees the kernel (and, at more rows, plain aten.mm).
 """
 from __future__ import annotations
 
-import os
+import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 import triton
 
+from lowering import config as mla_config
 from lowering.gemm.linear_kernel import decode_linear_kernel
 
 MAX_ROWS = 64
-# "auto": the kernel where it serves; "torch": always the torch path (to compare against)
-IMPL = os.environ.get("MLA_LINEAR_IMPL", "auto")
 
 # (mode, N, K, rows <= 16) -> (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]), or None
 # where cuBLAS (the torch path) was faster; measured on an H200 with
@@ -68,7 +67,7 @@ def pick_config(mode: int, N: int, K: int, M: int) -> Optional[tuple[int, ...]]:
 
 def _config(mode, x, w1, w2=None):
     """The kernel config for this call, or None when torch (cuBLAS) serves it."""
-    if not triton_ok(x, *(w for w in (w1, w2) if w is not None)):
+    if linear_unmet(x, *(w for w in (w1, w2) if w is not None)) is not None:
         return None
     N = w1.shape[0] + (w2.shape[0] if mode == 1 else 0)
     return pick_config(mode, N, x.shape[-1], x.numel() // x.shape[-1])
@@ -79,12 +78,45 @@ def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
-def triton_ok(x: torch.Tensor, *ws: torch.Tensor) -> bool:
-    """Whether the Triton kernel serves x @ w.T for these tensors (else torch does)."""
-    return (IMPL != "torch" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and 0 < x.numel() // max(1, x.shape[-1]) <= MAX_ROWS
-            and all(w.dtype == x.dtype and w.dim() == 2 and w.is_contiguous()
-                    and w.device == x.device for w in ws))
+def linear_unmet(x: torch.Tensor, *ws: torch.Tensor) -> Optional[str]:
+    """None when the Triton kernel serves x @ w.T for these tensors, else the unmet
+    condition (torch then serves the call). Shapes, dtypes, devices and the setting
+    only, so traced code can branch on it."""
+    if mla_config.linear_impl == "torch":
+        return "lowering.config.linear_impl is 'torch'"
+    if x.dim() < 1 or any(w.dim() != 2 or w.shape[1] != x.shape[-1] for w in ws):
+        return "the weights must be [N, K] for x [..., K]"
+    if not x.is_cuda:
+        return f"x is on {x.device}, the kernel runs on CUDA"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"x is {x.dtype}, the kernel takes bf16 / fp16"
+    if not 0 < x.numel() // max(1, x.shape[-1]) <= MAX_ROWS:
+        return f"x has {x.numel() // max(1, x.shape[-1])} rows, the kernel serves 1 to {MAX_ROWS}"
+    if any(w.dtype != x.dtype or not w.is_contiguous() or w.device != x.device for w in ws):
+        return "every weight must be contiguous, of x's dtype, on x's device"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def max_shared_bytes(device_index: int) -> int:
+    """Shared memory one program may take on this CUDA device (Triton's own limit)."""
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+def fit_stages(stages: int, mode: int, block_m: int, block_n: int, block_k: int,
+               elem_bytes: int, limit: int) -> int:
+    """The most pipeline stages, up to `stages`, whose buffers fit in `limit` bytes.
+
+    Per stage the kernel buffers an x tile [BLOCK_K, BLOCK_M] and one weight tile
+    [BLOCK_N, BLOCK_K] (two in mode 2); mode 1 compiles a copy of the loop for each
+    weight, so its buffers count twice (an upper bound: on an H200 with triton 3.6 mode 1
+    took 1.5-2x of one copy's buffers, modes 0 and 2 exactly one copy's). The
+    configs were chosen at <= 32 rows; at up to 64 rows (a short prefill) the x tile
+    doubles, so a config may need fewer stages there.
+    """
+    per_stage = (block_m + block_n * (2 if mode == 2 else 1)) * block_k * elem_bytes
+    per_stage *= 2 if mode == 1 else 1
+    return max(1, min(stages, limit // per_stage))
 
 
 def split_k_of(config) -> int:
@@ -93,7 +125,7 @@ def split_k_of(config) -> int:
 
 
 def launch(x2: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor], mode: int,
-           y1: torch.Tensor, y2: Optional[torch.Tensor], config: tuple, *, wrap=True,
+           y1: torch.Tensor, y2: Optional[torch.Tensor], config: tuple, *,
            y2_col0: int = 0, residual: Optional[torch.Tensor] = None) -> None:
     """Run decode_linear_kernel with config (BLOCK_N, BLOCK_K, num_warps, num_stages[,
     SPLIT_K]): x2 [M, K] (K contiguous), w1/w2 [N, K] contiguous; y1/y2 [M, N], or with
@@ -115,9 +147,13 @@ def launch(x2: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor], mode:
                                  or residual.stride(-1) != 1):
         raise ValueError(f"a residual needs mode 0 without split-K and the shape of y "
                          f"{tuple(y1.shape)} with a contiguous last dim")
+    block_m = max(16, triton.next_power_of_2(M))
+    if x2.is_cuda:
+        stages = fit_stages(stages, mode, block_m, block_n, block_k, x2.element_size(),
+                            max_shared_bytes(x2.device.index))
     n1_blocks = triton.cdiv(N1, block_n)
     grid = (n1_blocks + (triton.cdiv(N2, block_n) if mode == 1 else 0), split_k)
-    kernel = torch.library.wrap_triton(decode_linear_kernel) if wrap else decode_linear_kernel
+    kernel = torch.library.wrap_triton(decode_linear_kernel)
     w2_ = w2 if w2 is not None else w1
     y2_ = y2 if y2 is not None else x2     # unused then; x2 is never written
     kernel[grid](
@@ -125,7 +161,7 @@ def launch(x2: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor], mode:
         x2.stride(0), w1.stride(0), w2_.stride(0), y1.stride(-2), y2_.stride(-2),
         y1.stride(0) if split_k > 1 else 0, n1_blocks,
         residual if residual is not None else x2, residual.stride(0) if residual is not None else 0,
-        MODE=mode, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n,
+        MODE=mode, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=K % (block_k * split_k) == 0, DOT_F32=not x2.is_cuda,
         SPLIT_K=split_k, Y2_COL0=y2_col0 if (mode == 1 and y2 is None) else 0,
         HAS_RES=residual is not None, num_warps=warps, num_stages=stages)
@@ -195,19 +231,15 @@ def decode_linear_pair(x: torch.Tensor, w1: torch.Tensor,
     return y1.view(*lead, w1.shape[0]), y2.view(*lead, w2.shape[0])
 
 
-def _shapes_ok(x: torch.Tensor, *ws: torch.Tensor) -> bool:
-    return x.dim() >= 1 and all(w.dim() == 2 and w.shape[1] == x.shape[-1] for w in ws)
-
-
 def linear_split_k(x: torch.Tensor, w: torch.Tensor) -> int:
     """K splits the kernel uses for decode_linear's shapes (1: none). Shapes, dtypes and
     devices only, so traced code can branch on it."""
-    return split_k_of(_config(0, x, w)) if _shapes_ok(x, w) else 1
+    return split_k_of(_config(0, x, w))
 
 
 def pair_split_k(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> int:
     """K splits the kernel uses for decode_linear_pair's shapes (1: none)."""
-    return split_k_of(_config(1, x, w1, w2)) if _shapes_ok(x, w1, w2) else 1
+    return split_k_of(_config(1, x, w1, w2))
 
 
 def _partials(x: torch.Tensor, ws: tuple, split_k: int) -> torch.Tensor:

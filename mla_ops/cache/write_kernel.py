@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowering.fused.quant_kernels import FP8_MAX, _div_rn, _to_e4m3
+from lowering.fused.fp8_rounding import FP8_MAX, div_rn, to_e4m3
 
 
 @triton.jit
@@ -43,12 +43,12 @@ def cache_write_kernel(
         dst = cache_ptr + slot * (L + R)
         if QUANT:
             s = tl.load(k_scale_ptr)
-            c = tl.clamp(_div_rn(c.to(tl.float32), s + tl.zeros_like(c.to(tl.float32))),
+            c = tl.clamp(div_rn(c.to(tl.float32), s + tl.zeros_like(c.to(tl.float32))),
                          -FP8_MAX, FP8_MAX)
-            pe = tl.clamp(_div_rn(pe.to(tl.float32), s + tl.zeros_like(pe.to(tl.float32))),
+            pe = tl.clamp(div_rn(pe.to(tl.float32), s + tl.zeros_like(pe.to(tl.float32))),
                           -FP8_MAX, FP8_MAX)
-            tl.store(dst + offs_l, _to_e4m3(c, cache_ptr), mask=offs_l < L)
-            tl.store(dst + L + offs_r, _to_e4m3(pe, cache_ptr), mask=offs_r < R)
+            tl.store(dst + offs_l, to_e4m3(c, cache_ptr), mask=offs_l < L)
+            tl.store(dst + L + offs_r, to_e4m3(pe, cache_ptr), mask=offs_r < R)
         else:
             tl.store(dst + offs_l, c.to(cache_ptr.dtype.element_ty), mask=offs_l < L)
             tl.store(dst + L + offs_r, pe.to(cache_ptr.dtype.element_ty), mask=offs_r < R)

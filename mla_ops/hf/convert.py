@@ -39,12 +39,12 @@ def _family(module) -> str | None:
 
 
 def is_converted(model) -> bool:
-    return any(getattr(m, "_mla_converted", False) for m in model.modules())
+    return any(getattr(m, "mla_converted", False) for m in model.modules())
 
 
 def _rope(self, q_rot, k_rot, position_embeddings):
     """HF's own RoPE for this layer: q_rot [B, N, S, R], k_rot [B, 1, S, R]."""
-    if self._mla_family == "v2":
+    if self.mla_family == "v2":
         return self._mla_rope(q_rot, k_rot, position_embeddings.to(q_rot.device))
     cos, sin = position_embeddings
     if self.config.rope_interleave:
@@ -65,18 +65,18 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     if not isinstance(cache, PagedMLACache):
         if past_key_values is not None:
             kwargs["past_key_values"] = past_key_values
-        out, weights = self._hf_forward(hidden_states=hidden_states,
-                                        position_embeddings=position_embeddings,
-                                        attention_mask=attention_mask, **kwargs)
+        out, weights = self.hf_forward(hidden_states=hidden_states,
+                                       position_embeddings=position_embeddings,
+                                       attention_mask=attention_mask, **kwargs)
         return (out if residual is None else residual + out), weights
     mla: MLAAttention = self.mla_attn
     B, S, _ = hidden_states.shape
     N, P, R, V, L = (mla.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
                      mla.kv_lora_rank)
     T = B * S
-    step = cache._prepare(self.layer_idx, B, S, attention_mask, hidden_states.dtype,
-                          hidden_states.device, backend=mla.backend,
-                          fp8_query=mla.q_scale is not None)
+    step = cache.prepare(self.layer_idx, B, S, attention_mask, hidden_states.dtype,
+                         hidden_states.device, backend=mla.backend,
+                         fp8_query=mla.q_scale is not None)
     # decode (CUDA, split-K GEMM): both norms and the key's RoPE in one op after the GEMM;
     # for decode rows then q_b, the query's RoPE and its absorption in another
     fused = qkv_a_prologue(self, hidden_states, position_embeddings)
@@ -114,7 +114,7 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     kv_c, k_pe = kv_row[:, :L], kv_row[:, None, L:]                          # [T, L], [T, 1, R]
     out = mla(q, kv_c, k_pe, cache.pool.kv[self.layer_idx], cache.k_scale, step.meta,
               kv_cache_dtype=cache.kv_cache_dtype, decode_q=decode_q)       # [T, N*V]
-    cache._layer_done(self.layer_idx, B, S)
+    cache.layer_done(self.layer_idx, B, S)
     if step.inv is not None:
         out = out[step.inv]
     return linear(self.o_proj, out.view(B, S, N * V), residual), None
@@ -129,9 +129,9 @@ def _paged_class(cls, family: str):
         rope = mod.apply_rotary_emb if family == "v2" else mod.apply_rotary_pos_emb
         inter = None if family == "v2" else mod.apply_rotary_pos_emb_interleave
         _PAGED_CLASSES[cls] = type(f"Paged{cls.__name__}", (cls,), {
-            "forward": _paged_forward, "_hf_forward": cls.forward, "_mla_family": family,
+            "forward": _paged_forward, "hf_forward": cls.forward, "mla_family": family,
             "_mla_rope": staticmethod(rope), "_mla_rope_interleave": staticmethod(inter),
-            "_mla_converted": True, "__module__": __name__})
+            "mla_converted": True, "__module__": __name__})
     return _PAGED_CLASSES[cls]
 
 
@@ -180,7 +180,7 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
         raise TypeError(f"convert() supports models whose attention is all MLA; found {others[:3]}")
     plans, seen = [], set()
     for name, m, fam in attns:
-        if getattr(m, "_mla_converted", False):
+        if getattr(m, "mla_converted", False):
             continue
         if m.layer_idx in seen:
             raise ValueError(f"two attention modules share layer_idx {m.layer_idx}")
@@ -202,7 +202,7 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
                 mla.enable_fp8_decode_query(fp8_decode_query)
         plans.append((m, mla, fam))
     mlps = [m for m in model.modules() if fuse_mlp and fusable_mlp(m)
-            and not getattr(m, "_mla_converted", False)]
+            and not getattr(m, "mla_converted", False)]
     head = convertible_head(model) if decode_head else None
     for m, mla, fam in plans:          # nothing below can fail
         m.add_module("mla_attn", mla)

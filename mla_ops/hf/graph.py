@@ -121,7 +121,7 @@ class DecodeGraph:
         """Re-read the cache state (one host sync); return how many steps still fit."""
         c, B, bs = self.cache, self.batch_size, self.cache.block_size
         lens = c.lens[:B].tolist()
-        seen, used = int(c._seen), int(c.num_used)
+        seen, used = int(c.seen), int(c.num_used)
         free = c.num_blocks - used
 
         def blocks_needed(k):

@@ -17,27 +17,25 @@ from __future__ import annotations
 
 import torch
 
-from lowering.gemm import linear as _ops
+from lowering import config as mla_config
 import lowering.fused.norm  # noqa: F401  (registers mla::rms_norm)
 
 from mla_ops.hf.linear import converted_class, hf_rms_norm
-
-# False: the converted layers and norms run HF's own forwards (to compare against)
-FUSE_NORMS = True
 
 _LAYERS = ("DeepseekV3DecoderLayer", "DeepseekV2DecoderLayer")
 
 
 def _on(*params) -> bool:
     # decided in the traced Python, so the choice is part of the compiled graph
-    return (FUSE_NORMS and _ops.IMPL != "torch"
+    # (convert(fuse_norms=False) leaves the layers' classes as HF's)
+    return (mla_config.linear_impl != "torch"
             and not (torch.is_grad_enabled() and any(p.requires_grad for p in params)))
 
 
 def _norm_forward(self, x):
     """HF's RMSNorm of x [..., H] as mla::rms_norm."""
     if not _on(self.weight):
-        return self._hf_forward(x)
+        return self.hf_forward(x)
     return torch.ops.mla.rms_norm(x, self.weight, float(self.variance_epsilon))
 
 
@@ -48,7 +46,7 @@ def decode_norm_class(cls):
 def fusable_layer(layer) -> bool:
     """An HF DeepSeek decoder layer with HF's norms around a converted MLA attention."""
     return (type(layer).__name__ in _LAYERS and type(layer).__module__.startswith("transformers.")
-            and getattr(layer.self_attn, "_mla_converted", False)
+            and getattr(layer.self_attn, "mla_converted", False)
             and hf_rms_norm(layer.input_layernorm)
             and hf_rms_norm(layer.post_attention_layernorm))
 
@@ -58,10 +56,10 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None,
     """HF's decoder layer with the residual adds inside o_proj's and down_proj's GEMMs:
     hidden_states [B, S, H] -> [B, S, H]."""
     if not _on(self.input_layernorm.weight, self.post_attention_layernorm.weight):
-        return self._hf_forward(hidden_states, attention_mask=attention_mask,
-                                position_ids=position_ids, past_key_values=past_key_values,
-                                use_cache=use_cache, position_embeddings=position_embeddings,
-                                **kwargs)
+        return self.hf_forward(hidden_states, attention_mask=attention_mask,
+                               position_ids=position_ids, past_key_values=past_key_values,
+                               use_cache=use_cache, position_embeddings=position_embeddings,
+                               **kwargs)
     residual = hidden_states
     h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
                           attention_mask=attention_mask, position_ids=position_ids,
@@ -69,7 +67,7 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None,
                           position_embeddings=position_embeddings, mla_residual=residual,
                           **kwargs)                                   # residual + attention
     x = self.post_attention_layernorm(h)
-    if getattr(self.mlp, "_mla_converted", False):                    # the fused SiLU MLP
+    if getattr(self.mlp, "mla_converted", False):                     # the fused SiLU MLP
         return self.mlp(x, h)                                         # h + mlp(x)
     return h + self.mlp(x)
 

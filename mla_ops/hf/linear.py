@@ -1,6 +1,6 @@
 """A converted layer's weight GEMMs through the decode GEMM ops (lowering/gemm/linear.py), and
-the attention prologue after the q_a + kv_a GEMM through lowering/fused/prologue.py's ops (for
-decode rows the query's q_b, RoPE and absorption as one of them).
+the attention prologue after the q_a + kv_a GEMM through lowering/fused/prologue.py's op (for
+decode rows the query's q_b, RoPE and absorption as lowering/fused/q_absorb.py's).
 
 A decode step reads each weight once for a few rows, so the layer's GEMMs are weight
 copies: q_a_proj + kv_a_proj_with_mqa share their input and run as one launch, gate_proj +
@@ -16,8 +16,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from lowering.gemm import linear as _ops  # registers the mla::decode_* ops
-import lowering.fused.prologue  # registers mla::decode_qkv_prologue, decode_q_rope, decode_q_absorb
+from lowering import config as mla_config
+from lowering.fused import prologue  # noqa: F401  (registers mla::decode_qkv_prologue)
+from lowering.fused import q_rope  # noqa: F401  (registers mla::decode_q_rope)
+from lowering.fused.q_absorb import q_absorb_unmet  # and mla::decode_q_absorb(_fp8)
+from lowering.gemm import linear as gemm  # registers the mla::decode_* GEMM ops
 
 
 def _plain(*mods) -> bool:
@@ -28,19 +31,22 @@ def _needs_grad(*mods) -> bool:
     return torch.is_grad_enabled() and any(m.weight.requires_grad for m in mods)
 
 
-def _use_ops(*mods) -> bool:
-    # MLA_LINEAR_IMPL=torch keeps the modules' own calls; deciding here, in the traced
-    # Python, makes the choice part of the compiled graph (and of its cache key). The ops
-    # are for inference (no autograd formulas): with grad enabled for the weights, the
-    # modules' own differentiable calls run instead (same numerics off the GPU kernel path).
-    return _ops.IMPL != "torch" and _plain(*mods) and not _needs_grad(*mods)
+def use_ops(*mods) -> bool:
+    """Whether the modules' GEMMs run on the decode GEMM ops.
+
+    lowering.config.linear_impl = "torch" keeps the modules' own calls; deciding here, in
+    the traced Python, makes the choice part of the compiled graph (torch.compile guards
+    on the setting and recompiles when it changes). The ops are for inference (no autograd
+    formulas): with grad enabled for the weights, the modules' own differentiable calls
+    run instead (same numerics off the GPU kernel path)."""
+    return mla_config.linear_impl != "torch" and _plain(*mods) and not _needs_grad(*mods)
 
 
-def _decode_linear(x: torch.Tensor, w: torch.Tensor, residual=None) -> torch.Tensor:
+def decode_linear(x: torch.Tensor, w: torch.Tensor, residual=None) -> torch.Tensor:
     """x @ w.T (plus residual) on the decode GEMM ops; where the kernel's config splits K,
     the fp32 partial sums (and the residual) are added here, in the traced graph (Inductor
     fuses the sum into the consumer)."""
-    split_k = _ops.linear_split_k(x, w)
+    split_k = gemm.linear_split_k(x, w)
     if split_k > 1:
         y = torch.ops.mla.decode_linear_partials(x, w, split_k).sum(0).to(x.dtype)
         return y if residual is None else residual + y
@@ -52,8 +58,8 @@ def _decode_linear(x: torch.Tensor, w: torch.Tensor, residual=None) -> torch.Ten
 def linear(mod, x: torch.Tensor, residual=None) -> torch.Tensor:
     """mod(x) (+ residual) for an HF linear module; mla::decode_linear(_residual) when it
     is a plain nn.Linear."""
-    if _use_ops(mod):
-        return _decode_linear(x, mod.weight, residual)
+    if use_ops(mod):
+        return decode_linear(x, mod.weight, residual)
     return mod(x) if residual is None else residual + mod(x)
 
 
@@ -64,20 +70,15 @@ def linear_pair(m1, m2, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     taken here, in the traced graph, so Inductor fuses it into the ops that read the
     result (the q_a / kv_a norms) instead of launching a reduce kernel.
     """
-    if not _use_ops(m1, m2):
+    if not use_ops(m1, m2):
         return m1(x), m2(x)
     w1, w2 = m1.weight, m2.weight
-    split_k = _ops.pair_split_k(x, w1, w2)
+    split_k = gemm.pair_split_k(x, w1, w2)
     if split_k > 1:
         parts = torch.ops.mla.decode_linear_pair_partials(x, w1, w2, split_k)  # [S, ..., N1+N2] fp32
         p1, p2 = parts.split([w1.shape[0], w2.shape[0]], dim=-1)
         return p1.sum(0).to(x.dtype), p2.sum(0).to(x.dtype)     # one sum per consumer
     return torch.ops.mla.decode_linear_pair(x, w1, w2)
-
-
-# False: the attention keeps the modules' own norms and HF's RoPE functions even where
-# the fused prologue ops apply (to compare against)
-FUSE_PROLOGUE = True
 
 
 def hf_rms_norm(m) -> bool:
@@ -93,13 +94,13 @@ def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
     does not apply (no q_lora, V2's complex RoPE, other norms, or a pair config without
     split-K: then the caller runs the modules)."""
     m1, m2 = attn.q_a_proj, attn.kv_a_proj_with_mqa
-    if (not FUSE_PROLOGUE or attn._mla_family != "v3" or attn.q_lora_rank is None
-            or not _use_ops(m1, m2)
+    if (attn.mla_family != "v3" or attn.q_lora_rank is None
+            or not use_ops(m1, m2)
             or not (hf_rms_norm(attn.q_a_layernorm) and hf_rms_norm(attn.kv_a_layernorm))
             or not isinstance(position_embeddings, (tuple, list))):
         return None
     w1, w2 = m1.weight, m2.weight
-    split_k = _ops.pair_split_k(x, w1, w2)
+    split_k = gemm.pair_split_k(x, w1, w2)
     if split_k <= 1:
         return None
     cos, sin = position_embeddings                                        # [B, S, R] each
@@ -110,11 +111,6 @@ def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
         float(nkv.variance_epsilon), bool(attn.config.rope_interleave))
 
 
-# False: the decode query keeps q_b_proj, mla::decode_q_rope and the attention op's own
-# absorption where decode_q_absorb applies (to compare against)
-FUSE_QUERY = True
-
-
 def absorbed_decode_query(attn, q_a: torch.Tensor, position_embeddings):
     """The absorbed decode query [T, N, L + R] = [q_nope @ W_UK_T | RoPE(q_pe)] of a
     converted DeepSeek-V3 attention, from q_a_layernorm's output q_a [B, S, q_lora]: q_b_proj,
@@ -123,11 +119,11 @@ def absorbed_decode_query(attn, q_a: torch.Tensor, position_embeddings):
     for decode rows only. None where its kernel does not serve the call (then the caller
     runs q_b_proj and the attention op absorbs)."""
     mla = attn.mla_attn
-    if not FUSE_QUERY or not _use_ops(attn.q_b_proj):
+    if not use_ops(attn.q_b_proj):
         return None
     w, cos, sin = attn.q_b_proj.weight, *position_embeddings             # cos / sin [B, S, R]
     if (w.dtype != q_a.dtype or mla.W_UK_T.dtype != q_a.dtype
-            or not lowering.fused.prologue.q_absorb_serves(q_a, w, mla.W_UK_T, cos.shape[-1])):
+            or q_absorb_unmet(q_a, w, mla.W_UK_T, cos.shape[-1]) is not None):
         return None
     interleave = bool(attn.config.rope_interleave)
     if mla.q_scale is not None:            # an fp8 decode query: quantized in the same launch
@@ -162,22 +158,23 @@ def fusable_mlp(m) -> bool:
 def _mlp_forward(self, x, residual=None):
     """down_proj(silu(gate_proj(x)) * up_proj(x)) (+ residual, the decoder layer's add, in
     down_proj's epilogue): x [..., H] -> [..., H]."""
-    if _ops.IMPL == "torch" or _needs_grad(self.gate_proj, self.up_proj, self.down_proj):
-        y = self._hf_forward(x)
+    if mla_config.linear_impl == "torch" or _needs_grad(self.gate_proj, self.up_proj,
+                                                         self.down_proj):
+        y = self.hf_forward(x)
         return y if residual is None else residual + y
     h = torch.ops.mla.decode_gate_up(x, self.gate_proj.weight, self.up_proj.weight)   # [..., I]
-    return _decode_linear(h, self.down_proj.weight, residual)             # split-K per CONFIGS
+    return decode_linear(h, self.down_proj.weight, residual)             # split-K per CONFIGS
 
 
 _CLASSES: dict = {}
 
 
 def converted_class(cls, prefix: str, forward):
-    """The subclass of cls whose forward is `forward` (HF's kept as _hf_forward), made once."""
+    """The subclass of cls whose forward is `forward` (HF's kept as hf_forward), made once."""
     key = (cls, prefix)
     if key not in _CLASSES:
         _CLASSES[key] = type(f"{prefix}{cls.__name__}", (cls,), {
-            "forward": forward, "_hf_forward": cls.forward, "_mla_converted": True,
+            "forward": forward, "hf_forward": cls.forward, "mla_converted": True,
             "__module__": __name__})
     return _CLASSES[key]
 
@@ -191,10 +188,10 @@ def fused_mlp_class(cls):
 
 def _head_forward(self, x):
     """lm_head(x): [..., H] -> [..., vocab] on the decode GEMM op (the module's own
-    F.linear with grad enabled or MLA_LINEAR_IMPL=torch)."""
-    if _ops.IMPL == "torch" or _needs_grad(self):
-        return self._hf_forward(x)
-    return _decode_linear(x, self.weight)
+    F.linear with grad enabled or lowering.config.linear_impl = "torch")."""
+    if mla_config.linear_impl == "torch" or _needs_grad(self):
+        return self.hf_forward(x)
+    return decode_linear(x, self.weight)
 
 
 def decode_head_class(cls):

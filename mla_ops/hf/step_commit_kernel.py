@@ -2,7 +2,8 @@
 the state after step_plan_kernel.py's plan, written in place in one launch.
 
     table[b, :] = pack's table' row b;  lens[b] = pack's seq_lens[b]  (= lens[b] + tokens)
-    program 0:  used += pack's blocks taken (at total_at);  seen += tokens
+    program 0:  used += pack's blocks taken;  seen += tokens
+    (the fields at the offsets *_at of step_layout.py)
 
     grid = (B,)
 """
@@ -16,16 +17,16 @@ import triton.language as tl
 def decode_commit_kernel(
     table_ptr, lens_ptr, used_ptr, seen_ptr,   # the state, written ([B, M] / [B] / [] / [])
     pack_ptr,                                  # the plan: pack as decode_plan_kernel wrote it
-    B, M, tokens, total_at,
+    B, M, tokens, table_at, lens_at, taken_at,   # pack's field offsets
     BLOCK_M: tl.constexpr,
 ):
     b = tl.program_id(0)
-    src = pack_ptr + b.to(tl.int64) * M
+    src = pack_ptr + table_at + b.to(tl.int64) * M
     dst = table_ptr + b.to(tl.int64) * M
     for c0 in range(0, M, BLOCK_M):
         c = c0 + tl.arange(0, BLOCK_M)
         tl.store(dst + c, tl.load(src + c, mask=c < M), mask=c < M)
-    tl.store(lens_ptr + b, tl.load(pack_ptr + B * M + b))
+    tl.store(lens_ptr + b, tl.load(pack_ptr + lens_at + b))
     if b == 0:
-        tl.store(used_ptr, tl.load(used_ptr) + tl.load(pack_ptr + total_at).to(tl.int64))
+        tl.store(used_ptr, tl.load(used_ptr) + tl.load(pack_ptr + taken_at).to(tl.int64))
         tl.store(seen_ptr, tl.load(seen_ptr) + tokens)

@@ -5,10 +5,11 @@ bookkeeping), one Triton launch each on CUDA:
                           max_len, bound) -> (pack, slots)
     mla::decode_step_commit(block_table!, lens!, num_used!, seen!, pack, batch, tokens) -> ()
 
-For a step of one new token per row (decode); see step_plan_kernel.py for what pack
-holds. mla_ops/hf/cache.py computes the same plan in torch ops for every other step and
-device; compiled, Inductor made four to five kernels of the plan and four of the commit.
-Defined with torch.library.triton_op, so Inductor sees the kernels in the graph.
+For a step of one new token per row (decode); pack's fields are step_layout.py's
+(step_layout(batch, block_table.shape[1], bound)). mla_ops/hf/step.py computes the same
+plan in torch ops for every other step and device; compiled, Inductor made four to five
+kernels of the plan and four of the commit. Defined with torch.library.triton_op, so
+Inductor sees the kernels in the graph.
 """
 from __future__ import annotations
 
@@ -16,7 +17,12 @@ import torch
 import triton
 
 from mla_ops.hf.step_commit_kernel import decode_commit_kernel
+from mla_ops.hf.step_layout import PackLayout, step_layout
 from mla_ops.hf.step_plan_kernel import decode_plan_kernel
+
+# The kernels' tile caps: a program loops over the batch / the table's columns in tiles
+# of at most this many (tests set them small to loop over several tiles).
+CONFIGS = {"plan_block_b": 1024, "plan_block_m": 1024, "commit_block_m": 1024}
 
 
 def _check_state(lens, block_table, num_used, batch):
@@ -36,35 +42,30 @@ def _check_state(lens, block_table, num_used, batch):
                          f"(the rows of lens and block_table)")
 
 
-def pack_size(batch: int, width: int, bound: bool) -> int:
-    """int32s in the plan's pack: table, seq_lens, query_start_loc (bounded table and
-    lengths), then the number of blocks taken (pack[-1])."""
-    n = batch * width + 2 * batch + 1
-    return (n + batch * width + batch if bound else n) + 1
-
-
-def _block(n: int, cap: int | None) -> int:
-    return cap or min(1024, triton.next_power_of_2(n))
+def _block(n: int, cap: str) -> int:
+    return min(CONFIGS[cap], triton.next_power_of_2(n))
 
 
 def launch_plan(lens, block_table, num_used, batch, block_size, num_blocks, max_len, bound,
-                pack, slots, *, wrap=True, block_b=None, block_m=None):
-    """Run decode_plan_kernel (block_b / block_m: its tile sizes; tests make them small to
-    loop over several tiles)."""
-    kernel = torch.library.wrap_triton(decode_plan_kernel) if wrap else decode_plan_kernel
+                pack, slots):
+    """Run decode_plan_kernel: pack [step_layout(batch, M, bound).size] int32, slots
+    [batch] int64."""
     M = block_table.shape[1]
-    kernel[(batch,)](
+    at = step_layout(batch, M, bound).offsets
+    torch.library.wrap_triton(decode_plan_kernel)[(batch,)](
         lens, block_table, num_used, pack, slots, batch, M, num_blocks, max_len,
-        BS=block_size, BOUND=bound, BLOCK_B=_block(batch, block_b), BLOCK_M=_block(M, block_m),
-        num_warps=4)
+        at["table"], at["seq_lens"], at["query_start_loc"], at.get("bounded_table", 0),
+        at.get("bounded_lens", 0), at["taken"], BS=block_size, BOUND=bound,
+        BLOCK_B=_block(batch, "plan_block_b"), BLOCK_M=_block(M, "plan_block_m"), num_warps=4)
 
 
-def launch_commit(block_table, lens, num_used, seen, pack, batch, tokens, *, wrap=True,
-                  block_m=None):
-    kernel = torch.library.wrap_triton(decode_commit_kernel) if wrap else decode_commit_kernel
+def launch_commit(block_table, lens, num_used, seen, pack, layout: PackLayout, batch, tokens):
+    """Run decode_commit_kernel: the state after the plan pack (of that layout)."""
     M = block_table.shape[1]
-    kernel[(batch,)](block_table, lens, num_used, seen, pack, batch, M, tokens,
-                     pack.shape[0] - 1, BLOCK_M=_block(M, block_m), num_warps=4)
+    at = layout.offsets
+    torch.library.wrap_triton(decode_commit_kernel)[(batch,)](
+        block_table, lens, num_used, seen, pack, batch, M, tokens, at["table"],
+        at["seq_lens"], at["taken"], BLOCK_M=_block(M, "commit_block_m"), num_warps=4)
 
 
 def _cuda_only(t: torch.Tensor, op: str) -> None:
@@ -83,7 +84,7 @@ def decode_step_plan(lens: torch.Tensor, block_table: torch.Tensor, num_used: to
         raise ValueError(f"block_size, num_blocks and max_len must be positive, got "
                          f"{block_size}, {num_blocks}, {max_len}")
     dev = lens.device
-    pack = torch.empty(pack_size(batch, block_table.shape[1], bound), dtype=torch.int32,
+    pack = torch.empty(step_layout(batch, block_table.shape[1], bound).size, dtype=torch.int32,
                        device=dev)
     slots = torch.empty(batch, dtype=torch.int64, device=dev)
     launch_plan(lens, block_table, num_used, batch, block_size, num_blocks, max_len, bound,
@@ -99,8 +100,9 @@ def decode_step_commit(block_table: torch.Tensor, lens: torch.Tensor, num_used: 
     if seen.dtype != torch.int64 or seen.dim() != 0 or seen.device != lens.device:
         raise TypeError(f"seen must be a 0-dim int64 tensor on {lens.device}")
     M = block_table.shape[1]
+    layouts = {lay.size: lay for lay in (step_layout(batch, M, b) for b in (False, True))}
     if (pack.dtype != torch.int32 or pack.dim() != 1 or pack.device != lens.device
-            or pack.numel() not in (pack_size(batch, M, False), pack_size(batch, M, True))):
+            or pack.numel() not in layouts):
         raise ValueError("pack must be the int32 pack of mla::decode_step_plan for this batch")
     _cuda_only(lens, "decode_step_commit")
-    launch_commit(block_table, lens, num_used, seen, pack, batch, tokens)
+    launch_commit(block_table, lens, num_used, seen, pack, layouts[pack.numel()], batch, tokens)

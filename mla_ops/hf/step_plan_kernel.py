@@ -3,10 +3,10 @@ table after the step, the slot of the row's new token, the lengths the attention
 
     lens [B] int32     real tokens per row before the step (row b's new token: position lens[b])
     table [B, M] int32 block ids per row (-1: none); used [] int64: the allocator's top
-    ->  pack int32: table' [B, M] | seq_lens [B] | query_start_loc [B + 1]
-                    (| table' clamped to [0, num_blocks - 1] [B, M] | seq_lens clamped to
-                     [1, M * BS] [B], with BOUND: what a decode kernel may read)
-                    | blocks taken [1]
+    ->  pack int32: the fields of step_layout.py at the offsets *_at it gives: table' [B, M],
+                    seq_lens [B], query_start_loc [B + 1], with BOUND bounded_table (table'
+                    clamped to [0, num_blocks - 1]) and bounded_lens (seq_lens clamped to
+                    [1, M * BS]: what a decode kernel may read), taken [1] (blocks taken)
         slots [B] int64 (-1: not written)
 
 A row whose token starts a new block takes the next id of the allocator: row b's is
@@ -28,6 +28,7 @@ def decode_plan_kernel(
     lens_ptr, table_ptr, used_ptr,        # state before the step (rows [0, B) read)
     pack_ptr, slots_ptr,                  # outputs
     B, M, num_blocks, max_len,
+    table_at, lens_at, qsl_at, btable_at, blens_at, taken_at,   # pack's field offsets
     BS: tl.constexpr, BOUND: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -47,7 +48,6 @@ def decode_plan_kernel(
     nb_new = (tl.minimum(n + 1, max_len) + BS - 1) // BS
     start = tl.load(used_ptr) + before                       # id for block column nb_old
     row = table_ptr + b.to(tl.int64) * M
-    meta = B * M + 2 * B + 1                                 # where the bounded copies start
     for c0 in range(0, M, BLOCK_M):
         c = c0 + tl.arange(0, BLOCK_M)
         ok = c < M
@@ -55,9 +55,9 @@ def decode_plan_kernel(
         ids = start + c - nb_old
         ids = tl.where(ids < num_blocks, ids, -1)
         t = tl.where((c >= nb_old) & (c < nb_new), ids, old).to(tl.int32)
-        tl.store(pack_ptr + b * M + c, t, mask=ok)
+        tl.store(pack_ptr + table_at + b * M + c, t, mask=ok)
         if BOUND:
-            tl.store(pack_ptr + meta + b * M + c,
+            tl.store(pack_ptr + btable_at + b * M + c,
                      tl.minimum(tl.maximum(t, 0), num_blocks - 1), mask=ok)
 
     col = tl.minimum(n // BS, M - 1)                        # the token's block column
@@ -67,13 +67,10 @@ def decode_plan_kernel(
     slot = tl.where((n < max_len) & (blk >= 0), blk * BS + n % BS, -1)
     tl.store(slots_ptr + b, slot)
     seq = (n + 1).to(tl.int32)
-    tl.store(pack_ptr + B * M + b, seq)                     # seq_lens
-    tl.store(pack_ptr + B * M + B + b, b)                   # query_start_loc
+    tl.store(pack_ptr + lens_at + b, seq)                   # seq_lens
+    tl.store(pack_ptr + qsl_at + b, b)                      # query_start_loc
     if BOUND:
-        tl.store(pack_ptr + meta + B * M + b, tl.minimum(tl.maximum(seq, 1), M * BS))
+        tl.store(pack_ptr + blens_at + b, tl.minimum(tl.maximum(seq, 1), M * BS))
     if b == 0:
-        tl.store(pack_ptr + B * M + 2 * B, B)
-        if BOUND:                                            # blocks taken: the last int
-            tl.store(pack_ptr + meta + B * M + B, total.to(tl.int32))
-        else:
-            tl.store(pack_ptr + meta, total.to(tl.int32))
+        tl.store(pack_ptr + qsl_at + B, B)
+        tl.store(pack_ptr + taken_at, total.to(tl.int32))

@@ -1,19 +1,17 @@
 """One decode call per implementation at one shape, for profiling under ncu.
 
-    ncu --clock-control none -k regex:'stage1|gluon|flash_fwd' python benchmarks/ncu_decode.py 64 128 8192
+    ncu --clock-control none -k regex:'stage1|gluon|flash_fwd' python docs/notes/ncu_decode.py 64 128 8192
 
 With "fp8" after the shape, also the fp8 q + fp8 cache kernels: ours through
 gluon_decode_fp8q (the landed tile config) and FlashMLA's (its schedule computed outside):
 
     ncu --clock-control none -k regex:'mla_decode_pair|mla_decode_fp8|flash' \
-        python benchmarks/ncu_decode.py 32 128 4096 fp8
+        python docs/notes/ncu_decode.py 32 128 4096 fp8
 """
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lowering.decode.triton_decode as td  # noqa: E402
 
 B, H, S = (int(x) for x in sys.argv[1:4])
@@ -25,8 +23,9 @@ bt = torch.randperm(B * S // PAGE, device="cuda").int().reshape(B, S // PAGE)
 lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
 for _ in range(2):
     td.triton_decode_op(q, kv, bt, lens, None, None, 192 ** -0.5, True, L, 0, False, torch.bfloat16)
-from lowering.decode.gluon_decode import gluon_decode_op, gluon_unmet  # noqa: E402
-if gluon_unmet(q, kv, "auto") is None:
+from lowering.decode.gluon_decode import gluon_decode_op  # noqa: E402
+from lowering.decode.registry import route_unmet  # noqa: E402
+if route_unmet("gluon", q, kv) is None:
     for _ in range(2):
         gluon_decode_op(q, kv, bt, lens, 192 ** -0.5, True)
 try:
@@ -37,7 +36,6 @@ except ImportError:
     pass
 if FP8:
     import lowering  # noqa: E402
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from sweep_gluon_fp8 import quantize  # noqa: E402   (per-tensor e4m3, as the sweep)
 
     q8, q_scale = quantize(q)

@@ -2,7 +2,7 @@
 float64 on edge cases, then timed beside FlashMLA's kernels and the Gluon BF16 kernel
 (the pair kernel at page 64).
 
-    python benchmarks/sweep_gluon_fp8.py 64x3 32x8 64x2      (H200, flash_mla on the path)
+    python docs/notes/sweep_gluon_fp8.py 64x3 32x8 64x2      (H200, flash_mla on the path)
 
 Checks: length 1, odd lengths, many and empty splits, the direct path, s_q > 1, e4m3 NaN in
 unwritten cache rows; relative error < 5e-2 and LSE error < 1e-2 on the dequantized values
@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+# A probe kept as it ran: the float64 reference and cases are the tests' and the timing
+# is the benchmarks' (lowering is the installed package).
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 import lowering  # noqa: E402
 from lowering.decode import gluon_decode as gd  # noqa: E402

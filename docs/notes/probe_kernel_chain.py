@@ -25,7 +25,7 @@
                     programs do not read the same columns (rows 32 KB apart) at once.
     --part norm     lowering/fused/rms_norm_kernel.py alone at 32 / 1 rows by num_warps.
 
-    python benchmarks/probe_kernel_chain.py [--part pdl,attention,prefetch,flash-l2,k-order,norm]
+    python docs/notes/probe_kernel_chain.py [--part pdl,attention,prefetch,flash-l2,k-order,norm]
 """
 from __future__ import annotations
 
@@ -39,8 +39,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# A probe kept as it ran: the shared timing helpers are in benchmarks/ (lowering is the
+# installed package).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                "benchmarks"))
 from timing import capture, kernel_time_us  # noqa: E402
 from lowering.gemm import linear  # noqa: E402
 from lowering.gemm.linear_kernel import decode_linear_kernel  # noqa: E402
@@ -450,7 +452,7 @@ def k_order():
             mode = 2 if gated else 0
             cfg = linear.pick_config(mode, N, K, M)
             y0 = torch.empty(M, N, device=dev, dtype=dt)
-            run0 = lambda: linear.launch(x, w1, w2 if gated else None, mode, y0, None, cfg, wrap=False)
+            run0 = lambda: linear.launch(x, w1, w2 if gated else None, mode, y0, None, cfg)
             run0()
             t0 = kernel_time_us(run0)
             mb = (2 if gated else 1) * N * K * 2 / 1e6

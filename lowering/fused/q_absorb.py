@@ -1,0 +1,150 @@
+"""q_b, the query's RoPE and its absorption in one launch, as graph ops:
+
+    mla::decode_q_absorb(q_a [*lead, Q], w [N * (P + R), Q], W_UK_T [N, P, L],
+                         cos [*lead, R], sin [*lead, R], interleave)
+        -> the absorbed decode query [T, N, L + R] = [q_nope @ W_UK_T | RoPE(q_pe)]
+           of q = q_a @ w.T (q_b_proj), T = prod(lead)
+
+    mla::decode_q_absorb_fp8(..., interleave, q_scale [1] fp32)
+        -> the same query quantized to float8_e4m3fn with the static scale, in that launch
+
+On CUDA one Triton launch of q_absorb_kernel.py where q_absorb_unmet says it serves;
+elsewhere q_b_proj, HF's RoPE and lowering.gemm.head_gemm.absorb_query in torch ops.
+Defined with torch.library.triton_op, so Inductor sees the kernel in the graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from lowering.fused.decode_rows import MAX_ROWS, angle_rows, check_angles, decode_rows_unmet
+from lowering.fused.q_absorb_kernel import q_absorb_kernel
+from lowering.fused.q_rope import q_rope_torch
+from lowering.gemm.head_gemm import absorb_query
+
+# q_absorb_kernel's launch: rows <= 16 -> (BLOCK_K, BLOCK_L, num_warps, num_stages); the
+# fastest alone at DeepSeek-V3's query on an H200 (benchmarks/bench_q_absorb.py: 30.7 µs
+# at 1 row, 31.4 at 32, against 32.9 / 32.3 for (64, 128, 4, 4); in the decode step
+# 0.994x of that at both)
+CONFIGS = {True: (128, 128, 8, 3), False: (128, 128, 8, 3)}
+
+
+def _q_absorb_shape(q_a, w, W_UK_T, cos, sin):
+    """(Q, N, P, R, L) of a decode_q_absorb call, after its checks."""
+    for name, t in (("q_a", q_a), ("w", w), ("W_UK_T", W_UK_T)):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+    check_angles(cos, sin)
+    if w.dtype != q_a.dtype or W_UK_T.dtype != q_a.dtype:
+        raise TypeError(f"w and W_UK_T must have q_a's dtype {q_a.dtype}, got {w.dtype} and "
+                        f"{W_UK_T.dtype}")
+    if q_a.dim() < 1 or w.dim() != 2 or W_UK_T.dim() != 3 or w.shape[1] != q_a.shape[-1]:
+        raise ValueError(f"need q_a [*lead, Q], w [N * (P + R), Q] and W_UK_T [N, P, L]; got "
+                         f"q_a {tuple(q_a.shape)}, w {tuple(w.shape)}, W_UK_T "
+                         f"{tuple(W_UK_T.shape)}")
+    Q = q_a.shape[-1]
+    N, P, L = W_UK_T.shape
+    R = cos.shape[-1] if cos.dim() else 0
+    if R <= 0 or R % 2 or w.shape[0] != N * (P + R):
+        raise ValueError(f"w must be [N * (P + R)={N} * ({P} + {R}), Q] with an even RoPE "
+                         f"width R (cos's last dim), got {tuple(w.shape)}")
+    want = (*q_a.shape[:-1], R)
+    for name, c in (("cos", cos), ("sin", sin)):
+        if tuple(c.shape) != want:
+            raise ValueError(f"{name} must be {want} (one row per token), got {tuple(c.shape)}")
+    for name, t in (("w", w), ("W_UK_T", W_UK_T), ("cos", cos), ("sin", sin)):
+        if t.device != q_a.device:
+            raise ValueError(f"{name} is on {t.device}, q_a on {q_a.device}")
+    return Q, N, P, R, L
+
+
+def _pow2(v: int) -> bool:
+    return v >= 16 and not v & (v - 1)
+
+
+def q_absorb_config(T: int, Q: int, L: int):
+    """(BLOCK_K, BLOCK_L, num_warps, num_stages) for T rows, fitted to Q and L."""
+    bk, bl, warps, stages = CONFIGS[T <= 16]
+    while bk > 16 and Q % bk:
+        bk //= 2
+    while bl > 16 and L % bl:
+        bl //= 2
+    return bk, bl, warps, stages
+
+
+def q_absorb_unmet(q_a, w, W_UK_T, R: int) -> str | None:
+    """None when q_absorb_kernel runs a decode_q_absorb call of these tensors (R: the RoPE
+    width), else the unmet condition (the torch steps then run)."""
+    Q = q_a.shape[-1]
+    N, P, L = W_UK_T.shape
+    T = q_a.numel() // max(1, Q)
+    rows = decode_rows_unmet(q_a.device, q_a.dtype, T)
+    if rows is not None:
+        return rows
+    bk, bl = q_absorb_config(max(T, 1), Q, L)[:2]
+    if not (_pow2(P) and _pow2(R // 2)):
+        return f"P={P} and R/2={R // 2} must be powers of two >= 16"
+    if not (Q % bk == 0 and Q >= 16 and L % bl == 0 and L >= 16):
+        return f"Q={Q} and L={L} must be >= 16 and divide into the config's blocks ({bk}, {bl})"
+    if not (w.is_contiguous() and W_UK_T.is_contiguous()):
+        return "w and W_UK_T must be contiguous"
+    return None
+
+
+def launch(q_a, w, W_UK_T, cos, sin, interleave, y, *, config=None, q_scale=None):
+    """Run q_absorb_kernel: q_a [T, Q] (last dim contiguous), w [N * (P + R), Q] and
+    W_UK_T [N, P, L] contiguous, cos / sin [T, R] (last dim contiguous), y [T, N, L + R]
+    contiguous (float8_e4m3fn with q_scale [1] fp32: the quantized query). config:
+    (BLOCK_K, BLOCK_L, num_warps, num_stages), by default q_absorb_config's."""
+    T, Q = q_a.shape
+    N, P, L = W_UK_T.shape
+    R = cos.shape[-1]
+    bk, bl, warps, stages = config or q_absorb_config(T, Q, L)
+    block_t = max(16, triton.next_power_of_2(min(T, MAX_ROWS)))
+    kernel = torch.library.wrap_triton(q_absorb_kernel)
+    kernel[(N, triton.cdiv(T, block_t))](
+        q_a, w, W_UK_T, cos, sin, y, cos if q_scale is None else q_scale, T, N, q_a.stride(0),
+        cos.stride(0), Q=Q, P=P, R=R, L=L, BLOCK_T=block_t, BLOCK_K=bk, BLOCK_L=bl,
+        INTERLEAVE=interleave, DOT_F32=not q_a.is_cuda, QUANT=q_scale is not None,
+        num_warps=warps, num_stages=stages)
+
+
+@torch.library.triton_op("mla::decode_q_absorb", mutates_args={})
+def decode_q_absorb(q_a: torch.Tensor, w: torch.Tensor, W_UK_T: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    Q, N, P, R, L = _q_absorb_shape(q_a, w, W_UK_T, cos, sin)
+    T = q_a.numel() // Q
+    if q_absorb_unmet(q_a, w, W_UK_T, R) is not None:
+        q = torch.nn.functional.linear(q_a, w).view(*q_a.shape[:-1], N, P + R)
+        return absorb_query(q_rope_torch(q, cos, sin, interleave).reshape(T, N, P + R),
+                            W_UK_T)                                      # [T, N, L + R]
+    a = q_a.reshape(T, Q)
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    c, s = angle_rows(cos, sin, T, q_a.dtype)
+    y = torch.empty((T, N, L + R), dtype=q_a.dtype, device=q_a.device)
+    launch(a, w, W_UK_T, c, s, bool(interleave), y)
+    return y
+
+
+@torch.library.triton_op("mla::decode_q_absorb_fp8", mutates_args={})
+def decode_q_absorb_fp8(q_a: torch.Tensor, w: torch.Tensor, W_UK_T: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
+                        q_scale: torch.Tensor) -> torch.Tensor:
+    """decode_q_absorb's query quantized to float8_e4m3fn with the static scale q_scale
+    (one fp32 value): fp8(clamp(y / q_scale, -448, 448)), in the same launch."""
+    Q, N, P, R, L = _q_absorb_shape(q_a, w, W_UK_T, cos, sin)
+    if not isinstance(q_scale, torch.Tensor) or q_scale.dtype != torch.float32 \
+            or q_scale.numel() != 1 or q_scale.device != q_a.device:
+        raise TypeError(f"q_scale must be a one-element float32 tensor on {q_a.device}")
+    T = q_a.numel() // Q
+    if q_absorb_unmet(q_a, w, W_UK_T, R) is not None:
+        y = decode_q_absorb(q_a, w, W_UK_T, cos, sin, interleave)        # [T, N, L + R]
+        return (y.float() / q_scale.reshape(())).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    a = q_a.reshape(T, Q)
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    c, s = angle_rows(cos, sin, T, q_a.dtype)
+    y = torch.empty((T, N, L + R), dtype=torch.float8_e4m3fn, device=q_a.device)
+    launch(a, w, W_UK_T, c, s, bool(interleave), y, q_scale=q_scale.reshape(1))
+    return y
