@@ -210,9 +210,9 @@ def sweep_shape(name: str, tokens: list, device) -> None:
             times = []
             for cfg in sweep:
                 if kernel == "gate_up":
-                    fn = lambda: experts.launch_gate_up(x, gate_up, se, sp, K, h, cfg, wrap=False)
+                    fn = lambda: experts.launch_gate_up(x, gate_up, se, sp, K, h, cfg)
                 else:
-                    fn = lambda: experts.launch_down(h, down, wf, se, sp, K, out, cfg, wrap=False)
+                    fn = lambda: experts.launch_down(h, down, wf, se, sp, K, out, cfg)
                 try:
                     times.append((time_us(fn, graph=True), cfg))
                 except Exception as exc:                       # out of resources etc.

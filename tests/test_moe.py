@@ -159,12 +159,12 @@ def test_convert_moe_keeps_parameters_and_rejects_bad_blocks():
     bad.config._experts_implementation = "no_such_impl"
     with pytest.raises(ValueError, match="_experts_implementation"):
         convert_moe(bad)
-    assert not any(getattr(m, "_mla_converted", False) for m in bad.modules())   # untouched
+    assert not any(getattr(m, "mla_converted", False) for m in bad.modules())   # untouched
     _, bad = moe_pair("v2", topk_method="greedy")
     bad.model.layers[2].mlp.gate.topk_method = "noaux_tc"
     with pytest.raises(ValueError, match="topk_method"):
         convert_moe(bad)
-    assert not any(getattr(m, "_mla_converted", False) for m in bad.modules())
+    assert not any(getattr(m, "mla_converted", False) for m in bad.modules())
     _, bad = moe_pair("v3")
     bad.model.layers[2].mlp.gate.topk_group = 5                      # more than n_group
     with pytest.raises(ValueError, match="topk_group"):
@@ -173,7 +173,7 @@ def test_convert_moe_keeps_parameters_and_rejects_bad_blocks():
     bad.config.hidden_act = "gelu"
     with pytest.raises(ValueError, match="SiLU"):
         convert_moe(bad)
-    assert not any(getattr(m, "_mla_converted", False) for m in bad.modules())
+    assert not any(getattr(m, "mla_converted", False) for m in bad.modules())
 
 
 # ------------------------------------------------------------------------- compile
@@ -231,7 +231,7 @@ needs_wiring = pytest.mark.skipif(
 def test_convert_swaps_moe_blocks(family):
     ref, model = moe_pair(family)
     H.convert(model)
-    assert all(getattr(model.model.layers[i].mlp, "_mla_converted", False) for i in (1, 2))
+    assert all(getattr(model.model.layers[i].mlp, "mla_converted", False) for i in (1, 2))
     ids, mask = left_padded([5, 9])
     cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=32, block_size=16)
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
@@ -244,7 +244,7 @@ def test_convert_fuse_experts_false_keeps_hf_experts_path():
     _, model = moe_pair("v3")
     H.convert(model, fuse_experts=False)
     block = model.model.layers[1].mlp
-    assert block._mla_converted and not block._mla_fuse_experts
+    assert block.mla_converted and not block.mla_fuse_experts
 
 
 def test_decode_op_compiles_fullgraph_on_cpu(fresh_dynamo):

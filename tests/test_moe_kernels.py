@@ -56,7 +56,7 @@ def test_kernels_vs_fp64(T, K, E, I, H, same):
         assert (idx == 1).any(1).all()
     ref = moe_fp64(x, idx, w, gate_up, down)
     f32 = [t.float() for t in (x, w, gate_up, down)]
-    got = experts.run_kernels(f32[0], idx, f32[1], f32[2], f32[3], wrap=False)
+    got = experts.run_kernels(f32[0], idx, f32[1], f32[2], f32[3])
     assert got.dtype == torch.float32 and got.shape == (T, H)
     assert rel(got, ref) < 1e-5
     op = torch.ops.mla.moe_experts_decode(f32[0], idx.int(), f32[1], f32[2], f32[3])
@@ -69,7 +69,7 @@ def test_kernel_pair_rows_and_gate_up_rounding():
     x, idx, _, gate_up, _ = problem(T, K, E, I, H, seed=3)
     se, sp = experts.sort_pairs(idx)
     h = torch.full((T * K, I), float("nan"))
-    experts.launch_gate_up(x.float(), gate_up.float(), se, sp, K, h, (16, 32, 4, 1), wrap=False)
+    experts.launch_gate_up(x.float(), gate_up.float(), se, sp, K, h, (16, 32, 4, 1))
     for p in range(T * K):
         e, t = int(idx.view(-1)[p]), p // K
         g, u = gate_up[e, :I] @ x[t], gate_up[e, I:] @ x[t]
@@ -82,7 +82,7 @@ def test_expert_repeated_within_a_token():
     x, _, w, gate_up, down = problem(T, K, E, I, H, seed=12)
     idx = torch.randint(0, E, (T, K), generator=torch.Generator().manual_seed(1))
     idx[:, :3] = 2                                   # expert 2: a run of 18 slots or more
-    got = experts.run_kernels(x.float(), idx, w.float(), gate_up.float(), down.float(), wrap=False)
+    got = experts.run_kernels(x.float(), idx, w.float(), gate_up.float(), down.float())
     assert rel(got, moe_fp64(x, idx, w, gate_up, down)) < 1e-5
 
 
@@ -92,7 +92,7 @@ def test_out_of_range_experts_add_nothing():
     x, idx, w, gate_up, down = problem(T, K, E, I, H, seed=9)
     bad = idx.clone()
     bad[1, 0], bad[2, 1] = E + 3, -1
-    got = experts.run_kernels(x.float(), bad, w.float(), gate_up.float(), down.float(), wrap=False)
+    got = experts.run_kernels(x.float(), bad, w.float(), gate_up.float(), down.float())
     keep = torch.ones(T, K, dtype=torch.float64)
     keep[1, 0] = keep[2, 1] = 0
     ref = moe_fp64(x, idx, w * keep, gate_up, down)

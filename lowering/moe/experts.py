@@ -84,12 +84,12 @@ def sort_pairs(topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sorted_expert, sorted_pair
 
 
-def launch_gate_up(x, gate_up, sorted_expert, sorted_pair, top_k, h, config, *, wrap=True):
+def launch_gate_up(x, gate_up, sorted_expert, sorted_pair, top_k, h, config):
     """h [P, I] = SiLU(gate) * up per pair (gate_up_kernel.py); x [T, H] with unit last stride."""
     H = x.shape[1]
     P, I = h.shape
     block_n, block_k, warps, stages = config
-    kernel = torch.library.wrap_triton(moe_gate_up_kernel) if wrap else moe_gate_up_kernel
+    kernel = torch.library.wrap_triton(moe_gate_up_kernel)
     kernel[(P, triton.cdiv(I, block_n))](
         x, gate_up, h, sorted_expert, sorted_pair, P, gate_up.shape[0], I, H, top_k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
@@ -98,12 +98,12 @@ def launch_gate_up(x, gate_up, sorted_expert, sorted_pair, top_k, h, config, *, 
         num_warps=warps, num_stages=stages)
 
 
-def launch_down(h, down, weight, sorted_expert, sorted_pair, top_k, out, config, *, wrap=True):
+def launch_down(h, down, weight, sorted_expert, sorted_pair, top_k, out, config):
     """out [P, H] fp32 = weight[p] * (h[p] @ down[e].T) per pair (down_kernel.py)."""
     P, I = h.shape
     H = down.shape[1]
     block_n, block_k, warps, stages = config
-    kernel = torch.library.wrap_triton(moe_down_kernel) if wrap else moe_down_kernel
+    kernel = torch.library.wrap_triton(moe_down_kernel)
     kernel[(P, triton.cdiv(H, block_n))](
         h, down, weight, out, sorted_expert, sorted_pair, P, down.shape[0], H, I, top_k,
         h.stride(0), down.stride(0), down.stride(1), out.stride(0),
@@ -112,7 +112,7 @@ def launch_down(h, down, weight, sorted_expert, sorted_pair, top_k, out, config,
         num_warps=warps, num_stages=stages)
 
 
-def run_kernels(x, topk_idx, topk_weight, gate_up, down, *, wrap=True) -> torch.Tensor:
+def run_kernels(x, topk_idx, topk_weight, gate_up, down) -> torch.Tensor:
     """The op's kernel path on any device (on CPU under TRITON_INTERPRET=1): [T, H] in x's
     dtype. Arguments already checked (check_args)."""
     T, H = x.shape
@@ -123,10 +123,10 @@ def run_kernels(x, topk_idx, topk_weight, gate_up, down, *, wrap=True) -> torch.
     weight = topk_weight.reshape(-1).to(torch.float32)                       # [P]
     h = torch.empty((T * K, I), dtype=x.dtype, device=x.device)              # [P, I]
     launch_gate_up(x, gate_up, sorted_expert, sorted_pair, K, h,
-                   pick_config("gate_up", I, H, T), wrap=wrap)
+                   pick_config("gate_up", I, H, T))
     out = torch.zeros((T * K, H), dtype=torch.float32, device=x.device)      # [P, H]
     launch_down(h, down, weight, sorted_expert, sorted_pair, K, out,
-                pick_config("down", H, I, T), wrap=wrap)
+                pick_config("down", H, I, T))
     return out.view(T, K, H).sum(1).to(x.dtype)                              # [T, H]
 
 

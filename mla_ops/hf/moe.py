@@ -28,13 +28,15 @@ The routed experts (HF's DeepseekV3Experts / DeepseekV2Experts, weights as store
       refused at conversion.
 
 The ops have no autograd formulas: with grad enabled for the expert weights, HF's own
-experts run.
+experts run; so do they with lowering.config.linear_impl = "torch" (MLA_LINEAR_IMPL=torch),
+the setting that keeps every converted GEMM on the modules' own calls.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from lowering import config as mla_config
 from lowering.moe import experts as moe_ops  # registers mla::moe_experts_decode
 from mla_ops.hf.linear import converted_class, fusable_mlp, fused_mlp_class
 
@@ -111,7 +113,7 @@ def route_v2(gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def route(block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts [T, K] and their weights [T, K] (fp32) HF's router of `block` picks for x [T, H]."""
-    return (route_v3 if block._mla_family == "v3" else route_v2)(block.gate, x)
+    return (route_v3 if block.mla_family == "v3" else route_v2)(block.gate, x)
 
 
 # ------------------------------------------------------------------------- experts
@@ -127,8 +129,8 @@ def routed_experts(block, x: torch.Tensor, topk_idx: torch.Tensor,
     """sum_k topk_weight[t, k] * expert_{topk_idx[t, k]}(x[t]): x [T, H] -> [T, H]."""
     experts = block.experts
     gate_up, down = experts.gate_up_proj, experts.down_proj
-    if (block._mla_fuse_experts and not _needs_grad(experts)
-            and moe_ops.kernel_serves(x, gate_up, down)):
+    if (block.mla_fuse_experts and mla_config.linear_impl != "torch"
+            and not _needs_grad(experts) and moe_ops.kernel_serves(x, gate_up, down)):
         return torch.ops.mla.moe_experts_decode(x, topk_idx, topk_weight, gate_up, down)
     impl = getattr(experts.config, "_experts_implementation", None)
     grouped = grouped_mm_forward()
@@ -150,7 +152,7 @@ def _moe_forward(self, hidden_states: torch.Tensor, residual=None) -> torch.Tens
 
 
 def fused_moe_class(cls):
-    """The subclass of an HF MoE block class whose forward is ours (HF's kept as _hf_forward)."""
+    """The subclass of an HF MoE block class whose forward is ours (HF's kept as hf_forward)."""
     return converted_class(cls, "Fused", _moe_forward)
 
 
@@ -161,7 +163,7 @@ def moe_blocks(model) -> list:
     """(name, module, family) of the HF DeepSeek MoE blocks of model not yet converted."""
     classes = hf_moe_classes()
     return [(name, m, classes[type(m)]) for name, m in model.named_modules()
-            if type(m) in classes and not getattr(m, "_mla_converted", False)]
+            if type(m) in classes and not getattr(m, "mla_converted", False)]
 
 
 def _registered_impls() -> tuple:
@@ -220,10 +222,10 @@ def convert_moe(model, *, fuse_experts: bool = True, fuse_shared: bool = True) -
     for name, m, fam in blocks:
         check_block(name, m, fam)
     for name, m, fam in blocks:              # nothing below can fail
-        m._mla_family = fam
-        m._mla_fuse_experts = bool(fuse_experts)
+        m.mla_family = fam
+        m.mla_fuse_experts = bool(fuse_experts)
         m.__class__ = fused_moe_class(type(m))
         shared = m.shared_experts
-        if fuse_shared and fusable_mlp(shared) and not getattr(shared, "_mla_converted", False):
+        if fuse_shared and fusable_mlp(shared) and not getattr(shared, "mla_converted", False):
             shared.__class__ = fused_mlp_class(type(shared))
     return len(blocks)
