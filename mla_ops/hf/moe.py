@@ -1,0 +1,231 @@
+"""A converted DeepSeek V2 / V3 MoE block: HF's router, the routed experts on the MoE decode
+op for a decode step's few rows, and the shared experts on the decode GEMM ops.
+
+    out = experts(x, *route(x)) + shared_experts(x)          (+ residual, the decoder layer's add)
+
+route() computes exactly what HF's router module does (the same torch calls on the same
+fp32 values, so the same experts are chosen, ties included, with the same weights):
+
+    V3 (DeepseekV3TopkRouter): sigmoid scores; e_score_correction_bias added for the choice
+       only; the n_group groups ranked by the sum of their top-2 biased scores, the
+       topk_group best kept; top_k experts among them (torch.topk, sorted=False); weights
+       gathered from the unbiased scores, divided by their sum (+ 1e-20) with
+       norm_topk_prob, times routed_scaling_factor.
+    V2 (DeepseekV2TopkRouter): softmax scores; topk_method "greedy" (top_k of all) or
+       "group_limited_greedy" (groups ranked by their best score, the others zeroed);
+       weights times routed_scaling_factor.
+
+The routed experts (HF's DeepseekV3Experts / DeepseekV2Experts, weights as stored):
+    - decode rows (lowering/moe/experts.py's kernels serve: CUDA, bf16 / fp16, <= 64 tokens)
+      with fuse_experts: mla::moe_experts_decode, streaming only the chosen experts' weights;
+      static shapes and no host syncs, so the step compiles fullgraph and captures in a CUDA
+      graph;
+    - anything else: HF's experts as config._experts_implementation asks ("grouped_mm", the
+      default on GPUs, is torch's grouped GEMM over tokens sorted by expert), except that
+      "eager" (HF's loop over the experts hit: data dependent, with host syncs) is
+      replaced by HF's grouped_mm implementation while torch.compile traces or a CUDA
+      graph captures, so the compiled / captured model works whatever the setting. A name that is not a registered experts implementation is
+      refused at conversion.
+
+The ops have no autograd formulas: with grad enabled for the expert weights, HF's own
+experts run; so do they with lowering.config.linear_impl = "torch" (MLA_LINEAR_IMPL=torch),
+the setting that keeps every converted GEMM on the modules' own calls.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lowering import config as mla_config
+from lowering.moe import experts as moe_ops  # registers mla::moe_experts_decode
+from mla_ops.hf.linear import converted_class, fusable_mlp, fused_mlp_class
+
+__all__ = ["convert_moe", "moe_blocks", "route", "routed_experts"]
+
+V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+def _hf(mod: str, *names: str) -> tuple:
+    try:
+        m = __import__(f"transformers.models.{mod}.modeling_{mod}", fromlist=list(names))
+        return tuple(getattr(m, n) for n in names)
+    except (ImportError, AttributeError):
+        return ()
+
+
+def hf_moe_classes() -> dict:
+    """{HF MoE block class: family} of the installed transformers."""
+    out = {}
+    for fam, mod, cls in (("v3", "deepseek_v3", "DeepseekV3MoE"),
+                          ("v2", "deepseek_v2", "DeepseekV2Moe")):
+        for c in _hf(mod, cls):
+            out[c] = fam
+    return out
+
+
+def grouped_mm_forward():
+    """HF's grouped_mm experts forward (transformers.integrations.moe), or None."""
+    try:
+        from transformers.integrations.moe import grouped_mm_experts_forward
+    except ImportError:
+        return None
+    return grouped_mm_experts_forward
+
+
+# ------------------------------------------------------------------------- router
+
+
+def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:
+    """bool [T, E]: the experts of each token's topk_group best groups (group_scores [T, G])."""
+    T, G = group_scores.shape
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]   # [T, topk_group]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    return group_mask.unsqueeze(-1).expand(-1, G, num_experts // G).reshape(-1, num_experts).bool()
+
+
+def route_v3(gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_idx [T, K] int64, topk_weight [T, K] fp32) of a DeepseekV3TopkRouter for x [T, H]."""
+    E, G = gate.num_experts, gate.num_group
+    logits = F.linear(x.type(torch.float32), gate.weight.type(torch.float32))  # [T, E]
+    scores = logits.sigmoid()
+    choice = scores + gate.e_score_correction_bias
+    group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)   # [T, G]
+    choice = choice.masked_fill(~_group_mask(group_scores, gate.topk_group, E), float("-inf"))
+    topk_idx = torch.topk(choice, k=gate.top_k, dim=-1, sorted=False)[1]      # [T, K]
+    topk_weight = scores.gather(1, topk_idx)
+    if gate.norm_topk_prob:
+        topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_idx, topk_weight * gate.routed_scaling_factor
+
+
+def route_v2(gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_idx [T, K] int64, topk_weight [T, K] fp32) of a DeepseekV2TopkRouter for x [T, H]."""
+    E, G = gate.num_experts, gate.num_group
+    logits = F.linear(x.type(torch.float32), gate.weight.type(torch.float32))  # [T, E]
+    scores = logits.softmax(dim=-1, dtype=torch.float32)
+    if gate.topk_method == "group_limited_greedy":
+        group_scores = scores.view(-1, G, E // G).max(dim=-1).values             # [T, G]
+        scores = scores.masked_fill(~_group_mask(group_scores, gate.topk_group, E), 0.0)
+    topk_weight, topk_idx = torch.topk(scores, k=gate.top_k, dim=-1, sorted=False)
+    return topk_idx, topk_weight * gate.routed_scaling_factor
+
+
+def route(block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts [T, K] and their weights [T, K] (fp32) HF's router of `block` picks for x [T, H]."""
+    return (route_v3 if block.mla_family == "v3" else route_v2)(block.gate, x)
+
+
+# ------------------------------------------------------------------------- experts
+
+
+def _needs_grad(experts) -> bool:
+    return torch.is_grad_enabled() and (experts.gate_up_proj.requires_grad
+                                        or experts.down_proj.requires_grad)
+
+
+def routed_experts(block, x: torch.Tensor, topk_idx: torch.Tensor,
+                   topk_weight: torch.Tensor) -> torch.Tensor:
+    """sum_k topk_weight[t, k] * expert_{topk_idx[t, k]}(x[t]): x [T, H] -> [T, H]."""
+    experts = block.experts
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if (block.mla_fuse_experts and mla_config.linear_impl != "torch"
+            and not _needs_grad(experts) and moe_ops.kernel_serves(x, gate_up, down)):
+        return torch.ops.mla.moe_experts_decode(x, topk_idx, topk_weight, gate_up, down)
+    impl = getattr(experts.config, "_experts_implementation", None)
+    grouped = grouped_mm_forward()
+    if impl in (None, "eager") and grouped is not None and (
+            torch.compiler.is_compiling()
+            or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return grouped(experts, x, topk_idx, topk_weight)      # HF's loop syncs, no trace
+    return experts(x, topk_idx, topk_weight)
+
+
+def _moe_forward(self, hidden_states: torch.Tensor, residual=None) -> torch.Tensor:
+    """HF's MoE block (+ residual, in HF's order): hidden_states [B, S, H] -> [B, S, H]."""
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])                                   # [T, H]
+    topk_idx, topk_weight = route(self, x)                                     # [T, K] each
+    out = routed_experts(self, x, topk_idx, topk_weight).view(shape)
+    out = out + self.shared_experts(hidden_states)
+    return out if residual is None else residual + out
+
+
+def fused_moe_class(cls):
+    """The subclass of an HF MoE block class whose forward is ours (HF's kept as hf_forward)."""
+    return converted_class(cls, "Fused", _moe_forward)
+
+
+# ------------------------------------------------------------------------- convert
+
+
+def moe_blocks(model) -> list:
+    """(name, module, family) of the HF DeepSeek MoE blocks of model not yet converted."""
+    classes = hf_moe_classes()
+    return [(name, m, classes[type(m)]) for name, m in model.named_modules()
+            if type(m) in classes and not getattr(m, "mla_converted", False)]
+
+
+def _registered_impls() -> tuple:
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return ()
+    return tuple(ALL_EXPERTS_FUNCTIONS.keys())
+
+
+def check_block(name: str, m, family: str) -> None:
+    """Raise a ValueError naming what to change where the block is not one we convert."""
+    gate, experts = m.gate, m.experts
+    if getattr(m.config, "hidden_act", None) not in ("silu", "swish"):
+        raise ValueError(f"{name}: the routed experts must use SiLU (config.hidden_act "
+                         f"{m.config.hidden_act!r}); convert with fuse_experts=False")
+    E, H = gate.num_experts, gate.hidden_dim
+    gu, dn = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if (not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor) or gu.dim() != 3
+            or gu.shape[0] != E or gu.shape[2] != H or gu.shape[1] % 2
+            or tuple(dn.shape) != (E, H, gu.shape[1] // 2)):
+        raise ValueError(f"{name}.experts must hold gate_up_proj [E={E}, 2I, H={H}] and "
+                         f"down_proj [E, H, I] (HF's layout, not transposed)")
+    if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False) \
+            or not getattr(experts, "is_concatenated", True):
+        raise ValueError(f"{name}.experts: transposed, interleaved or biased expert weights "
+                         f"are not supported")
+    if gu.device.type == "meta":
+        raise ValueError(f"{name} has weights on the meta device; load them before converting")
+    if family == "v2" and gate.topk_method not in V2_TOPK_METHODS:
+        raise ValueError(f"{name}: config.topk_method={gate.topk_method!r} is not one of "
+                         f"{V2_TOPK_METHODS}")
+    if family == "v3" or gate.topk_method == "group_limited_greedy":       # groups used
+        G, KG = gate.num_group, gate.topk_group
+        if not (isinstance(G, int) and G >= 1 and E % G == 0 and isinstance(KG, int)
+                and 1 <= KG <= G and gate.top_k <= KG * (E // G)):
+            raise ValueError(f"{name}: config.n_group={G} must divide the {E} experts and "
+                             f"config.topk_group={KG} lie in [1, n_group] with top_k="
+                             f"{gate.top_k} experts in topk_group groups")
+    impl = getattr(experts.config, "_experts_implementation", None)
+    registered = _registered_impls()
+    if impl not in (None, "eager") and registered and impl not in registered:
+        raise ValueError(f"config._experts_implementation={impl!r} is not a registered experts "
+                         f"implementation; set it to one of {('eager',) + registered}")
+
+
+def convert_moe(model, *, fuse_experts: bool = True, fuse_shared: bool = True) -> int:
+    """Swap every HF DeepSeek V2 / V3 MoE block of model for ours (in place; see the module
+    docstring); returns how many were converted. With fuse_experts the routed experts of a
+    decode step run on mla::moe_experts_decode; with fuse_shared the shared experts run on
+    the decode GEMM ops (as convert(fuse_mlp=True) does for every SiLU MLP). Every block is
+    checked before any is touched; converting twice converts nothing more."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"convert_moe() takes a torch.nn.Module, got {type(model).__name__}")
+    blocks = moe_blocks(model)
+    for name, m, fam in blocks:
+        check_block(name, m, fam)
+    for name, m, fam in blocks:              # nothing below can fail
+        m.mla_family = fam
+        m.mla_fuse_experts = bool(fuse_experts)
+        m.__class__ = fused_moe_class(type(m))
+        shared = m.shared_experts
+        if fuse_shared and fusable_mlp(shared) and not getattr(shared, "mla_converted", False):
+            shared.__class__ = fused_mlp_class(type(shared))
+    return len(blocks)
