@@ -230,7 +230,7 @@ needs_wiring = pytest.mark.skipif(
 @pytest.mark.parametrize("family", ["v3", "v2"])
 def test_convert_swaps_moe_blocks(family):
     ref, model = moe_pair(family)
-    H.convert(model)
+    H.convert(model, fuse_experts=True)
     assert all(getattr(model.model.layers[i].mlp, "mla_converted", False) for i in (1, 2))
     ids, mask = left_padded([5, 9])
     cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=32, block_size=16)
@@ -241,8 +241,13 @@ def test_convert_swaps_moe_blocks(family):
 
 @needs_wiring
 def test_convert_fuse_experts_false_keeps_hf_experts_path():
+    """convert() leaves the MoE blocks to HF unless asked (fuse_experts=True); the block
+    with our router and HF's experts is convert_moe(model, fuse_experts=False)."""
+    from mla_ops.hf.moe import convert_moe
     _, model = moe_pair("v3")
-    H.convert(model, fuse_experts=False)
+    H.convert(model)
+    assert not getattr(model.model.layers[1].mlp, "mla_converted", False)
+    assert convert_moe(model, fuse_experts=False) > 0
     block = model.model.layers[1].mlp
     assert block.mla_converted and not block.mla_fuse_experts
 

@@ -139,7 +139,7 @@ def _paged_class(cls, family: str):
 
 def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
             fp8_decode_query: float | None = None, fuse_mlp: bool = True,
-            decode_head: bool = True, fuse_norms: bool = True, fuse_experts: bool = True):
+            decode_head: bool = True, fuse_norms: bool = True, fuse_experts: bool = False):
     """Route every DeepSeek V2/V3 attention layer of `model` through the MLA ops (in place).
 
     The attention's own projections run as decode GEMM ops (q_a + kv_a in one launch; see
@@ -152,10 +152,11 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     With decode_head, the output head (lm_head, when a plain bias-free nn.Linear) runs on
     the decode GEMM op too, with the same numerics rule.
 
-    With fuse_experts, every MoE block runs our router (HF's computation, the same experts
-    and weights) and, for a decode step's few rows on CUDA, its routed experts as
-    mla::moe_experts_decode, which streams only the chosen experts' weights
-    (mla_ops/hf/moe.py); other batches run HF's experts as the config asks.
+    With fuse_experts (opt-in for now), every MoE block runs our router (HF's computation,
+    the same experts and weights) and, for a decode step's few rows on CUDA, its routed
+    experts as mla::moe_experts_decode, which streams only the chosen experts' weights
+    (mla_ops/hf/moe.py); other batches run HF's experts as the config asks. Without it
+    the MoE blocks keep HF's module.
 
     With fuse_norms, each HF decoder layer adds its residuals in o_proj's and down_proj's
     epilogues and runs its two RMSNorms (and the model's final one) as mla::rms_norm
@@ -211,7 +212,8 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     mlps = [m for m in model.modules() if fuse_mlp and fusable_mlp(m)
             and not getattr(m, "mla_converted", False)]
     head = convertible_head(model) if decode_head else None
-    convert_moe(model, fuse_experts=fuse_experts, fuse_shared=False)   # checks, then swaps
+    if fuse_experts:
+        convert_moe(model, fuse_experts=True, fuse_shared=False)   # checks, then swaps
     for m, mla, fam in plans:          # nothing below can fail
         m.add_module("mla_attn", mla)
         m.__class__ = _paged_class(type(m), fam)
