@@ -35,7 +35,7 @@ import time
 import torch
 
 import mla_ops.hf
-from deepseek_model import build_model, make_config
+from mla_ops.hf.models import build_model, make_config
 
 
 def sync(dev):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 import time
 
@@ -22,9 +21,7 @@ import torch
 
 import mla_ops.hf
 
-# The model builder is shared with the HF benchmarks (benchmarks/deepseek_model.py).
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from deepseek_model import build_model, make_config  # noqa: E402
+from mla_ops.hf.models import build_model, make_config
 
 
 def left_padded_batch(lengths, vocab, device, seed=1):

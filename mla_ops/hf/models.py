@@ -1,6 +1,7 @@
-"""The DeepSeek-V3-shaped HF models the HF benchmarks and the DeepSeek example build: a
-config by name ("tiny": CPU-sized; "v3-shaped": V3's attention and dense-layer shapes) and a
-random-weight DeepseekV3ForCausalLM. Nothing is downloaded."""
+"""DeepSeek-V3-shaped HF models with random weights, for the example, the benchmarks and a
+first try without a checkpoint: a config by name ("tiny": CPU-sized; "v3-shaped": V3's
+attention and dense-layer shapes) and a random-weight DeepseekV3ForCausalLM. Nothing is
+downloaded."""
 from __future__ import annotations
 
 import torch
