@@ -132,39 +132,54 @@ def _batch_invariant_unmet(auto):
 # Backend modules are imported inside these functions (import statements, which
 # torch.compile traces; importlib calls it refuses).
 
-def _flashmla_unmet(call, auto):
-    reason = hopper_unmet(call.q, "FlashMLA's dense decode")
+def _hopper_route_unmet(call, auto, what, backend_check):
+    """A Hopper route's answer: the GPU, then the backend's own check (backend_check()
+    imports it), then the batch-invariant rule."""
+    reason = hopper_unmet(call.q, what)
     if reason is None:
-        from lowering.decode.flashmla import flashmla_unmet
-        reason = flashmla_unmet(call) or _batch_invariant_unmet(auto)
+        reason = backend_check()(call) or _batch_invariant_unmet(auto)
     return reason
+
+
+def _flashmla_check():
+    from lowering.decode.flashmla import flashmla_unmet
+    return flashmla_unmet
+
+
+def _flashmla_fp8q_check():
+    from lowering.decode.flashmla import flashmla_fp8q_unmet
+    return flashmla_fp8q_unmet
+
+
+def _gluon_check():
+    from lowering.decode.gluon_decode import gluon_unmet
+    return gluon_unmet
+
+
+def _gluon_fp8q_check():
+    from lowering.decode.gluon_decode import gluon_fp8q_unmet
+    return gluon_fp8q_unmet
+
+
+def _flashmla_unmet(call, auto):
+    return _hopper_route_unmet(call, auto, "FlashMLA's dense decode", _flashmla_check)
 
 
 def _gluon_unmet(call, auto):
-    reason = hopper_unmet(call.q, "the gluon backend")
-    if reason is None:
-        from lowering.decode.gluon_decode import gluon_unmet
-        reason = gluon_unmet(call) or _batch_invariant_unmet(auto)
-    return reason
+    return _hopper_route_unmet(call, auto, "the gluon backend", _gluon_check)
+
+
+def _gluon_fp8q_unmet(call, auto):
+    return _hopper_route_unmet(call, auto, "the gluon fp8 kernel", _gluon_fp8q_check)
 
 
 def _flashmla_fp8q_unmet(call, auto):
-    reason = hopper_unmet(call.q, "FlashMLA's dense fp8 decode")
-    if reason is None:
-        from lowering.decode.flashmla import flashmla_fp8q_unmet
-        reason = flashmla_fp8q_unmet(call) or _batch_invariant_unmet(auto)
+    reason = _hopper_route_unmet(call, auto, "FlashMLA's dense fp8 decode",
+                                 _flashmla_fp8q_check)
     if reason is None and auto and call.schedule is None and _gluon_fp8q_unmet(call, auto) is None:
         # FlashMLA's scheduler inside the call costs 9-32 µs on an H200, which at one
         # request makes it slower than the Gluon kernel: with no schedule, gluon first.
         return "no decode_schedule given and the gluon route serves the call"
-    return reason
-
-
-def _gluon_fp8q_unmet(call, auto):
-    reason = hopper_unmet(call.q, "the gluon fp8 kernel")
-    if reason is None:
-        from lowering.decode.gluon_decode import gluon_fp8q_unmet
-        reason = gluon_fp8q_unmet(call) or _batch_invariant_unmet(auto)
     return reason
 
 
