@@ -56,3 +56,23 @@ def left_padded(lengths, vocab=256, seed=3):
 def logit_err(a, b):
     """max |a - b| relative to max(1, |b|max)."""
     return ((a.float() - b.float()).abs().max() / max(1.0, b.float().abs().max().item())).item()
+
+
+def graph_and_generate_tokens(model, ids, mask, cache, new_tokens, backend="inductor"):
+    """(runner, DecodeGraph's greedy tokens, compiled generate()'s new tokens) after the
+    same prefill into `cache`: generate() first, then the cache is reset, prefilled by
+    one forward and replayed new_tokens - 1 times."""
+    from transformers.generation.configuration_utils import CompileConfig
+    import mla_ops.hf as H
+    kw = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    cc = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    with torch.no_grad():
+        exp = model.generate(ids, past_key_values=cache, compile_config=cc, **kw)
+    cache.reset()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                      past_key_values=cache).logits[:, -1].argmax(-1)
+    runner = H.DecodeGraph(model, cache, backend=backend)
+    got = torch.cat([first[:, None], runner.greedy(first, new_tokens - 1)], 1)
+    return runner, got, exp[:, ids.shape[1]:]

@@ -7,7 +7,8 @@ import torch
 import torch._dynamo
 
 import mla_ops.hf as H
-from hf_models import build_pair, left_padded, logit_err, tiny_config
+from hf_models import (build_pair, graph_and_generate_tokens, left_padded, logit_err,
+                       tiny_config)
 from mla_ops.cache import CacheFullError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -155,26 +156,15 @@ def test_bf16_page64_replays_match_compiled_generate(kv_cache_dtype):
     """bf16 with block 64 (bf16 cache: FlashMLA on SM90 when installed, else Triton; fp8
     cache: Triton): 41 replays with growing lengths give the tokens of generate() with the
     same compiled kernels."""
-    from transformers.generation.configuration_utils import CompileConfig
     cfg = tiny_config("v3")
     cfg.first_k_dense_replace = cfg.num_hidden_layers
     _, model = build_pair(cfg, seed=8, dtype=torch.bfloat16)
     model = H.convert(model).to(DEVICE)
     ids, mask = (t.to(DEVICE) for t in left_padded([30, 70, 5], seed=8))
-    kw = dict(attention_mask=mask, max_new_tokens=42, do_sample=False)
     cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=128, device=DEVICE,
                             dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype, k_scale=0.05)
-    cc = CompileConfig(fullgraph=True, dynamic=False, backend=BACKEND, mode=None)
-    with torch.no_grad():
-        exp = model.generate(ids, past_key_values=cache, compile_config=cc, **kw)
-    cache.reset()
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                      past_key_values=cache).logits[:, -1].argmax(-1)
-    runner = H.DecodeGraph(model, cache, backend=BACKEND)
-    got = torch.cat([first[:, None], runner.greedy(first, 41)], 1)
-    assert torch.equal(got, exp[:, ids.shape[1]:])
+    _, got, exp = graph_and_generate_tokens(model, ids, mask, cache, 42, backend=BACKEND)
+    assert torch.equal(got, exp)
 
 
 def _flashmla_prefilled():

@@ -9,7 +9,8 @@ import torch
 import torch._dynamo
 
 import mla_ops.hf as H
-from hf_models import build_pair, left_padded, logit_err, tiny_config
+from hf_models import (build_pair, graph_and_generate_tokens, left_padded, logit_err,
+                       tiny_config)
 from mla_ops.hf.moe import convert_moe, route
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -294,24 +295,13 @@ def test_bf16_moe_decode_graph_captures(fresh_dynamo, impl):
     """bf16 on the GPU: the converted MoE decode step (routed experts on the decode op)
     captures in DecodeGraph whatever _experts_implementation says, and its replays give the
     tokens of generate() with the same compiled kernels."""
-    from transformers.generation.configuration_utils import CompileConfig
     _, model = build_pair(moe_config("v3"), seed=8, dtype=torch.bfloat16)
     model.config._experts_implementation = impl
     model = H.convert(model).to("cuda")
     convert_moe(model)
     ids, mask = (t.to("cuda") for t in left_padded([30, 70, 5], seed=8))
-    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False)
     cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=128, device="cuda",
                             dtype=torch.bfloat16)
-    cc = CompileConfig(fullgraph=True, dynamic=False, backend="inductor", mode=None)
-    with torch.no_grad():
-        exp = model.generate(ids, cache=cache, compile_config=cc, **kw)
-    cache.reset()
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                      cache=cache).logits[:, -1].argmax(-1)
-    runner = H.DecodeGraph(model, cache)
+    runner, got, exp = graph_and_generate_tokens(model, ids, mask, cache, 12)
     assert runner.graph_enabled
-    got = torch.cat([first[:, None], runner.greedy(first, 11)], 1)
-    assert torch.equal(got, exp[:, ids.shape[1]:])
+    assert torch.equal(got, exp)
