@@ -56,7 +56,7 @@ def decode_graph_run(model, cache, ids, mask, expected, new, dev, backend):
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                      past_key_values=cache).logits[:, -1].argmax(-1)          # [B]
+                      **mla_ops.hf.cache_kwargs(model, cache)).logits[:, -1].argmax(-1)   # [B]
     t = time.perf_counter()
     try:
         runner = mla_ops.hf.DecodeGraph(model, cache, backend=backend)
@@ -89,17 +89,18 @@ def teacher_forced_check(model, ref, seq, mask, new, cache, dev):
     ref_cache = DynamicCache(config=ref.config)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     agree, err = [], 0.0
+    ours = mla_ops.hf.cache_kwargs(model, cache)          # cache= (or past_key_values=
+    theirs = mla_ops.hf.cache_kwargs(ref, ref_cache)      # before transformers 5.24)
     with torch.no_grad():
-        model(input_ids=seq[:, :S], attention_mask=mask, position_ids=pos, past_key_values=cache)
-        ref(input_ids=seq[:, :S], attention_mask=mask, position_ids=pos, past_key_values=ref_cache)
+        model(input_ids=seq[:, :S], attention_mask=mask, position_ids=pos, **ours)
+        ref(input_ids=seq[:, :S], attention_mask=mask, position_ids=pos, **theirs)
         p = pos[:, -1:]
         for i in range(new - 1):
             p = p + 1
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
             tok = seq[:, S + i:S + i + 1]
-            a = model(input_ids=tok, position_ids=p, past_key_values=cache).logits.float()
-            b = ref(input_ids=tok, attention_mask=mask, position_ids=p,
-                    past_key_values=ref_cache).logits.float()
+            a = model(input_ids=tok, position_ids=p, **ours).logits.float()
+            b = ref(input_ids=tok, attention_mask=mask, position_ids=p, **theirs).logits.float()
             agree.append((a.argmax(-1) == b.argmax(-1)).float().mean().item())
             err = max(err, ((a - b).abs().max() / b.abs().max().clamp(min=1)).item())
     print(f"teacher-forced decode of the same {new - 1} steps: argmax equal "
@@ -151,7 +152,9 @@ def main():
     cache = mla_ops.hf.PagedMLACache(model.config, max_batch_size=B, max_cache_len=max_len,
                                      block_size=block_size,
                                      kv_cache_dtype=args.kv_cache_dtype, device=dev, dtype=dtype)
-    kw = {}
+    # generate() with no cache argument runs on a PagedMLACache sized from the call; this
+    # demo passes its own to report the blocks it used
+    kw = mla_ops.hf.cache_kwargs(model, cache)
     if not args.no_compile:
         # fullgraph: the decode step must trace to one graph; CUDA graphs on GPU
         cc = CompileConfig(fullgraph=True, dynamic=False, backend=backend,
@@ -161,12 +164,13 @@ def main():
     if on_cuda:
         # A decode kernel may set up persistent buffers on its first call (FlashMLA's
         # scheduler table): make that call eagerly, outside the CUDA-graph pool.
-        timed_generate(model, ids, mask, 2, dev, past_key_values=cache, disable_compile=True)
+        timed_generate(model, ids, mask, 2, dev, disable_compile=True,
+                       **mla_ops.hf.cache_kwargs(model, cache))
         cache.reset()
-    out, t_first = timed_generate(model, ids, mask, new, dev, past_key_values=cache, **kw)
+    out, t_first = timed_generate(model, ids, mask, new, dev, **kw)
     used_blocks, used_bytes = cache.blocks_in_use(), cache.bytes_in_use()
     cache.reset()
-    out2, t_ours = timed_generate(model, ids, mask, new, dev, past_key_values=cache, **kw)
+    out2, t_ours = timed_generate(model, ids, mask, new, dev, **kw)
     assert torch.equal(out, out2), "second run differs from the first"
     compiled = "compiled decode" if not args.no_compile else "eager"
     print(f"ours ({compiled}, PagedMLACache block {block_size}, kv {args.kv_cache_dtype}): "
@@ -178,8 +182,8 @@ def main():
 
     if not args.no_check:
         hf_cache = StaticCache(config=ref.config, max_cache_len=max_len)
-        exp, t_hf = timed_generate(ref, ids, mask, new, dev, past_key_values=hf_cache,
-                                   disable_compile=True)
+        exp, t_hf = timed_generate(ref, ids, mask, new, dev, disable_compile=True,
+                                   **mla_ops.hf.cache_kwargs(ref, hf_cache))
         print(f"HF eager + StaticCache: {B * new / t_hf:.1f} tokens/s")
         same = (out[:, -new:] == exp[:, -new:]).float().mean().item()
         print(f"greedy tokens equal to the unconverted model: {same:.1%}"

@@ -2,8 +2,12 @@
 
     import mla_ops.hf
     model = mla_ops.hf.convert(model)                      # in place; returns the model
-    cache = mla_ops.hf.PagedMLACache(model.config, max_batch_size=B, max_cache_len=S)
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=n)   # on a PagedMLACache
+
+generate() with no cache argument builds a PagedMLACache sized from the call
+(mla_ops/hf/generate.py); a cache passed as cache= (transformers >= 5.24) or
+past_key_values= is used as is: cache_kwargs(model, cache) names the argument the
+installed transformers takes.
 
 convert() keeps every HF attention module (and its parameters) and swaps its class
 for a subclass whose forward computes q / kv_c_normed / k_pe exactly as HF does,
@@ -22,5 +26,6 @@ captures a converted model's whole decode step in one CUDA graph.
 from mla_ops.hf.convert import CacheFullError, convert, is_converted  # noqa: F401
 from mla_ops.hf.cache import PagedMLACache  # noqa: F401
 from mla_ops.hf.graph import DecodeGraph  # noqa: F401
+from mla_ops.hf.generate import cache_kwargs  # noqa: F401
 
-__all__ = ["convert", "PagedMLACache", "DecodeGraph", "is_converted"]
+__all__ = ["convert", "PagedMLACache", "DecodeGraph", "is_converted", "cache_kwargs"]

@@ -7,6 +7,7 @@ import torch
 
 from mla_ops.cache import CacheFullError  # noqa: F401  (raised by PagedMLACache and DecodeGraph)
 from mla_ops.hf.cache import PagedMLACache
+from mla_ops.hf.generate import check_cache_options, generation_class
 from mla_ops.hf.layer import convert_layers
 from mla_ops.hf.linear import (absorbed_decode_query, convertible_head, decode_head_class,
                                fusable_mlp, fused_mlp_class, linear, linear_pair,
@@ -139,7 +140,8 @@ def _paged_class(cls, family: str):
 
 def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
             fp8_decode_query: float | None = None, fuse_mlp: bool = True,
-            decode_head: bool = True, fuse_norms: bool = True, fuse_experts: bool = False):
+            decode_head: bool = True, fuse_norms: bool = True, fuse_experts: bool = False,
+            cache_options: dict | None = None):
     """Route every DeepSeek V2/V3 attention layer of `model` through the MLA ops (in place).
 
     The attention's own projections run as decode GEMM ops (q_a + kv_a in one launch; see
@@ -168,6 +170,13 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     (mla::decode_q_absorb_fp8); elsewhere the query's cat + quant are in the graph, where
     the Inductor passes fuse them (passes.compile_with_passes).
 
+    model.generate(...) with no cache argument then runs on a PagedMLACache sized from the
+    call (mla_ops/hf/generate.py); cache_options are that cache's other arguments
+    (kv_cache_dtype, k_scale, block_size, num_blocks, schedule_per_step), e.g.
+    dict(kv_cache_dtype="fp8", k_scale=...), which generate()'s default cache needs with
+    fp8_decode_query (else that generate() call raises a ValueError saying so). A cache
+    passed as cache= / past_key_values= is used as is.
+
     All checks and weight absorption happen before the first module is touched, so a
     failure leaves the model as it was. Converting twice is a no-op.
     """
@@ -186,6 +195,7 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
                         + (f" (its attention: {others[0]})" if others else ""))
     if others:
         raise TypeError(f"convert() supports models whose attention is all MLA; found {others[:3]}")
+    options = check_cache_options(cache_options)
     plans, seen = [], set()
     for name, m, fam in attns:
         if getattr(m, "mla_converted", False):
@@ -223,5 +233,9 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
         head.__class__ = decode_head_class(type(head))
     if fuse_norms:
         convert_layers(model)
+    if hasattr(model, "generate"):
+        model.mla_cache_options = options
+        model.mla_fp8_decode_query = fp8_decode_query is not None
+        model.__class__ = generation_class(type(model))
     return model
 

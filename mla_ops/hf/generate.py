@@ -1,0 +1,169 @@
+"""generate() on a converted model: with no cache argument it runs on a PagedMLACache.
+
+transformers builds generate()'s default cache in GenerationMixin's
+_prepare_cache_for_generation(generation_config, model_kwargs, generation_mode,
+batch_size, max_cache_length); it offers no public hook for a model-specific default
+(cache_implementation takes only HF's own names). So convert() swaps the model's class for
+a subclass (same name, so save_pretrained records the same architecture) whose
+_prepare_cache_for_generation puts a PagedMLACache into model_kwargs when generate() would
+otherwise build a DynamicCache:
+
+- sized from the call: max(num_beams, num_return_sequences) * batch rows of
+  generation_config.max_length - 1 tokens (prompt with its left pads + max_new_tokens;
+  at least generation_config.max_cache_len when set), and never smaller than the previous
+  call's default cache, so a compiled decode step keeps its shapes across calls;
+- block size 64 on CUDA (FlashMLA's page), 16 elsewhere; the activations' dtype (the input
+  embedding's) and device; the 16-bit cache unless convert(cache_options=...) asks
+  otherwise (e.g. dict(kv_cache_dtype="fp8", k_scale=...)).
+
+Everything else is HF's: a cache the user passes (cache= or past_key_values=) is used as
+is, use_cache=False builds none, and generation_config.cache_implementation builds HF's
+cache of that kind (the converted layers then run HF's attention). Strategies the paged
+cache cannot serve (beam search and the other modes that reorder or crop the cache) raise
+a ValueError naming what to do instead of running wrong.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from mla_ops.hf.cache import PagedMLACache
+
+__all__ = ["generation_class", "check_cache_options", "cache_kwargs", "HOOK"]
+
+HOOK = "_prepare_cache_for_generation"
+HOOK_PARAMS = ("generation_config", "model_kwargs", "generation_mode", "batch_size",
+               "max_cache_length")
+SERVED_MODES = ("greedy_search", "sample")
+BLOCK_SIZE = {"cuda": 64}          # FlashMLA's page; other devices: DEFAULT_BLOCK_SIZE
+DEFAULT_BLOCK_SIZE = 16
+CACHE_OPTIONS = ("kv_cache_dtype", "k_scale", "block_size", "num_blocks", "schedule_per_step")
+
+
+def cache_kwargs(model, cache) -> dict:
+    """{name: cache} for model(...) / model.generate(...): `cache` where the installed
+    transformers takes it (>= 5.24; past_key_values is deprecated there), else
+    past_key_values."""
+    params = inspect.signature(type(model).forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
+
+
+def check_cache_options(options) -> dict:
+    """convert(cache_options=...): keyword arguments of the default PagedMLACache."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise TypeError(f"cache_options must be a dict of PagedMLACache arguments, got "
+                        f"{type(options).__name__}")
+    unknown = sorted(set(options) - set(CACHE_OPTIONS))
+    if unknown:
+        raise TypeError(f"cache_options: unknown {unknown}; PagedMLACache takes {list(CACHE_OPTIONS)}"
+                        f" here (batch, length, dtype and device come from the generate() call)")
+    return dict(options)
+
+
+def unserved(generation_config, generation_mode) -> str | None:
+    """Why the paged cache cannot serve this generate() call, or None."""
+    mode = getattr(generation_mode, "value", generation_mode)
+    if mode not in SERVED_MODES:
+        return f"generation mode {mode!r}"
+    if getattr(generation_config, "is_assistant", False):
+        return "use as an assistant model (its cache must roll back)"
+    return None
+
+
+def refuse(why: str):
+    raise ValueError(f"PagedMLACache (a converted model's cache) serves greedy search and "
+                     f"sampling only, not {why}: pass use_cache=False, or "
+                     f"cache=transformers.DynamicCache(config=model.config) to run HF's "
+                     f"attention with HF's cache")
+
+
+def default_cache(model, generation_config, batch_size: int, max_cache_length: int):
+    """A PagedMLACache for this call (see the module docstring)."""
+    rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1,
+               1) * batch_size
+    length = max(max_cache_length, generation_config.max_cache_len or 0, 1)
+    prev_rows, prev_len = getattr(model, "mla_default_cache_shape", (0, 0))
+    rows, length = max(rows, prev_rows), max(length, prev_len)
+    weight = model.get_input_embeddings().weight              # the activations' dtype, device
+    options = dict(getattr(model, "mla_cache_options", {}))
+    if getattr(model, "mla_fp8_decode_query", False) and options.get("kv_cache_dtype") != "fp8":
+        raise ValueError("convert(fp8_decode_query=...) needs an fp8 cache: convert with "
+                         "cache_options=dict(kv_cache_dtype='fp8', k_scale=...) or pass "
+                         "cache=PagedMLACache(..., kv_cache_dtype='fp8')")
+    options.setdefault("block_size", BLOCK_SIZE.get(weight.device.type, DEFAULT_BLOCK_SIZE))
+    cache = PagedMLACache(model.config, max_batch_size=rows, max_cache_len=length,
+                          device=weight.device, dtype=weight.dtype, **options)
+    model.mla_default_cache_shape = (rows, length)
+    return cache
+
+
+def hook_serves(cls) -> bool:
+    """Whether transformers still builds generate()'s cache through HOOK as we expect."""
+    fn = getattr(cls, HOOK, None)
+    if fn is None:
+        return False
+    params = tuple(inspect.signature(fn).parameters)[1:]
+    return params == HOOK_PARAMS
+
+
+GENERATION_CLASSES: dict = {}
+
+
+def generation_class(cls):
+    """cls (an HF model class with generate()) with the default cache hook; same name."""
+    if getattr(cls, "mla_generation", False):
+        return cls
+    if cls not in GENERATION_CLASSES:
+        GENERATION_CLASSES[cls] = build_class(cls)
+    return GENERATION_CLASSES[cls]
+
+
+def build_class(cls):
+    if not hook_serves(cls):
+        return type(cls.__name__, (cls,), {"generate": _guarded_generate(cls),
+                                          "mla_generation": True, "__module__": __name__,
+                                          "__qualname__": cls.__qualname__})
+    hf_prepare = getattr(cls, HOOK)
+
+    def prepare_cache(self, generation_config, model_kwargs, generation_mode, batch_size,
+                      max_cache_length):
+        user = model_kwargs.get("cache")
+        if isinstance(user, PagedMLACache):
+            why = unserved(generation_config, generation_mode)
+            if why:
+                refuse(why)
+        if (user is not None or generation_config.use_cache is False
+                or generation_config.cache_implementation is not None):
+            return hf_prepare(self, generation_config, model_kwargs, generation_mode,
+                              batch_size, max_cache_length)
+        why = unserved(generation_config, generation_mode)
+        if why:
+            refuse(why)
+        model_kwargs["cache"] = default_cache(self, generation_config, batch_size,
+                                              max_cache_length)
+
+    prepare_cache.__doc__ = "A PagedMLACache as generate()'s default cache (mla_ops/hf/generate.py)."
+    return type(cls.__name__, (cls,), {HOOK: prepare_cache, "mla_generation": True,
+                                      "__module__": __name__, "__qualname__": cls.__qualname__})
+
+
+def _guarded_generate(cls):
+    """generate() for a transformers whose cache hook we do not recognise: a call that
+    would get HF's default cache raises instead of silently running HF's attention."""
+    hf_generate = cls.generate
+
+    def generate(self, *args, **kwargs):
+        given = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
+        if not given and kwargs.get("use_cache", True) is not False:
+            raise RuntimeError(
+                f"this transformers version no longer builds generate()'s cache through "
+                f"{HOOK}{HOOK_PARAMS}, so a converted model cannot supply its PagedMLACache "
+                f"by default: pass cache=mla_ops.hf.PagedMLACache(model.config, "
+                f"max_batch_size=..., max_cache_len=...) (or use_cache=False)")
+        return hf_generate(self, *args, **kwargs)
+
+    generate.__doc__ = hf_generate.__doc__
+    return generate
