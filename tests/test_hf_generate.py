@@ -203,3 +203,27 @@ def test_example_has_no_deprecation_warnings(monkeypatch):
                   if issubclass(w.category, (FutureWarning, DeprecationWarning))
                   and "deprecat" in str(w.message).lower()]
     assert not deprecated, deprecated
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_default_cache_on_cuda_bf16():
+    """On CUDA the default cache has FlashMLA's 64-token page and the model's bf16; HF
+    auto-compiles the decode step for a compileable cache (CUDA graphs): same tokens as
+    with disable_compile=True, and as with the same cache passed by hand."""
+    torch._dynamo.reset()
+    _, model = build_pair(tiny_config("v3"), seed=11)
+    model = H.convert(model).to("cuda", torch.bfloat16)
+    ids, mask = (t.cuda() for t in left_padded([5, 33, 70], seed=4))
+    try:
+        eager = run(model, ids, mask, max_new_tokens=24, disable_compile=True)
+        cache = eager.cache
+        assert (cache.block_size, cache.dtype, cache.device.type) == (64, torch.bfloat16, "cuda")
+        compiled = run(model, ids, mask, max_new_tokens=24)
+        assert isinstance(compiled.cache, H.PagedMLACache)
+        assert torch.equal(compiled.sequences, eager.sequences)
+        mine = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=70 + 23,
+                               block_size=64, device="cuda", dtype=torch.bfloat16)
+        given = run(model, ids, mask, max_new_tokens=24, disable_compile=True, cache=mine)
+        assert torch.equal(given.sequences, eager.sequences)
+    finally:
+        torch._dynamo.reset()

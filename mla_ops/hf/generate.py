@@ -100,6 +100,13 @@ def default_cache(model, generation_config, batch_size: int, max_cache_length: i
     return cache
 
 
+def cache_key() -> str:
+    """The name generate() keeps its cache under in model_kwargs: "cache" from transformers
+    5.24, "past_key_values" before."""
+    from transformers.generation import utils
+    return "cache" if "cache" in getattr(utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
+
+
 def hook_serves(cls) -> bool:
     """Whether transformers still builds generate()'s cache through HOOK as we expect."""
     fn = getattr(cls, HOOK, None)
@@ -126,11 +133,11 @@ def build_class(cls):
         return type(cls.__name__, (cls,), {"generate": _guarded_generate(cls),
                                           "mla_generation": True, "__module__": __name__,
                                           "__qualname__": cls.__qualname__})
-    hf_prepare = getattr(cls, HOOK)
+    hf_prepare, key = getattr(cls, HOOK), cache_key()
 
     def prepare_cache(self, generation_config, model_kwargs, generation_mode, batch_size,
                       max_cache_length):
-        user = model_kwargs.get("cache")
+        user = model_kwargs.get(key)
         if isinstance(user, PagedMLACache):
             why = unserved(generation_config, generation_mode)
             if why:
@@ -142,7 +149,7 @@ def build_class(cls):
         why = unserved(generation_config, generation_mode)
         if why:
             refuse(why)
-        model_kwargs["cache"] = default_cache(self, generation_config, batch_size,
+        model_kwargs[key] = default_cache(self, generation_config, batch_size,
                                               max_cache_length)
 
     prepare_cache.__doc__ = "A PagedMLACache as generate()'s default cache (mla_ops/hf/generate.py)."
