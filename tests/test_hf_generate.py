@@ -125,6 +125,8 @@ def test_cache_options():
     ids, mask = left_padded(LENGTHS)
     out = run(model, ids, mask, max_new_tokens=3)
     assert out.cache.kv(0).dtype == torch.float8_e4m3fn and out.cache.block_size == 8
+    H.convert(model)                                           # converting again keeps them
+    assert run(model, ids, mask, max_new_tokens=2).cache.block_size == 8
     _, fp8q = build_pair(tiny_config("v3"))
     H.convert(fp8q, fp8_decode_query=0.05)
     with pytest.raises(ValueError, match="fp8 cache"):

@@ -234,8 +234,8 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     if fuse_norms:
         convert_layers(model)
     if hasattr(model, "generate"):
-        model.mla_cache_options = options
-        model.mla_fp8_decode_query = fp8_decode_query is not None
+        if cache_options is not None or not hasattr(model, "mla_cache_options"):
+            model.mla_cache_options = options           # (converting again keeps them)
         model.__class__ = generation_class(type(model))
     return model
 

@@ -29,6 +29,7 @@ import inspect
 import torch
 
 from mla_ops.hf.cache import PagedMLACache
+from mla_ops.layer import MLAAttention
 
 __all__ = ["generation_class", "check_cache_options", "cache_kwargs", "HOOK"]
 
@@ -89,7 +90,9 @@ def default_cache(model, generation_config, batch_size: int, max_cache_length: i
     rows, length = max(rows, prev_rows), max(length, prev_len)
     weight = model.get_input_embeddings().weight              # the activations' dtype, device
     options = dict(getattr(model, "mla_cache_options", {}))
-    if getattr(model, "mla_fp8_decode_query", False) and options.get("kv_cache_dtype") != "fp8":
+    fp8_query = any(getattr(m, "q_scale", None) is not None for m in model.modules()
+                    if isinstance(m, MLAAttention))
+    if fp8_query and options.get("kv_cache_dtype") != "fp8":
         raise ValueError("convert(fp8_decode_query=...) needs an fp8 cache: convert with "
                          "cache_options=dict(kv_cache_dtype='fp8', k_scale=...) or pass "
                          "cache=PagedMLACache(..., kv_cache_dtype='fp8')")
