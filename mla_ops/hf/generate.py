@@ -85,7 +85,7 @@ def default_cache(model, generation_config, batch_size: int, max_cache_length: i
     """A PagedMLACache for this call (see the module docstring)."""
     rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1,
                1) * batch_size
-    length = max(max_cache_length, generation_config.max_cache_len or 0, 1)
+    length = max(max_cache_length, getattr(generation_config, "max_cache_len", None) or 0, 1)
     prev_rows, prev_len = getattr(model, "mla_default_cache_shape", (0, 0))
     rows, length = max(rows, prev_rows), max(length, prev_len)
     weight = model.get_input_embeddings().weight              # the activations' dtype, device
