@@ -212,7 +212,7 @@ def test_compiled_decode_step_fullgraph(fresh_dynamo, impl):
                             device=DEVICE)
     kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False)
     with torch.no_grad():
-        out = model.generate(ids, cache=cache, compile_config=cc, **kw)
+        out = model.generate(ids, **H.cache_kwargs(model, cache), compile_config=cc, **kw)
         exp = ref.generate(ids, **kw)
     assert len(graphs) == 1
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
@@ -237,7 +237,8 @@ def test_convert_swaps_moe_blocks(family):
     cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=32, block_size=16)
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
     with torch.no_grad():
-        assert torch.equal(model.generate(ids, cache=cache, **kw), ref.generate(ids, **kw))
+        assert torch.equal(model.generate(ids, **H.cache_kwargs(model, cache), **kw),
+                           ref.generate(ids, **kw))
 
 
 @needs_wiring
