@@ -52,20 +52,19 @@ def fusable_layer(layer) -> bool:
 
 
 def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None,
-                   past_key_values=None, use_cache=False, position_embeddings=None, **kwargs):
+                   use_cache=False, position_embeddings=None, **kwargs):
     """HF's decoder layer with the residual adds inside o_proj's and down_proj's GEMMs:
-    hidden_states [B, S, H] -> [B, S, H]."""
+    hidden_states [B, S, H] -> [B, S, H]. The cache travels in kwargs under the name the
+    caller used (cache from transformers 5.24, past_key_values before)."""
     if not _on(self.input_layernorm.weight, self.post_attention_layernorm.weight):
         return self.hf_forward(hidden_states, attention_mask=attention_mask,
-                               position_ids=position_ids, past_key_values=past_key_values,
-                               use_cache=use_cache, position_embeddings=position_embeddings,
-                               **kwargs)
+                               position_ids=position_ids, use_cache=use_cache,
+                               position_embeddings=position_embeddings, **kwargs)
     residual = hidden_states
     h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
                           attention_mask=attention_mask, position_ids=position_ids,
-                          past_key_values=past_key_values, use_cache=use_cache,
-                          position_embeddings=position_embeddings, mla_residual=residual,
-                          **kwargs)                                   # residual + attention
+                          use_cache=use_cache, position_embeddings=position_embeddings,
+                          mla_residual=residual, **kwargs)            # residual + attention
     x = self.post_attention_layernorm(h)
     if getattr(self.mlp, "mla_converted", False):                     # the fused SiLU MLP
         return self.mlp(x, h)                                         # h + mlp(x)
