@@ -107,28 +107,34 @@ def schedule_rows(device, q_rows: int) -> int:
     return sm_count(device) // -(-q_rows // _BLOCK_M)
 
 
-def compute_schedule(cache_seqlens: torch.Tensor, q_rows: int, num_heads: int,
-                     fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scheduler table [parts, 8] int32 and split offsets [B + 1] int32 for these lengths
-    (fp8: for the dense fp8 kernel, which has a scheduler of its own)."""
+def scheduler_metadata(cache_seqlens: torch.Tensor, q_rows: int, num_heads: int,
+                       fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's scheduler kernel on the current stream: table [parts, 8] int32 and split
+    offsets [B + 1] int32 for these lengths (fp8: for the dense fp8 kernel, which has a
+    scheduler of its own)."""
     import flash_mla
-
-    def schedule():
-        return flash_mla.get_mla_decoding_metadata(
-            cache_seqlens, q_rows, 1, None if fp8 else num_heads, fp8, None, use_legacy=True)
-    main, side = torch.cuda.current_stream(cache_seqlens.device), \
-        _schedule_stream(cache_seqlens.device)
-    side.wait_stream(main)                       # the lengths as the caller's stream has them
-    with torch.cuda.stream(side):
-        meta, splits = schedule()
-    cache_seqlens.record_stream(side)            # not reused by the caller while side reads it
-    for t in (meta, splits):
-        t.record_stream(main)                    # allocated on side, read on main
+    meta, splits = flash_mla.get_mla_decoding_metadata(
+        cache_seqlens, q_rows, 1, None if fp8 else num_heads, fp8, None, use_legacy=True)
     want = schedule_rows(cache_seqlens.device, q_rows)
     if tuple(meta.shape) != (want, _META_INTS):
         raise RuntimeError(f"flash_mla returned a scheduler table of shape {tuple(meta.shape)}, "
                            f"expected ({want}, {_META_INTS}); this flash_mla version is not "
                            f"supported (sgl-flash-mla 1.0.0 is)")
+    return meta, splits
+
+
+def compute_schedule(cache_seqlens: torch.Tensor, q_rows: int, num_heads: int,
+                     fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """scheduler_metadata() on the side stream, for a table made once per step and read
+    by later decode calls (which join the side stream first): see Overlap above."""
+    main, side = torch.cuda.current_stream(cache_seqlens.device), \
+        _schedule_stream(cache_seqlens.device)
+    side.wait_stream(main)                       # the lengths as the caller's stream has them
+    with torch.cuda.stream(side):
+        meta, splits = scheduler_metadata(cache_seqlens, q_rows, num_heads, fp8)
+    cache_seqlens.record_stream(side)            # not reused by the caller while side reads it
+    for t in (meta, splits):
+        t.record_stream(main)                    # allocated on side, read on main
     return meta, splits
 
 
@@ -143,21 +149,27 @@ def _(cache_seqlens, q_rows, num_heads, fp8=False):
             cache_seqlens.new_empty((B + 1,)))
 
 
+@functools.lru_cache(maxsize=1)
+def _dense_decode_kernel():
+    """FlashMLA's dense decode entry (the legacy extension's op, resolved once: the
+    Python wrapper around it costs host time on every call)."""
+    import flash_mla  # noqa: F401  (loads torch.ops.flash_mla_legacy)
+    return torch.ops.flash_mla_legacy.dense_decode_fwd.default
+
+
 def flashmla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     cache_seqlens: torch.Tensor, softmax_scale: float, causal: bool,
                     head_dim_v: int, sched_meta: Optional[torch.Tensor] = None,
                     sched_splits: Optional[torch.Tensor] = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    import flash_mla
-    B, s_q, H, _ = q.shape
-    if sched_meta is None:
-        sched_meta, sched_splits = compute_schedule(cache_seqlens, s_q * H, H)
-    _join_schedule_stream(q.device)
-    sched = flash_mla.flash_mla_interface.FlashMLASchedMeta()
-    sched.tile_scheduler_metadata, sched.num_splits = sched_meta, sched_splits
-    out, lse = flash_mla.flash_mla_with_kvcache(
-        q, kv_cache.unsqueeze(2), block_table, cache_seqlens, head_dim_v, sched,
-        softmax_scale=softmax_scale, causal=causal, is_fp8_kvcache=False, use_legacy=True)
+    """q [B, s_q, H, 576] bf16 -> out [B, s_q, H, 512], lse [B, H, s_q]. Without a
+    schedule FlashMLA's entry computes the table itself, on the current stream (nothing
+    to overlap within one call)."""
+    if sched_meta is not None:
+        _join_schedule_stream(q.device)
+    out, lse, _, _ = _dense_decode_kernel()(
+        q, kv_cache.unsqueeze(2), head_dim_v, cache_seqlens, block_table, softmax_scale,
+        causal, sched_meta, sched_splits)
     return out, lse
 
 
@@ -277,9 +289,10 @@ def flashmla_decode_fp8q(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                              f"on a copy that is)")
     _, s_q, H, _ = q.shape
     meta, splits = sched_meta, sched_splits
-    if meta is None:
-        meta, splits = compute_schedule(cache_seqlens, s_q * H, H, True)
-    _join_schedule_stream(q.device)
+    if meta is None:                  # made here, on this stream: nothing to join
+        meta, splits = scheduler_metadata(cache_seqlens, s_q * H, H, True)
+    else:
+        _join_schedule_stream(q.device)
     sched = flash_mla.flash_mla_interface.FlashMLASchedMeta()
     sched.tile_scheduler_metadata, sched.num_splits = meta, splits
     return flash_mla.flash_mla_with_kvcache(
