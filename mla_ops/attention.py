@@ -14,6 +14,7 @@ from lowering.checks import (FLOAT_DTYPES, check_decode_values, check_kv_cache_d
 from lowering.decode.entry import run_decode
 from lowering.decode.registry import HAVE_TRITON, DecodeCall
 from lowering.gemm.head_gemm import absorb_output, absorb_query
+from lowering.prefill.step import PrefillShape, prefill_shape as measure_prefill_shape
 from mla_ops.prefill import prefill_attention
 from mla_ops.quant import FP8, quant_fp8_group, quant_fp8_static, group_scales
 
@@ -97,6 +98,25 @@ def check_attention_args(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_tab
         decode_requests = qsl.index(num_decode_tokens)    # the decode rows' requests
         check_decode_values(kv_cache, block_table[:decode_requests],
                             seq_lens[:decode_requests], 0, "seq_lens")
+
+
+def check_prefill_shape(shape, q, seq_lens, query_start_loc, num_decode_tokens) -> None:
+    """A caller's prefill_shape: four ints >= 0 (a list), or None. With the value checks
+    on (lowering.config.validate; always on CPU), equal to what the tensors say."""
+    if shape is None:
+        return
+    if (not isinstance(shape, (list, tuple)) or len(shape) != 4
+            or any(isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)) for v in shape)):
+        raise TypeError(f"prefill_shape must be [num_requests, max_query_len, max_context_len, "
+                        f"min_context_len] (ints) or None, got {shape!r}")
+    if num_decode_tokens == q.shape[0]:
+        return                                           # no prefill rows: not read
+    if wants_value_checks(q):
+        want = measure_prefill_shape(query_start_loc, seq_lens, num_decode_tokens)
+        got = PrefillShape(*(int(v) for v in shape))
+        if got != want:
+            raise ValueError(f"prefill_shape {list(shape)} does not match the step's tensors: "
+                             f"{[want.num_requests, want.max_query_len, want.max_context_len, want.min_context_len]}")
 
 
 def _quant_impl(x: torch.Tensor):
@@ -265,7 +285,7 @@ def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_sta
 def run_attention(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
                   query_start_loc, num_decode_tokens, softmax_scale, kv_cache_dtype, k_scale,
                   output, output_scale, output_block_scale, workspace_rows, backend,
-                  decode_q=None, decode_q_scale=None, schedule=None):
+                  decode_q=None, decode_q_scale=None, schedule=None, prefill_shape=None):
     kind = "auto" if kv_cache_dtype == "auto" else "fp8"
     T = q.shape[0]
     nd = num_decode_tokens
@@ -283,5 +303,6 @@ def run_attention(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq
     if nd < T:
         out = prefill_attention(q, kv_c_normed, k_pe.reshape(T, -1), kv_cache, W_UK_T, W_UV,
                                 block_table, seq_lens, query_start_loc, nd, softmax_scale,
-                                kind, k_scale, workspace_rows)           # [T - nd, N * V]
+                                kind, k_scale, workspace_rows,
+                                None if prefill_shape is None else PrefillShape(*prefill_shape))
         _write_output(out, output[nd:], output_scale, scale_rows(nd, T))

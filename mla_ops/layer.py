@@ -153,5 +153,6 @@ class MLAAttention(nn.Module):
             q, kv_c_normed, k_pe, kv_cache, self.W_UK_T, self.W_UV, meta.block_table,
             meta.seq_lens, meta.query_start_loc, meta.num_decode_tokens, self.softmax_scale,
             kind, k_scale, dep, out, None, None, self.workspace_rows, self.backend,
-            decode_q, decode_q_scale, *(sched if sched is not None else ()))
+            decode_q, decode_q_scale, *(sched if sched is not None else (None, None)),
+            meta.prefill_shape)
         return no_backward.guard(out, q, kv_c_normed, k_pe)   # autograd: a clear error

@@ -30,6 +30,10 @@ class MLAMetadata:
     # decode query reads only an fp8 one (decode_schedule(..., fp8q=True): a
     # lowering.decode.flashmla.FP8Schedule), other layers only the 16-bit one; each ignores the other.
     decode_schedule: Optional[tuple] = None
+    # The prefill requests' host ints (num_requests, max_query_len, max_context_len,
+    # min_context_len) when the caller knows them: the attention op then reads nothing
+    # back from the device for its prefill rows (else one device->host copy per call).
+    prefill_shape: Optional[tuple] = None
 
     @property
     def num_tokens(self) -> int:
@@ -67,10 +71,14 @@ class MLAMetadata:
         for n in query_lens:
             qsl.append(qsl[-1] + n)
         num_decode_tokens = sum(n for n, d in zip(query_lens, is_decode) if d)
+        pre = [(n, L - n) for n, L, d in zip(query_lens, seq_lens, is_decode) if not d]
+        prefill_shape = ((len(pre), max(n for n, _ in pre), max(c for _, c in pre),
+                          min(c for _, c in pre)) if pre else None)
         return MLAMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             block_table=allocator.block_table(seq_ids, max_blocks, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
             num_decode_tokens=num_decode_tokens,
+            prefill_shape=prefill_shape,
         )

@@ -136,7 +136,7 @@ torch.library.define(
     "Tensor(a!) output, Tensor? output_scale=None, Tensor(b!)? output_block_scale=None, "
     "SymInt workspace_rows=8192, str backend=\"auto\", Tensor? decode_q=None, "
     "Tensor? decode_q_scale=None, Tensor? decode_schedule=None, "
-    "Tensor? decode_splits=None) -> ()")
+    "Tensor? decode_splits=None, SymInt[]? prefill_shape=None) -> ()")
 
 
 @torch.library.impl("mla::attention_with_output", "CompositeExplicitAutograd")
@@ -167,13 +167,19 @@ def attention_with_output(
         # decode_q, decode_schedule(..., fp8q=True): the op cannot tell the two apart)
         decode_schedule: Optional[torch.Tensor] = None,
         decode_splits: Optional[torch.Tensor] = None,
+        # the prefill requests' (num_requests, max_query_len, max_context_len,
+        # min_context_len) when the caller knows them on the host (MLAMetadata.prefill_shape):
+        # the op then reads nothing back from the device; trusted like the lengths
+        prefill_shape: Optional[list] = None,
 ) -> None:
-    from mla_ops.attention import check_attention_args, check_decode_query, run_attention
+    from mla_ops.attention import (check_attention_args, check_decode_query,
+                                   check_prefill_shape, run_attention)
     check_attention_args(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
                          query_start_loc, num_decode_tokens, softmax_scale, kv_cache_dtype,
                          k_scale, kv_cache_dep, output, output_scale, output_block_scale,
                          workspace_rows, backend)
     check_decode_query(decode_q, decode_q_scale, q, W_UK_T, num_decode_tokens)
+    check_prefill_shape(prefill_shape, q, seq_lens, query_start_loc, num_decode_tokens)
     if (decode_schedule is None) != (decode_splits is None):
         raise ValueError("pass decode_schedule and decode_splits together (both from "
                          "lowering.decode_schedule) or neither")
@@ -181,12 +187,13 @@ def attention_with_output(
     run_attention(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
                   query_start_loc, num_decode_tokens, softmax_scale, kv_cache_dtype, k_scale,
                   output, output_scale, output_block_scale, workspace_rows, backend,
-                  decode_q, decode_q_scale, schedule)
+                  decode_q, decode_q_scale, schedule, prefill_shape)
 
 
 @torch.library.register_fake("mla::attention_with_output")
 def _(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_start_loc,
       num_decode_tokens, softmax_scale, kv_cache_dtype, k_scale, kv_cache_dep, output,
       output_scale=None, output_block_scale=None, workspace_rows=8192, backend="auto",
-      decode_q=None, decode_q_scale=None, decode_schedule=None, decode_splits=None):
+      decode_q=None, decode_q_scale=None, decode_schedule=None, decode_splits=None,
+      prefill_shape=None):
     return None

@@ -72,7 +72,8 @@ class Step:
         layer.cuda()
         m = self.meta
         meta = MLAMetadata(m.slot_mapping.cuda(), m.block_table.cuda(), m.seq_lens.cuda(),
-                           m.query_start_loc.cuda(), m.num_decode_tokens)
+                           m.query_start_loc.cuda(), m.num_decode_tokens,
+                           prefill_shape=m.prefill_shape)
         q, kv_c, k_pe = (t.cuda() for t in self.inputs())
         return layer(q, kv_c, k_pe, self.cache.kv[0], self.cache.k_scale, meta)
 

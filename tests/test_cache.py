@@ -38,6 +38,10 @@ def test_metadata_build_orders_and_positions():
     assert m.num_decode_tokens == 1
     assert m.seq_lens.tolist() == [6, 6] and m.query_start_loc.tolist() == [0, 1, 7]
     assert m.slot_mapping.dtype == torch.int64 and m.slot_mapping.tolist()[0] == 5
+    assert m.prefill_shape == (1, 6, 0, 0)          # one prefill request, no context yet
+    m2 = MLAMetadata.build(a, [2, 1, 5], [3, 2, 4])
+    assert m2.num_decode_tokens == 0 and m2.prefill_shape == (3, 4, 6, 0)
+    assert MLAMetadata.build(a, [1, 2], [1, 1]).prefill_shape is None     # decode only
     with pytest.raises(ValueError, match="decode requests"):
         MLAMetadata.build(a, [3, 4], [5, 1])
     with pytest.raises(ValueError, match="positive"):

@@ -152,6 +152,22 @@ def test_attention_bad_input_names_argument():
     call(6, bt, ValueError, "block ids")
     table = torch.randint(0, 9, (66, 8), dtype=torch.int32)
     _bad(lambda: op(*good, decode_schedule=table), ValueError, "decode_splits")
+    _bad(lambda: op(*good, prefill_shape=[1, 4]), TypeError, "prefill_shape")
+    _bad(lambda: op(*good, prefill_shape=[1, 4, 5, 0]), ValueError, "prefill_shape")
+
+
+def test_attention_with_prefill_shape_as_without():
+    """The caller's host ints of the prefill rows (MLAMetadata.build computes them) give
+    the output the op gives when it reads them from the tensors itself."""
+    layer, _ = make_layer(D, torch.float32)
+    step = Step(D, [6, 0, 3, 9], [1, 4, 5, 2])
+    assert step.meta.prefill_shape == (3, 5, 9, 0)
+    args = attn_args(step, layer)
+    torch.ops.mla.attention_with_output(*args)
+    want = args[-1].clone()
+    args[-1].zero_()
+    torch.ops.mla.attention_with_output(*args, prefill_shape=list(step.meta.prefill_shape))
+    assert torch.equal(args[-1], want)
 
 
 @pytest.mark.parametrize("slots", [[0, -1], [-1, 5, -1, 0], [-1, -1], [3, 7]])

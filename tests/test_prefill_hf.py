@@ -49,9 +49,11 @@ def test_hf_prefill_through_the_cuda_path_on_cpu(family, kernels, monkeypatch):
     calls = []
 
     def via_step(q, kv_c, k_pe, kv_cache, W_UK_T, W_UV, bt, lens, qsl, nd, scale, kind,
-                 k_scale, workspace_rows):
+                 k_scale, workspace_rows, shape=None):
         calls.append(q.shape[0] - nd)
-        shape = prefill_shape(qsl, lens, nd)
+        # the cache's plan hands the op the prefill rows' host ints (no device read per
+        # layer): the same ones the tensors give
+        assert shape == prefill_shape(qsl, lens, nd)
         return mla_prefill(q, kv_c, k_pe, kv_cache, W_UK_T, W_UV, bt, lens, qsl, nd, scale,
                            kind, k_scale, 6, shape, route="reference", kernels=kernels)
 
@@ -79,3 +81,32 @@ def test_hf_prefill_on_gpu(family, dtype, tol):
     ref, model = ref.cuda(), model.cuda()
     H.convert(model)
     forward_chunks(model, ref, cfg, "cuda", tol, block_size=16)
+
+
+def test_prefill_steps_compile_fullgraph():
+    """A converted model's prefill steps (left-padded prompt, then a chunk over cached
+    context) trace with fullgraph=True (no graph break: the attention op is one node and
+    reads its prefill shape at run time) and give the eager model's logits."""
+    import torch._dynamo.testing
+    cfg = tiny_config("v3")
+    _, model = build_pair(cfg, seed=5)
+    H.convert(model)
+    ids, mask = left_padded([3, 11, 8], seed=7)
+
+    def cache():
+        return H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=48, block_size=4)
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    eager_cache, compiled_cache = cache(), cache()
+    more = torch.randint(3, 200, (3, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for step_ids, step_mask in ((ids, mask), (more, torch.cat([mask, torch.ones_like(more)], 1))):
+            want = model(step_ids, attention_mask=step_mask, past_key_values=eager_cache).logits
+            got = compiled(step_ids, attention_mask=step_mask,
+                           past_key_values=compiled_cache).logits
+            real = step_mask[:, -step_ids.shape[1]:].bool()
+            assert logit_err(got[real], want[real]) <= 1e-5
+    assert counter.frame_count >= 1
+    torch._dynamo.reset()

@@ -67,8 +67,10 @@ def _plan_torch(cache, B: int, S: int, valid, check: bool, flashmla: bool, fp8q:
     nb_old = (lens_old + bs - 1) // bs
     nb_new = (torch.clamp(lens_new, max=cache.max_cache_len) + bs - 1) // bs
     need = nb_new - nb_old                                                   # [B] new blocks
-    if check:                                                                # a host sync
-        check_room(cache, lens_new, need.sum())
+    prefill_shape = None
+    if check:          # one host sync: the room, and the host ints of the prefill rows
+        ctx = check_room(cache, lens_new, need.sum(), lens_old if S > 1 else None)
+        prefill_shape = None if ctx is None else (B, S) + ctx
     # Bump allocation: row b takes ids start_b + k for its block columns nb_old_b + k.
     start = cache.num_used + torch.cumsum(need, 0) - need                    # [B]
     col = torch.arange(M, device=dev)[None]                                  # [1, M]
@@ -98,11 +100,11 @@ def _plan_torch(cache, B: int, S: int, valid, check: bool, flashmla: bool, fp8q:
         perm = (order + rows * S).reshape(-1)                                 # [T]
         inv = torch.argsort(perm)
     return _step_of(cache, pack, layout, slots, B, S, flashmla, lens_old + q, need.sum(),
-                    perm, inv, fp8q=fp8q)
+                    perm, inv, fp8q=fp8q, prefill_shape=prefill_shape)
 
 
 def _step_of(cache, pack, layout: PackLayout, slots, B, S, flashmla, lens_new, num_new,
-             perm=None, inv=None, kernel=False, fp8q=False) -> Step:
+             perm=None, inv=None, kernel=False, fp8q=False, prefill_shape=None) -> Step:
     """The step from its int32 pack (fields of layout) and slots; with flashmla,
     FlashMLA's schedule for the layers' query kind (fp8q: its fp8 kernel's)."""
     M = cache.max_blocks
@@ -119,23 +121,31 @@ def _step_of(cache, pack, layout: PackLayout, slots, B, S, flashmla, lens_new, n
         seq_lens=attn_lens,
         query_start_loc=f["query_start_loc"],
         num_decode_tokens=B if S == 1 else 0,
-        decode_schedule=sched)
+        decode_schedule=sched,
+        prefill_shape=prefill_shape)
     return Step(meta, perm, inv, lens_new, num_new, table, pack if kernel else None)
 
 
-def check_room(cache, lens_new: torch.Tensor, total: torch.Tensor) -> None:
-    """Raise before a step whose rows outgrow max_cache_len or the free blocks."""
-    longest, total = int(lens_new.max()), int(total)
+def check_room(cache, lens_new: torch.Tensor, total: torch.Tensor,
+               context: torch.Tensor | None = None) -> tuple | None:
+    """Raise before a step whose rows outgrow max_cache_len or the free blocks; one
+    device->host copy. context: the rows' cached lengths before a prefill step, whose
+    (longest, shortest) come back with the same copy (else None)."""
+    vals = [lens_new.max(), lens_new.argmax(), total, cache.num_used]
+    if context is not None:
+        vals += [context.max(), context.min()]
+    host = torch.stack([v.to(torch.int64) for v in vals]).tolist()
+    longest, row, total, used = host[:4]
     if longest > cache.max_cache_len:
-        row = int(lens_new.argmax())
         raise ValueError(f"sequence {row} would hold {longest} tokens, more than the "
                          f"cache's max_cache_len={cache.max_cache_len} (prompt too long "
                          f"or too many new tokens); build PagedMLACache with a larger one")
-    free = cache.num_blocks - int(cache.num_used)
+    free = cache.num_blocks - used
     if total > free:
         raise CacheFullError(f"this step needs {total} more blocks of {cache.block_size} "
                              f"tokens, {free} of {cache.num_blocks} free; build "
                              f"PagedMLACache with more num_blocks or call reset()")
+    return None if context is None else tuple(host[4:])
 
 
 def commit(cache, step: Step, B: int, S: int) -> None:
