@@ -136,6 +136,11 @@ def bench_shape(B, H, S, device, args) -> list[dict]:
         sched = lowering.decode_schedule(kv, bt, bl, num_heads=H, bounded=True)
         add("mla_decode", "auto[bounded+schedule]", lambda: lowering.mla_decode(
             q, kv, bt, bl, SCALE, schedule=sched, bounded=True))
+        # what the flashmla route cannot undercut: FlashMLA's extension op called alone
+        from lowering.decode.flashmla import dense_decode_kernel
+        kernel, kv4 = dense_decode_kernel(), kv.unsqueeze(2)
+        add("flash_mla extension op", "alone (the route's floor)", lambda: kernel(
+            q, kv4, L, bl, bt, SCALE, True, *sched))
     op_args = make_op_args(B, H, S, device, dtype, "auto")
     add("attention_with_output", "auto",
         lambda: torch.ops.mla.attention_with_output(*op_args))

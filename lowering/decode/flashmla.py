@@ -150,7 +150,7 @@ def _(cache_seqlens, q_rows, num_heads, fp8=False):
 
 
 @functools.lru_cache(maxsize=1)
-def _dense_decode_kernel():
+def dense_decode_kernel():
     """FlashMLA's dense decode entry (the legacy extension's op, resolved once: the
     Python wrapper around it costs host time on every call)."""
     import flash_mla  # noqa: F401  (loads torch.ops.flash_mla_legacy)
@@ -167,7 +167,7 @@ def flashmla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     to overlap within one call)."""
     if sched_meta is not None:
         _join_schedule_stream(q.device)
-    out, lse, _, _ = _dense_decode_kernel()(
+    out, lse, _, _ = dense_decode_kernel()(
         q, kv_cache.unsqueeze(2), head_dim_v, cache_seqlens, block_table, softmax_scale,
         causal, sched_meta, sched_splits)
     return out, lse
