@@ -238,3 +238,24 @@ def test_config_table_and_split_sizing():
     splits = {B: td.choose_num_splits(B, 1, S, 132, cfg["ctas_per_sm"])
               for B, S in ((128, 4096), (256, 1024), (64, 8192), (8, 4096), (1, 4096))}
     assert splits == {128: 2, 256: 1, 64: 4, 8: 32, 1: 32}
+
+
+def test_sweep_script_smoke_run():
+    """benchmarks/sweep_fp8_cache_decode.py runs end to end (on the CPU interpreter: tiny
+    shapes, two candidates) and prints a config entry to paste."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    if DEV != "cpu":
+        pytest.skip("the smoke run is for the CPU interpreter")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "benchmarks/sweep_fp8_cache_decode.py", "--device",
+                          "cpu", "--shapes", "1x16x128", "--candidates",
+                          "fp8c-m16n32w4s2c2,stage1-n64w8s3c1"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "(1, 'narrow', 'gpu'): dict(" in run.stdout, run.stdout
+    assert "WRONG" not in run.stdout and "FAILED" not in run.stdout, run.stdout
