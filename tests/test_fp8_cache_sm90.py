@@ -34,7 +34,7 @@ def compile_for_sm90(fp8_q: bool, direct: bool) -> dict:
            "max_blocks": "i32", "num_blocks": "i32", "num_splits": "i32"}
     consts = dict(S_Q=1, H=16, L=512, R=64, PAGE=64, CAUSAL=True, DIRECT=direct, FIXED_CHUNK=0,
                   FP8_Q=fp8_q, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                  PREFETCH=cfg.get("PREFETCH", False), DOT_F32=False)
+                  RELOAD_V=cfg.get("RELOAD_V", False), DOT_F32=False)
     names = list(sig)
     # what a launch specializes on: 16-byte aligned pointers and q's batch stride
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)

@@ -103,6 +103,21 @@ def test_fp8_cache_kernel_matches_fp64(monkeypatch, launches, B, s_q, H, page, l
     check(out, lse, ref, ref_lse)
 
 
+@pytest.mark.parametrize("B,s_q,H,page,lens,splits", [CASES[0], CASES[2], CASES[3]])
+def test_values_read_again_for_pv(monkeypatch, launches, B, s_q, H, page, lens, splits):
+    """RELOAD_V: the value chunks loaded a second time for P V (same results)."""
+    L, R = 64, 16
+    monkeypatch.setitem(td.CPU_FP8_CACHE_CONFIG, "RELOAD_V", True)
+    use_splits(monkeypatch, splits, B * -(-s_q * H // 16))
+    q, kv8, k_scale, bt, cl, kv_true = fp8_case(B, s_q, H, L, R, page, lens, seed=B + 2 * page)
+    kv8 = poison_unwritten_rows(kv8, bt, cl)
+    out, lse = decode_fp8(q, kv8, k_scale, bt, cl, L)
+    ref, ref_lse = decode_ref64(q, torch.nan_to_num(kv8.double() * k_scale.double()), bt, cl,
+                                SCALE, True, L)
+    assert launches == {"fp8_cache": 1, "stage1": 0}
+    check(out, lse, ref, ref_lse)
+
+
 @pytest.mark.parametrize("kernel", ["fp8_cache", "stage1"])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_128_heads_both_kernels(monkeypatch, launches, kernel, splits):

@@ -52,5 +52,5 @@ def launch_fp8_cache_stage1(q, kv_cache, block_table, cache_seqlens, q_scale, k_
         S_Q=s_q, H=H, L=head_dim_v, R=D - head_dim_v, PAGE=page, CAUSAL=causal,
         num_splits=splits, DIRECT=splits == 1, FIXED_CHUNK=fixed_chunk,
         FP8_Q=q_scale is not None, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
-        PREFETCH=cfg.get("PREFETCH", False), DOT_F32=not on_gpu,
+        RELOAD_V=cfg.get("RELOAD_V", False), DOT_F32=not on_gpu,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

@@ -18,9 +18,12 @@ in four chunks of L / 4 (four dots and four accumulators o^T_j [L / 4, BLOCK_M])
 widened operand is L / 4 columns wide, not L: a whole [64, 512] fp16 A operand is 128
 registers per thread of a warpgroup, which spilled.
 
-PREFETCH = True loads the next tile into registers before the current one is used (a
-register double buffer that does not depend on the compiler's pipeliner; past the end
-its loads are masked off); False leaves the loop to the pipeliner (num_stages).
+RELOAD_V = True reads the value chunks again for P V (from L2, just read) instead of
+keeping the tile across the softmax. Each load then has one use, which lets the pipeliner
+(num_stages) turn the tile's loads into asynchronous copies; compiled for SM90 with
+triton 3.9, a chunk used by both products is loaded synchronously (only k_pe, used once,
+is pipelined). The price: twice the L2 reads. (A register double buffer of the next tile
+was tried too: it spilled 1-3 KB per thread at every tile size.)
 
 Query (FP8_Q):
   False: q bf16/fp16, scaled by 1/16 (exact) before its one-time cast to fp16, so |q| up
@@ -72,6 +75,20 @@ def _load_tile(kv_ptr, bt_row, n0, end, num_blocks, offs_n, offs_c, offs_r,
 
 
 @triton.jit
+def _reload_chunk(kv_ptr, bt_row, n0, end, num_blocks, offs_n, offs_c, col0,
+                  L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr):
+    """Columns col0 + offs_c of the tile's rows [BLOCK_N, L / 4] read again for P V: a
+    load of its own (".ca" keeps the compiler from merging it with the first one)."""
+    pos = n0 + offs_n
+    in_range = pos < end
+    page = tl.load(bt_row + pos // PAGE, mask=in_range, other=0)
+    page = tl.minimum(tl.maximum(page, 0), num_blocks - 1)
+    row = kv_ptr + ((page.to(tl.int64) * PAGE + pos % PAGE) * (L + R))[:, None]
+    return tl.load(row + col0 + offs_c[None, :], mask=in_range[:, None], other=0.0,
+                   cache_modifier=".ca")
+
+
+@triton.jit
 def _query_t(q_rows, row_ok, col0, offs, FP8_Q: tl.constexpr, DOT_F32: tl.constexpr):
     """Columns col0 + offs of the query rows, widened to fp16 and transposed:
     [len(offs), BLOCK_M] (a bf16/fp16 query is scaled by 1/16 first)."""
@@ -115,7 +132,7 @@ def mla_decode_fp8_cache_kernel(
     FIXED_CHUNK: tl.constexpr,
     FP8_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    RELOAD_V: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     D: tl.constexpr = L + R
@@ -165,19 +182,9 @@ def mla_decode_fp8_cache_kernel(
 
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
-    if PREFETCH:
-        n0, n1, n2, n3, npe, nok = _load_tile(kv_ptr, bt_row, start, end, num_blocks,
-                                                    offs_n, offs_c, offs_r, L, R, PAGE)
     for n0_pos in tl.range(start, end, BLOCK_N):
-        if PREFETCH:
-            c0, c1, c2, c3, pe, in_range = n0, n1, n2, n3, npe, nok
-            n0, n1, n2, n3, npe, nok = _load_tile(kv_ptr, bt_row, n0_pos + BLOCK_N, end,
-                                                        num_blocks, offs_n, offs_c, offs_r,
-                                                        L, R, PAGE)
-        else:
-            c0, c1, c2, c3, pe, in_range = _load_tile(kv_ptr, bt_row, n0_pos, end,
-                                                           num_blocks, offs_n, offs_c, offs_r,
-                                                           L, R, PAGE)
+        c0, c1, c2, c3, pe, in_range = _load_tile(kv_ptr, bt_row, n0_pos, end, num_blocks,
+                                                  offs_n, offs_c, offs_r, L, R, PAGE)
         # scores^T [BLOCK_N, BLOCK_M], keys down the rows
         s = tl.dot(_widen(c0, DOT_F32), qt0)
         s = tl.dot(_widen(c1, DOT_F32), qt1, s)
@@ -197,6 +204,15 @@ def mla_decode_fp8_cache_kernel(
         m_i = m_new
         p_t = _operand(p.to(tl.float16), DOT_F32)
         # o^T_j += kv_c_j^T @ p^T
+        if RELOAD_V:
+            c0 = _reload_chunk(kv_ptr, bt_row, n0_pos, end, num_blocks, offs_n, offs_c, 0,
+                               L, R, PAGE)
+            c1 = _reload_chunk(kv_ptr, bt_row, n0_pos, end, num_blocks, offs_n, offs_c, LC,
+                               L, R, PAGE)
+            c2 = _reload_chunk(kv_ptr, bt_row, n0_pos, end, num_blocks, offs_n, offs_c, 2 * LC,
+                               L, R, PAGE)
+            c3 = _reload_chunk(kv_ptr, bt_row, n0_pos, end, num_blocks, offs_n, offs_c, 3 * LC,
+                               L, R, PAGE)
         acc0 = tl.dot(tl.trans(_widen(c0, DOT_F32)), p_t, acc0 * alpha[None, :])
         acc1 = tl.dot(tl.trans(_widen(c1, DOT_F32)), p_t, acc1 * alpha[None, :])
         acc2 = tl.dot(tl.trans(_widen(c2, DOT_F32)), p_t, acc2 * alpha[None, :])
