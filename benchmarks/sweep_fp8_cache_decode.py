@@ -53,7 +53,6 @@ def stage1(n, w, s, c, **extra):
 # triton_fp8_cache_kernel.py, "stage1" triton_decode_kernel.py (the former fp8 configs).
 CANDIDATES = {
     "fp8c-m16n32w4s2c2": ("narrow", fp8c(16, 32, 4, 2, 2)),
-    "fp8c-m16n32w4s3c2": ("narrow", fp8c(16, 32, 4, 3, 2)),
     "fp8c-m16n32w4s2c4": ("narrow", fp8c(16, 32, 4, 2, 4)),
     "fp8c-m16n64w4s2c1": ("narrow", fp8c(16, 64, 4, 2, 1)),
     "fp8c-m16n64w4s2c2": ("narrow", fp8c(16, 64, 4, 2, 2)),
@@ -61,7 +60,6 @@ CANDIDATES = {
     "fp8c-m16n32w4s2c2r": ("narrow", fp8c(16, 32, 4, 2, 2, RELOAD_V=True)),
     "fp8c-m16n32w4s3c2r": ("narrow", fp8c(16, 32, 4, 3, 2, RELOAD_V=True)),
     "stage1-n64w8s3c1": ("narrow", stage1(64, 8, 3, 1)),
-    "stage1-n64w8s3c2": ("narrow", stage1(64, 8, 3, 2)),
     "stage1-wide-n64w8s3c1": ("wide", stage1(64, 8, 3, 1)),
     "fp8c-wide-m16n64w4s2c1": ("wide", fp8c(16, 64, 4, 2, 1)),
     "fp8c-wide-m32n32w4s2c1": ("wide", fp8c(32, 32, 4, 2, 1)),

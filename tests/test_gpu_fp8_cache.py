@@ -74,3 +74,22 @@ def test_fp8_cache_kernel_under_inductor_and_cuda_graphs():
     def run(q, kv8, bt, cl):
         return lowering.mla_decode(q, kv8, bt, cl, SCALE, kv_cache_dtype="fp8", k_scale=k_scale)
     check_compiled_and_graphed(run, "mla_decode_fp8_cache_kernel", q, kv8, bt, cl)
+
+
+def test_compiled_decode_does_not_recompile_as_lengths_change():
+    from torch._dynamo.utils import counters
+    B, H = 4, 16
+    q, kv, bt, cl = make_case(B, 1, H, L, R, 64, [900] * B, "cuda", seed=22)
+    kv8, k_scale = quantize_e4m3(kv)
+
+    def run(q, kv8, bt, cl):
+        return lowering.mla_decode(q, kv8, bt, cl, SCALE, kv_cache_dtype="fp8", k_scale=k_scale)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(run, fullgraph=True)
+    for n in (900, 17, 1, 640):
+        cl.fill_(n)
+        out, _ = compiled(q, kv8, bt, cl)
+        ref, _ = decode_ref64(q, kv8.double() * k_scale.double(), bt, cl, SCALE, True, L)
+        assert rel_err(out, ref) < 1e-2
+    assert counters["stats"]["unique_graphs"] == 1
