@@ -38,6 +38,7 @@ from lowering.decode.registry import route_unmet
 L, R, PAGE = 512, 64, 64
 SCALE = 192 ** -0.5
 SHAPES = "128x16x4096,256x16x1024,64x16x8192,32x128x4096"
+FLASHMLA_FP8 = "flashmla fp8q[kernel only]"
 
 
 def fp8c(m, n, w, s, c, **extra):
@@ -122,7 +123,7 @@ def sweep_shape(B, H, S, args, log):
     if route_unmet("flashmla-fp8q", q8, kv8) is None:
         import lowering.decode.flashmla as fm
         sched = fm.flashmla_schedule(bt, lens, PAGE, H, fp8=True)
-        timed("flashmla fp8q[kernel only]", lambda: fm.flashmla_decode_fp8q_op(
+        timed(FLASHMLA_FP8, lambda: fm.flashmla_decode_fp8q_op(
             q8, kv8, bt, lens, q_scale, k_scale, SCALE, True, *sched), "fp8")
     else:
         log(f"  flashmla fp8q: {route_unmet('flashmla-fp8q', q8, kv8)}")
@@ -154,9 +155,11 @@ def sweep_shape(B, H, S, args, log):
                 log(f"  {name:26s} FAILED {type(exc).__name__}: {str(exc)[:140]}")
                 continue
             results[name] = us
+            vs_flashmla = (f"  x{times[FLASHMLA_FP8] / us:4.2f} flashmla fp8"
+                           if FLASHMLA_FP8 in times else "")
             log(f"  {name:26s} {us:8.1f} us  {gb['fp8'] / us * 1e6:6.0f} GB/s  "
-                f"x{bf16_auto / us:4.2f} bf16 auto  x{bf16_triton / us:4.2f} bf16 triton  "
-                f"err {err:.1e}")
+                f"x{bf16_auto / us:4.2f} bf16 auto  x{bf16_triton / us:4.2f} bf16 triton"
+                f"{vs_flashmla}  err {err:.1e}")
     finally:
         td.CONFIGS[key] = saved
     if results:
