@@ -13,10 +13,11 @@ it receives). So the key tile is the M side of both products:
 With BLOCK_N >= 64 Hopper runs both as warpgroup MMAs whose A operand (the cache tile,
 widened from e4m3 to fp16 in registers right before the dot: exact, no fp32 round trip)
 comes from registers, and whose B operand (q^T, p^T: BLOCK_M = 16 columns) is small and
-read from shared memory; the softmax reduces over axis 0. The L value columns are taken
-in four chunks of L / 4 (four dots and four accumulators o^T_j [L / 4, BLOCK_M]), so a
-widened operand is L / 4 columns wide, not L: a whole [64, 512] fp16 A operand is 128
-registers per thread of a warpgroup, which spilled.
+read from shared memory (at BLOCK_N = 32 the 32-row QK product runs as mma.sync instead,
+each warp reloading q^T per tile); the softmax reduces over axis 0. The L value columns
+are taken in four chunks of L / 4 (four dots and four accumulators o^T_j [L / 4,
+BLOCK_M]), so a widened operand is L / 4 columns wide, not L: a whole [64, 512] fp16 A
+operand is 128 registers per thread of a warpgroup, which spilled.
 
 RELOAD_V = True reads the value chunks again for P V (from L2, just read) instead of
 keeping the tile across the softmax. Each load then has one use, which lets the pipeliner
