@@ -29,7 +29,7 @@ from lowering.decode.reference import mla_decode_reference
 from lowering.decode.registry import route_unmet
 
 SHAPES = [(1, 128, 4096), (32, 128, 4096), (64, 128, 8192), (128, 16, 4096),
-          (8, 128, 32768), (256, 16, 1024), (64, 16, 8192)]
+          (8, 128, 32768), (256, 16, 1024)]
 FLASHMLA_NOTES = {(1, 128, 4096): 24.6, (32, 128, 4096): 74.9, (64, 128, 8192): 238.0,
                   (128, 16, 4096): 165.5}
 L, R, PAGE = 512, 64, 64
@@ -59,30 +59,26 @@ def make_inputs(B, H, S, seed=0):
 
 
 def kernel_stats(cubin_dir=None):
-    """Registers, spills, shared memory and MMA instructions of each compiled stage-1 kernel
-    (triton_decode_kernel.py, and triton_fp8_cache_kernel.py for the fp8 cache rows).
+    """Registers, spills, shared memory and MMA instructions of each compiled stage-1 kernel.
 
-    With cubin_dir, the first few cubins of each are written there for disassembly.
+    With cubin_dir, the first few cubins are written there for disassembly.
     """
-    from lowering.decode.triton_decode_kernel import mla_decode_stage1_kernel
-    from lowering.decode.triton_fp8_cache_kernel import mla_decode_fp8_cache_kernel
+    from lowering.decode.triton_decode_kernel import mla_decode_stage1_kernel as k
     stats = []
-    kernels = (("stage1", mla_decode_stage1_kernel), ("fp8_cache", mla_decode_fp8_cache_kernel))
-    for tag, k in kernels:
-        try:
-            for cache in k.device_caches.values():
-                for i, (key, ck) in enumerate(cache[0].items()):
-                    if cubin_dir and i < 4 and "cubin" in ck.asm:
-                        Path(cubin_dir, f"{tag}_{i}.cubin").write_bytes(ck.asm["cubin"])
-                    ptx = ck.asm.get("ptx", "")
-                    stats.append(dict(kernel=tag, n_regs=ck.n_regs, n_spills=ck.n_spills,
-                                      shared=getattr(ck.metadata, "shared", None),
-                                      num_warps=getattr(ck.metadata, "num_warps", None),
-                                      num_stages=getattr(ck.metadata, "num_stages", None),
-                                      wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"),
-                                      cp_async=ptx.count("cp.async")))
-        except Exception as exc:  # the cache layout differs between Triton versions
-            stats.append(dict(kernel=tag, error=repr(exc)))
+    try:
+        for cache in k.device_caches.values():
+            for i, (key, ck) in enumerate(cache[0].items()):
+                if cubin_dir and i < 4 and "cubin" in ck.asm:
+                    Path(cubin_dir, f"stage1_{i}.cubin").write_bytes(ck.asm["cubin"])
+                ptx = ck.asm.get("ptx", "")
+                stats.append(dict(n_regs=ck.n_regs, n_spills=ck.n_spills,
+                                  shared=getattr(ck.metadata, "shared", None),
+                                  num_warps=getattr(ck.metadata, "num_warps", None),
+                                  num_stages=getattr(ck.metadata, "num_stages", None),
+                                  wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"),
+                                  cp_async=ptx.count("cp.async")))
+    except Exception as exc:  # the cache layout differs between Triton versions
+        stats.append(dict(error=repr(exc)))
     return stats
 
 

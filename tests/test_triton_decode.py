@@ -34,7 +34,7 @@ def run_fp8q(q8, kv8, bt, cl, q_scale, k_scale, L):
 
 def set_config(monkeypatch, **values):
     """Set values in every kernel config (the CPU interpreter's and the GPU ones)."""
-    for cfg in (td.CPU_CONFIG, td.CPU_FP8_CACHE_CONFIG, *td.CONFIGS.values()):
+    for cfg in (td.CPU_CONFIG, *td.CONFIGS.values()):
         for key, value in values.items():
             monkeypatch.setitem(cfg, key, value)
 

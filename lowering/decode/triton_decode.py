@@ -31,38 +31,26 @@ from lowering import config
 from lowering.decode.merge_kernel import mla_decode_merge_kernel
 from lowering.decode.registry import sm_count
 from lowering.decode.triton_decode_kernel import mla_decode_stage1_kernel
-from lowering.decode.triton_fp8_cache import (fp8_cache_block_m, fp8_cache_unmet,
-                                              launch_fp8_cache_stage1)
 
 # ---- configs as data ----------------------------------------------------------------
 # key: (kv_kind, "wide" | "narrow" (BLOCK_M = 64 or less), "gpu")
 #   kv_kind 0: bf16/fp16 cache; 1: fp8 cache, bf16 q; 2: fp8 q and fp8 cache.
 # Values: BLOCK_N keys per step, warps, pipeline stages, CTAs per SM used to size splits;
-# optional kernel ("stage1": triton_decode_kernel.py, the default; "fp8_cache":
-# triton_fp8_cache_kernel.py, fp8 caches with L >= 64 only), BLOCK_M / V_PARTS (below),
-# and min_split_keys (default MIN_SPLIT_KEYS).
+# optional BLOCK_M / V_PARTS (below) and min_split_keys (default MIN_SPLIT_KEYS).
 CONFIGS = {
     (0, "wide", "gpu"): dict(BLOCK_N=64, num_warps=8, num_stages=2, ctas_per_sm=1),
     (0, "narrow", "gpu"): dict(BLOCK_N=128, num_warps=4, num_stages=2, ctas_per_sm=1),
     (1, "wide", "gpu"): dict(BLOCK_N=64, num_warps=8, num_stages=3, ctas_per_sm=1),
-    (1, "narrow", "gpu"): dict(kernel="fp8_cache", BLOCK_M=16, BLOCK_N=32, num_warps=4,
-                               num_stages=2, ctas_per_sm=2),
+    (1, "narrow", "gpu"): dict(BLOCK_N=64, num_warps=8, num_stages=3, ctas_per_sm=1),
     (2, "wide", "gpu"): dict(BLOCK_N=64, num_warps=8, num_stages=3, ctas_per_sm=1,
                              BLOCK_M=128, V_PARTS=2),
-    (2, "narrow", "gpu"): dict(kernel="fp8_cache", BLOCK_M=16, BLOCK_N=32, num_warps=4,
-                               num_stages=2, ctas_per_sm=2),
+    (2, "narrow", "gpu"): dict(BLOCK_N=64, num_warps=8, num_stages=3, ctas_per_sm=1),
 }
-# (The stage1 entries were chosen from the H200 sweeps in docs/notes/NOTES-decode.md;
-# "wide" means 64 or more query rows (BLOCK_M = 64 unless the config names one), "narrow"
-# 16 or 32. Optional BLOCK_M / V_PARTS: 128 rows per block, each block as two
-# half-value-column programs. The fp8_cache entries (16-row blocks, 32-key tiles, 4 warps:
-# compiled for SM90 it has no spills at 232 registers, so two CTAs fit an SM, and the
-# splits are sized for two) are what benchmarks/sweep_fp8_cache_decode.py times against
-# the alternatives; its output is in the form of these entries.)
-# Under the CPU interpreter (tests set smaller blocks or more splits through these):
+# (Chosen from the H200 sweeps in benchmarks/NOTES-decode.md; "wide" means 64 or more
+# query rows (BLOCK_M = 64 unless the config names one), "narrow" 16 or 32. Optional
+# BLOCK_M / V_PARTS: 128 rows per block, each block as two half-value-column programs.)
+# Under the CPU interpreter (tests set smaller blocks or more splits through these two):
 CPU_CONFIG = dict(BLOCK_N=16, num_warps=4, num_stages=1, ctas_per_sm=1)
-CPU_FP8_CACHE_CONFIG = dict(kernel="fp8_cache", BLOCK_N=16, num_warps=4, num_stages=1,
-                            ctas_per_sm=1)     # fp8 cache, narrow: as on the GPU
 CPU_SM_COUNT = 4          # split sizing under the CPU interpreter
 MIN_SPLIT_KEYS = 128      # never cut a request into splits shorter than this
 MAX_SPLITS = 64
@@ -76,11 +64,9 @@ def block_m_for(rows: int) -> int:
 
 
 def pick_config(kv_kind: int, rows: int, on_gpu: bool) -> dict:
-    """The config of a call with rows = s_q * H query rows per request."""
-    width = "wide" if block_m_for(rows) >= 64 else "narrow"
     if not on_gpu:
-        return CPU_FP8_CACHE_CONFIG if kv_kind >= 1 and width == "narrow" else CPU_CONFIG
-    return CONFIGS[(kv_kind, width, "gpu")]
+        return CPU_CONFIG
+    return CONFIGS[(kv_kind, "wide" if block_m_for(rows) >= 64 else "narrow", "gpu")]
 
 
 def device_sm_count(device: torch.device) -> int:
@@ -115,25 +101,6 @@ def stage1_outputs(B: int, s_q: int, H: int, L: int, splits: int, out_dtype, dev
     return out, lse, o1, l1
 
 
-def launch_stage1(q, kv_cache, block_table, cache_seqlens, q_scale, k_scale, o1, l1,
-                  softmax_scale, causal, L, R, page, splits, fixed_chunk, kv_kind, BLOCK_M,
-                  V_PARTS, m_blocks, cfg, on_gpu) -> None:
-    """Stage 1 through triton_decode_kernel.py into (o1, l1) (see stage1_outputs)."""
-    s_q, H = q.shape[1], q.shape[2]
-    dummy = cache_seqlens  # stands in for absent scale pointers (never read)
-    grid = (m_blocks * V_PARTS, q.shape[0], splits)
-    torch.library.wrap_triton(mla_decode_stage1_kernel)[grid](
-        q, kv_cache, block_table, cache_seqlens,
-        q_scale if q_scale is not None else dummy,
-        k_scale if k_scale is not None else dummy,
-        o1, l1, softmax_scale, q.stride(0), block_table.stride(0), block_table.shape[1],
-        kv_cache.shape[0],
-        S_Q=s_q, H=H, L=L, R=R, PAGE=page, CAUSAL=causal,
-        num_splits=splits, DIRECT=splits == 1, FIXED_CHUNK=fixed_chunk, KV_KIND=kv_kind,
-        BLOCK_M=BLOCK_M, BLOCK_N=cfg["BLOCK_N"], V_PARTS=V_PARTS, DOT_F32=not on_gpu,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-
-
 def triton_decode(
     q: torch.Tensor,              # [B, s_q, H, L + R]
     kv_cache: torch.Tensor,       # [num_blocks, PAGE, L + R]
@@ -157,14 +124,10 @@ def triton_decode(
     q = q.contiguous()
     on_gpu = q.device.type == "cuda"
     cfg = pick_config(kv_kind, rows, on_gpu)
-    fp8_kernel = cfg.get("kernel") == "fp8_cache" and fp8_cache_unmet(kv_kind, L) is None
-    if fp8_kernel:
-        BLOCK_M, V_PARTS = fp8_cache_block_m(cfg), 1
-    else:                                   # the stage-1 kernel (BLOCK_N etc. as given)
-        BLOCK_M = cfg.get("BLOCK_M", block_m_for(rows))
-        V_PARTS = cfg.get("V_PARTS", 1)
-        if rows < BLOCK_M:                  # a config's 128-row block needs 128 rows
-            BLOCK_M, V_PARTS = block_m_for(rows), 1
+    BLOCK_M = cfg.get("BLOCK_M", block_m_for(rows))
+    V_PARTS = cfg.get("V_PARTS", 1)
+    if rows < BLOCK_M:                      # a config's 128-row block needs 128 rows
+        BLOCK_M, V_PARTS = block_m_for(rows), 1
     m_blocks = triton.cdiv(rows, BLOCK_M)
     max_len = block_table.shape[1] * page
     if batch_invariant:
@@ -176,14 +139,17 @@ def triton_decode(
                                    cfg["ctas_per_sm"], cfg.get("min_split_keys", MIN_SPLIT_KEYS))
 
     out, lse, o1, l1 = stage1_outputs(B, s_q, H, L, splits, out_dtype, q.device)
-    if fp8_kernel:
-        launch_fp8_cache_stage1(q, kv_cache, block_table, cache_seqlens, q_scale, k_scale,
-                                o1, l1, softmax_scale, causal, L, splits, fixed_chunk, cfg,
-                                on_gpu)
-    else:
-        launch_stage1(q, kv_cache, block_table, cache_seqlens, q_scale, k_scale, o1, l1,
-                      softmax_scale, causal, L, R, page, splits, fixed_chunk, kv_kind,
-                      BLOCK_M, V_PARTS, m_blocks, cfg, on_gpu)
+    dummy = cache_seqlens  # stands in for absent scale pointers (never read)
+    torch.library.wrap_triton(mla_decode_stage1_kernel)[(m_blocks * V_PARTS, B, splits)](
+        q, kv_cache, block_table, cache_seqlens,
+        q_scale if q_scale is not None else dummy,
+        k_scale if k_scale is not None else dummy,
+        o1, l1, softmax_scale, q.stride(0), block_table.stride(0), block_table.shape[1],
+        kv_cache.shape[0],
+        S_Q=s_q, H=H, L=L, R=R, PAGE=page, CAUSAL=causal,
+        num_splits=splits, DIRECT=splits == 1, FIXED_CHUNK=fixed_chunk, KV_KIND=kv_kind,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg["BLOCK_N"], V_PARTS=V_PARTS, DOT_F32=not on_gpu,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
         # fewer splits than a merge step: a smaller step (batch-invariant mode keeps one)
         sb = MERGE_SPLIT_BLOCK if batch_invariant else min(MERGE_SPLIT_BLOCK,
