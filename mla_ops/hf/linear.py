@@ -7,9 +7,10 @@ copies: q_a_proj + kv_a_proj_with_mqa share their input and run as one launch, g
 up_proj + SiLU x up as one launch (the dense MLPs and shared experts), o_proj and down_proj
 as single launches, and so does the model's output head (lm_head). The ops take the HF
 modules' own weights (no copies); at more rows, on CPU or in fp32 they run exactly what the
-modules would (F.linear, F.silu). A module that is not a plain bias-free nn.Linear (FP8 /
-quantized linears, biases) keeps its own call, and so does every module while autograd
-would need its weight's gradient.
+modules would (F.linear, F.silu). HF's FP8 block-quantized linears (DeepSeek's FP8
+checkpoints) run the fp8 decode GEMM ops (mla_ops/hf/fp8_linear.py). Any other module that
+is not a plain bias-free nn.Linear (other quantized linears, biases) keeps its own call, and
+so does every module while autograd would need its weight's gradient.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from lowering.fused import prologue  # noqa: F401  (registers mla::decode_qkv_pr
 from lowering.fused import q_rope  # noqa: F401  (registers mla::decode_q_rope)
 from lowering.fused.q_absorb import q_absorb_unmet  # and mla::decode_q_absorb(_fp8)
 from lowering.gemm import linear as gemm  # registers the mla::decode_* GEMM ops
+from mla_ops.hf import fp8_linear as fp8
 
 
 def _plain(*mods) -> bool:
@@ -57,7 +59,9 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, residual=None) -> torch.Tens
 
 def linear(mod, x: torch.Tensor, residual=None) -> torch.Tensor:
     """mod(x) (+ residual) for an HF linear module; mla::decode_linear(_residual) when it
-    is a plain nn.Linear."""
+    is a plain nn.Linear (mla::decode_linear_fp8 for HF's FP8 linears)."""
+    if fp8.uses_fp8_ops(mod):
+        return fp8.fp8_linear(mod, x, residual)
     if use_ops(mod):
         return decode_linear(x, mod.weight, residual)
     return mod(x) if residual is None else residual + mod(x)
@@ -70,8 +74,10 @@ def linear_pair(m1, m2, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     taken here, in the traced graph, so Inductor fuses it into the ops that read the
     result (the q_a / kv_a norms) instead of launching a reduce kernel.
     """
+    if fp8.uses_fp8_ops(m1, m2):
+        return fp8.fp8_linear_pair(m1, m2, x)
     if not use_ops(m1, m2):
-        return m1(x), m2(x)
+        return linear(m1, x), linear(m2, x)
     w1, w2 = m1.weight, m2.weight
     split_k = gemm.pair_split_k(x, w1, w2)
     if split_k > 1:
@@ -151,13 +157,16 @@ def fusable_mlp(m) -> bool:
     classes = _hf_mlp_classes()
     return (bool(classes) and isinstance(m, classes)
             and getattr(m.config, "hidden_act", None) in ("silu", "swish")
-            and _plain(m.gate_proj, m.up_proj, m.down_proj)
+            and (_plain(m.gate_proj, m.up_proj, m.down_proj)
+                 or fp8.fp8_mlp_served(m))
             and m.gate_proj.weight.shape == m.up_proj.weight.shape)
 
 
 def _mlp_forward(self, x, residual=None):
     """down_proj(silu(gate_proj(x)) * up_proj(x)) (+ residual, the decoder layer's add, in
-    down_proj's epilogue): x [..., H] -> [..., H]."""
+    down_proj's epilogue): x [..., H] -> [..., H]. FP8 linears: the fp8 ops."""
+    if fp8.uses_fp8_ops(self.gate_proj, self.up_proj, self.down_proj):
+        return fp8.fp8_mlp(self, x, residual)
     if mla_config.linear_impl == "torch" or _needs_grad(self.gate_proj, self.up_proj,
                                                          self.down_proj):
         y = self.hf_forward(x)

@@ -130,7 +130,8 @@ def routed_experts(block, x: torch.Tensor, topk_idx: torch.Tensor,
     experts = block.experts
     gate_up, down = experts.gate_up_proj, experts.down_proj
     if (block.mla_fuse_experts and mla_config.linear_impl != "torch"
-            and not _needs_grad(experts) and moe_ops.kernel_serves(x, gate_up, down)):
+            and not _needs_grad(experts) and gate_up.dtype == down.dtype == x.dtype
+            and moe_ops.kernel_serves(x, gate_up, down)):
         return torch.ops.mla.moe_experts_decode(x, topk_idx, topk_weight, gate_up, down)
     impl = getattr(experts.config, "_experts_implementation", None)
     grouped = grouped_mm_forward()

@@ -1,0 +1,277 @@
+"""DeepSeek's FP8 block-quantized checkpoints (HF's FineGrainedFP8 FP8Linear modules) through
+convert(): the fp8 decode GEMM kernel (lowering/gemm/fp8_linear.py) against a float64
+reference of HF's W8A8 numerics, written here; the converted model against the same model
+run by HF on dequantized weights (what HF runs on the CPU); on CUDA the same with the
+kernel in the decode steps."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+fg = pytest.importorskip("transformers.integrations.finegrained_fp8")
+
+import mla_ops.hf as H  # noqa: E402
+from hf_models import build_pair, left_padded, logit_err, tiny_config  # noqa: E402
+from lowering import config as mla_config  # noqa: E402
+from lowering.gemm import fp8_linear  # noqa: E402
+from mla_ops.hf import fp8_linear as hf_fp8  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+# ------------------------------------------------------------------ references (float64)
+
+
+def expand_scales(s, N, K, gn=128, gk=128):
+    return s.double().repeat_interleave(gn, 0)[:N].repeat_interleave(gk, 1)[:, :K]
+
+
+def quant_act_ref(x, gk=128):
+    """x [M, K] as HF's FP8Linear sees it after its activation quant, in float64: per row
+    and per gk columns s = amax / 448, e4m3(x / max(s, 1e-12)), times s."""
+    x = x.float()
+    out = torch.empty(x.shape, dtype=torch.float64)
+    for k0 in range(0, x.shape[1], gk):
+        blk = x[:, k0:k0 + gk]
+        s = blk.abs().amax(1, keepdim=True) / torch.tensor(448.0)
+        q = (blk / s.clamp(min=1e-12)).clamp(-448, 448).to(FP8)
+        out[:, k0:k0 + gk] = q.double() * s.double()
+    return out
+
+
+def w8a8_ref(x, w, s, gn=128, gk=128):
+    return quant_act_ref(x, gk) @ (w.double() * expand_scales(s, *w.shape, gn, gk)).T
+
+
+def rand_fp8(N, K, g, gn=128, gk=128):
+    w = (torch.randn(N, K, generator=g) * 100).clamp(-448, 448).to(FP8)
+    s = torch.rand(-(-N // gn), -(-K // gk), generator=g) * 0.02 + 1e-3
+    return w, s
+
+
+def rel(a, ref):
+    return ((a.double().cpu() - ref).abs().max() / ref.abs().max()).item()
+
+
+# ------------------------------------------------------------------ the kernel
+
+
+# rows 1 / 5 / 33 / 64; N and K not multiples of 128 (partial scale blocks); a second weight
+# shorter than one block
+KERNEL_CASES = [(1, 100, 37, 300, (32, 4, 2)), (5, 200, 130, 256, (64, 4, 2)),
+                (33, 64, 20, 200, (64, 4, 3)), (64, 130, 129, 384, (16, 4, 2))]
+
+
+@pytest.mark.parametrize("M,N1,N2,K,cfg", KERNEL_CASES)
+def test_kernel_modes_vs_fp64(M, N1, N2, K, cfg):
+    g = torch.Generator().manual_seed(M * 7 + K)
+    x = torch.randn(M, K, generator=g) * 3
+    x[0, :7] = 0.0 if M > 1 else x[0, :7]          # a partly zero group
+    (w1, s1), (w2, s2), (w3, s3) = rand_fp8(N1, K, g), rand_fp8(N2, K, g), rand_fp8(N1, K, g)
+    dt, tol = (torch.bfloat16, 2e-2) if CUDA else (torch.float32, 1e-5)
+    xs = x.to(DEV, dt)
+    x = xs.cpu().float()                                                   # the rounded input
+    w1d, s1d, w2d, s2d, w3d, s3d = (t.to(DEV) for t in (w1, s1, w2, s2, w3, s3))
+
+    y = torch.empty(M, N1, device=DEV, dtype=dt)
+    fp8_linear.launch(xs, w1d, s1d, None, None, 0, y, None, 128, 128, cfg)
+    ref1 = w8a8_ref(x, w1, s1)
+    assert rel(y, ref1) < tol
+
+    r = torch.randn(M, N1, generator=g).to(DEV, dt)
+    y = torch.empty(M, N1, device=DEV, dtype=dt)
+    fp8_linear.launch(xs, w1d, s1d, None, None, 0, y, None, 128, 128, cfg, residual=r)
+    assert rel(y, ref1 + r.cpu().double()) < tol
+
+    y1, y2 = torch.empty(M, N1, device=DEV, dtype=dt), torch.empty(M, N2, device=DEV, dtype=dt)
+    fp8_linear.launch(xs, w1d, s1d, w2d, s2d, 1, y1, y2, 128, 128, cfg)
+    assert rel(y1, ref1) < tol and rel(y2, w8a8_ref(x, w2, s2)) < tol
+
+    y = torch.empty(M, N1, device=DEV, dtype=dt)
+    fp8_linear.launch(xs, w1d, s1d, w3d, s3d, 2, y, None, 128, 128, cfg)
+    assert rel(y, F.silu(ref1) * w8a8_ref(x, w3, s3)) < 3 * tol
+
+
+def test_kernel_quantizes_the_activation_as_hf():
+    """The activation's fp8 rounding is part of the result: a plain fp64 product of x and
+    the dequantized weight differs from the kernel by far more than its error against the
+    W8A8 reference (so the reference above can tell the two numerics apart)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 256, generator=g)
+    w, s = rand_fp8(96, 256, g)
+    y = torch.empty(3, 96)
+    fp8_linear.launch(x, w, s, None, None, 0, y, None, 128, 128, (32, 4, 2))
+    plain = x.double() @ (w.double() * expand_scales(s, 96, 256)).T
+    assert rel(y, w8a8_ref(x, w, s)) < 1e-5 < 1e-3 < rel(y, plain)
+
+
+def test_ops_torch_path_dequantizes_as_hf():
+    """Off the kernel path (here: CPU) the ops compute F.linear on the weight dequantized
+    as HF dequantizes (HF's own Fp8Dequantize on 128-divisible shapes), bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    w, s = rand_fp8(256, 384, g)
+    x = torch.randn(2, 3, 384, generator=g).to(torch.bfloat16)
+    hf_w = fg.Fp8Dequantize(None)._dequantize_one(w, s, output_dtype=torch.bfloat16)
+    assert torch.equal(fp8_linear.dequantize(w, s, 128, 128, torch.bfloat16), hf_w)
+    assert torch.equal(torch.ops.mla.decode_linear_fp8(x, w, s, 128, 128), F.linear(x, hf_w))
+    r = torch.randn(2, 3, 256, generator=g).to(torch.bfloat16)
+    assert torch.equal(torch.ops.mla.decode_linear_fp8_residual(x, w, s, r, 128, 128),
+                       r + F.linear(x, hf_w))
+    y1, y2 = torch.ops.mla.decode_linear_pair_fp8(x, w, s, w, s, 128, 128)
+    assert torch.equal(y1, F.linear(x, hf_w)) and torch.equal(y2, y1)
+    assert torch.equal(torch.ops.mla.decode_gate_up_fp8(x, w, s, w, s, 128, 128),
+                       F.silu(F.linear(x, hf_w)) * F.linear(x, hf_w))
+
+
+def test_unmet_names_the_condition():
+    g = torch.Generator().manual_seed(2)
+    w, s = rand_fp8(64, 128, g)
+    x = torch.randn(1, 128)
+    assert "CUDA" in fp8_linear.fp8_linear_unmet(x, [(w, s)], 128, 128)
+    with mla_config.patch(linear_impl="torch"):
+        assert "torch" in fp8_linear.fp8_linear_unmet(x, [(w, s)], 128, 128)
+    with pytest.raises(ValueError, match="lin.weight_scale_inv"):
+        fp8_linear.check_fp8_weight("lin", w, s[:, :0], 128, 128)
+    with pytest.raises(TypeError, match="lin.weight"):
+        fp8_linear.check_fp8_weight("lin", w.float(), s, 128, 128)
+
+
+# ------------------------------------------------------------------ the model
+
+
+def hf_quantize(weight, quantizer):
+    """(fp8 weight, weight_scale_inv) by HF's own Fp8Quantize; a weight whose shape is not a
+    multiple of the block is zero-padded to one first (zeros leave every block's amax as
+    it is) and cut back, as FP8 checkpoints store such weights (ceil-sized scale grids)."""
+    N, K = weight.shape
+    pn, pk = -(-N // 128) * 128, -(-K // 128) * 128
+    padded = torch.zeros(pn, pk, dtype=weight.dtype)
+    padded[:N, :K] = weight
+    out = fg.Fp8Quantize(quantizer)._quantize_one("w.weight", padded)
+    return out["w.weight"][:N, :K].contiguous(), out["w.weight_scale_inv"]
+
+
+def fp8_pair(cfg, dtype=torch.float32, skip=("lm_head", "mlp.experts")):
+    """(HF model on dequantized weights, the same model with HF's FP8Linear modules holding
+    the fp8 weights and scales), both on the CPU."""
+    from transformers import FineGrainedFP8Config
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+    base, _ = build_pair(cfg, dtype=dtype)
+    qc = FineGrainedFP8Config(weight_block_size=[128, 128], modules_to_not_convert=list(skip))
+    quantizer = FineGrainedFP8HfQuantizer(qc)
+    model = copy.deepcopy(base)
+    fg.replace_with_fp8_linear(model, modules_to_not_convert=list(skip),
+                               quantization_config=qc, pre_quantized=True)
+    ref = copy.deepcopy(base)
+    for name, m in model.named_modules():
+        if isinstance(m, fg.FP8Linear):
+            src = base.get_submodule(name)
+            w, s = hf_quantize(src.weight.detach(), quantizer)
+            m.weight = torch.nn.Parameter(w, requires_grad=False)
+            m.weight_scale_inv = torch.nn.Parameter(s, requires_grad=False)
+            with torch.no_grad():
+                ref.get_submodule(name).weight.copy_(
+                    (w.double() * expand_scales(s, *w.shape)).to(dtype))
+    return ref, model
+
+
+def generate(model, ids, mask, new, **kw):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True, **kw)
+
+
+def test_tiny_fp8_model_converts_and_matches_hf_on_cpu():
+    cfg = tiny_config("v3", q_lora_rank=256)
+    ref, model = fp8_pair(cfg)
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.q_a_proj, fg.FP8Linear) and attn.kv_a_proj_with_mqa.weight.dtype == FP8
+    assert tuple(attn.kv_a_proj_with_mqa.weight_scale_inv.shape) == (5, 2)    # 576 rows: ceil
+    H.convert(model)
+    assert hf_fp8.is_block_fp8(attn.o_proj) and attn.o_proj.weight.dtype == FP8   # kept fp8
+    # W_UK_T / W_UV from kv_b_proj dequantized once, exactly as HF's dequantized model's
+    kvb = ref.model.layers[0].self_attn.kv_b_proj.weight                    # [N*(P+V), L]
+    w = kvb.t().reshape(512, 4, 256)
+    assert torch.equal(attn.mla_attn.W_UK_T, w[..., :128].permute(1, 2, 0))
+    assert torch.equal(attn.mla_attn.W_UV, w[..., 128:].transpose(0, 1))
+    assert getattr(model.model.layers[0].mlp, "mla_converted", False)       # fp8 MLP fused
+    ids, mask = left_padded([5, 17, 30])
+    cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=16,
+                            dtype=torch.float32)
+    out = generate(model, ids, mask, 12, past_key_values=cache)
+    exp = generate(ref, ids, mask, 12)
+    errs = [logit_err(a, b) for a, b in zip(out.logits, exp.logits)]
+    assert max(errs) <= 1e-4, f"max logit error {max(errs):.2e}"
+    assert torch.equal(out.sequences, exp.sequences)
+    assert len(set(out.sequences[:, -12:].flatten().tolist())) > 4
+
+
+def test_convert_checks_fp8_scales_before_touching_the_model():
+    ref, model = fp8_pair(tiny_config("v3", q_lora_rank=256, layers=1))
+    o = model.model.layers[0].self_attn.o_proj
+    o.weight_scale_inv = torch.nn.Parameter(o.weight_scale_inv[:, :1].clone(),
+                                            requires_grad=False)
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.o_proj\.weight_scale_inv"):
+        H.convert(model)
+    assert not H.is_converted(model)
+
+
+# ------------------------------------------------------------------ GPU
+
+
+def cuda_fp8_pair(layers=2):
+    ref, model = fp8_pair(tiny_config("v3", q_lora_rank=256, layers=layers),
+                          dtype=torch.bfloat16)
+    return ref.cuda(), model.cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_ops_on_gpu_vs_fp64_eager_and_compiled(rows):
+    g = torch.Generator().manual_seed(rows)
+    w, s = rand_fp8(2112, 1024, g)
+    x = (torch.randn(rows, 1024, generator=g) * 2).to(torch.bfloat16)
+    ref = w8a8_ref(x.float(), w, s)
+    wd, sd, xd = w.cuda(), s.cuda(), x.cuda()
+    f = lambda x: torch.ops.mla.decode_linear_fp8(x, wd, sd, 128, 128)   # noqa: E731
+    assert rel(f(xd), ref) < 1e-2
+    assert rel(torch.compile(f, fullgraph=True)(xd), ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_fp8_model_on_gpu_matches_hf_dequantized_tokens():
+    """The converted FP8 model's decode steps run the W8A8 kernel on CUDA; greedy tokens
+    equal HF's on the dequantized weights, logits within the activation quant's error."""
+    ref, model = cuda_fp8_pair()
+    H.convert(model)
+    ids, mask = (t.cuda() for t in left_padded([5, 17, 30]))
+    cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=64)
+    out = generate(model, ids, mask, 8, past_key_values=cache)
+    exp = generate(ref, ids, mask, 8)
+    errs = [logit_err(a, b) for a, b in zip(out.logits, exp.logits)]
+    assert max(errs) <= 5e-2, f"max logit error {max(errs):.2e}"
+    assert torch.equal(out.sequences, exp.sequences)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_fp8_model_on_gpu_matches_hf_fp8_module_tokens():
+    """Against HF's own FP8Linear on CUDA (its finegrained-fp8 kernel), where installed."""
+    try:
+        fg.load_finegrained_fp8_kernel()
+    except Exception as e:          # the `kernels` package or the hub kernel missing
+        pytest.skip(f"HF's fp8 kernel does not load here: {e}")
+    _, model = cuda_fp8_pair()
+    hf = copy.deepcopy(model)
+    H.convert(model)
+    ids, mask = (t.cuda() for t in left_padded([5, 17, 30]))
+    cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=64)
+    out = generate(model, ids, mask, 8, past_key_values=cache)
+    exp = generate(hf, ids, mask, 8)
+    assert torch.equal(out.sequences, exp.sequences)
