@@ -140,6 +140,76 @@ def test_unmet_names_the_condition():
         fp8_linear.check_fp8_weight("lin", w.float(), s, 128, 128)
 
 
+# ------------------------------------------------------------------ the MoE experts
+
+
+def moe_w8a8_ref(x, idx, wts, gu, gus, dn, dns, cast):
+    """float64 sum over k of wts * down(SiLU(gate(x)) * up(x)), each linear W8A8 as HF's
+    FP8Linear (gate's and up's scale blocks one after the other), each linear's output and
+    the SiLU x up product rounded by `cast` (h's dtype), as HF's module rounds them."""
+    I = gu.shape[1] // 2
+    rows = -(-I // 128)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            xt = x[t:t + 1]
+            gate = cast(w8a8_ref(xt, gu[e, :I], gus[e, :rows]))
+            up = cast(w8a8_ref(xt, gu[e, I:], gus[e, rows:]))
+            h = cast(cast(F.silu(gate)) * up)
+            y = cast(w8a8_ref(h.float(), dn[e], dns[e]))
+            out[t] += float(wts[t, k]) * y[0]
+    return out
+
+
+@pytest.mark.parametrize("T,E,K,I,H", [(1, 4, 2, 128, 256), (5, 6, 3, 192, 200),
+                                       (17, 3, 2, 64, 384)])
+def test_moe_fp8_kernels_vs_fp64(T, E, K, I, H):
+    from lowering.moe import fp8_experts
+    g = torch.Generator().manual_seed(T * 100 + I)
+    x = torch.randn(T, H, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])   # [T, K]
+    wts = torch.rand(T, K, generator=g)
+    gu = (torch.randn(E, 2 * I, H, generator=g) * 100).clamp(-448, 448).to(FP8)
+    gus = torch.rand(E, 2 * (-(-I // 128)), -(-H // 128), generator=g) * 0.02 + 1e-3
+    dn = (torch.randn(E, H, I, generator=g) * 100).clamp(-448, 448).to(FP8)
+    dns = torch.rand(E, -(-H // 128), -(-I // 128), generator=g) * 0.02 + 1e-3
+    fp8_experts.check_scales(gu, gus, dn, dns, 128, 128)
+    dt, tol = (torch.bfloat16, 3e-2) if CUDA else (torch.float32, 1e-5)
+    cast = (lambda t: t.to(dt).double())
+    xs = x.to(DEV, dt)
+    ref = moe_w8a8_ref(xs.cpu().float(), idx, wts, gu, gus, dn, dns, cast)
+    got = fp8_experts.run_kernels(xs, idx.to(DEV), wts.to(DEV), gu.to(DEV), gus.to(DEV),
+                                  dn.to(DEV), dns.to(DEV), 128, 128)
+    assert rel(got, ref) < tol
+    # the torch path: the chosen experts dequantized, no activation quant
+    deq = fp8_experts.reference(x, idx, wts, gu, gus, dn, dns, 128, 128)
+    half = gus.shape[1] // 2
+
+    def deq(w, sc, n, k):
+        return w.double() * torch.stack([expand_scales(sc[e], n, k) for e in range(E)])
+    gud = torch.cat([deq(gu[:, :I], gus[:, :half], I, H), deq(gu[:, I:], gus[:, half:], I, H)], 1)
+    dnd = deq(dn, dns, H, I)
+    plain = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            e = int(idx[t, k])
+            gt, u = gud[e, :I] @ x[t].double(), gud[e, I:] @ x[t].double()
+            plain[t] += float(wts[t, k]) * (dnd[e] @ (F.silu(gt) * u))
+    assert rel(deq, plain) < 1e-5
+
+
+def test_moe_fp8_scales_checked():
+    from lowering.moe import fp8_experts
+    gu = torch.zeros(2, 256, 128, dtype=FP8)
+    dn = torch.zeros(2, 128, 128, dtype=FP8)
+    with pytest.raises(ValueError, match="gate_up_scale"):
+        fp8_experts.check_scales(gu, torch.ones(2, 1, 1), dn, torch.ones(2, 1, 1), 128, 128)
+    with pytest.raises(TypeError, match="down"):
+        fp8_experts.check_scales(gu, torch.ones(2, 2, 1), dn.float(), torch.ones(2, 1, 1),
+                                 128, 128)
+
+
 # ------------------------------------------------------------------ the model
 
 
@@ -168,6 +238,24 @@ def fp8_pair(cfg, dtype=torch.float32, skip=("lm_head", "mlp.experts")):
                                quantization_config=qc, pre_quantized=True)
     ref = copy.deepcopy(base)
     for name, m in model.named_modules():
+        if isinstance(m, fg.FP8Experts):       # each expert's gate, up, down quantized alone
+            src, dst = base.get_submodule(name), ref.get_submodule(name)
+            I = src.gate_up_proj.shape[1] // 2
+            for attr, parts in (("gate_up_proj", (slice(0, I), slice(I, 2 * I))),
+                                ("down_proj", (slice(None),))):
+                ws, ss, deq = [], [], []
+                for e in range(src.gate_up_proj.shape[0]):
+                    qs = [hf_quantize(getattr(src, attr)[e, p].detach(), quantizer)
+                          for p in parts]
+                    ws.append(torch.cat([q for q, _ in qs]))
+                    ss.append(torch.cat([sc for _, sc in qs]))
+                    deq.append(torch.cat([q.double() * expand_scales(sc, *q.shape)
+                                          for q, sc in qs]).to(dtype))
+                setattr(m, attr, torch.nn.Parameter(torch.stack(ws), requires_grad=False))
+                setattr(m, attr + "_scale_inv",
+                        torch.nn.Parameter(torch.stack(ss), requires_grad=False))
+                with torch.no_grad():
+                    getattr(dst, attr).copy_(torch.stack(deq))
         if isinstance(m, fg.FP8Linear):
             src = base.get_submodule(name)
             w, s = hf_quantize(src.weight.detach(), quantizer)
@@ -208,6 +296,25 @@ def test_tiny_fp8_model_converts_and_matches_hf_on_cpu():
     assert max(errs) <= 1e-4, f"max logit error {max(errs):.2e}"
     assert torch.equal(out.sequences, exp.sequences)
     assert len(set(out.sequences[:, -12:].flatten().tolist())) > 4
+
+
+def test_fully_quantized_moe_model_with_fused_experts_matches_hf_on_cpu():
+    """Every linear and the routed experts fp8 (HF's FP8Experts): with fuse_experts the
+    experts run the fp8 MoE op (on the CPU its dequantizing reference)."""
+    ref, model = fp8_pair(tiny_config("v3", q_lora_rank=256), skip=("lm_head",))
+    block = model.model.layers[1].mlp
+    assert isinstance(block.experts, fg.FP8Experts)
+    assert tuple(block.experts.gate_up_proj_scale_inv.shape) == (8, 2, 2)
+    H.convert(model, fuse_experts=True)
+    assert hf_fp8.is_fp8_experts(block.experts) and not block.mla_hf_fp8_runs
+    ids, mask = left_padded([5, 17, 30])
+    cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=16,
+                            dtype=torch.float32)
+    out = generate(model, ids, mask, 12, past_key_values=cache)
+    exp = generate(ref, ids, mask, 12)
+    errs = [logit_err(a, b) for a, b in zip(out.logits, exp.logits)]
+    assert max(errs) <= 1e-4, f"max logit error {max(errs):.2e}"
+    assert torch.equal(out.sequences, exp.sequences)
 
 
 def test_convert_checks_fp8_scales_before_touching_the_model():

@@ -36,7 +36,7 @@ from lowering.fused.fp8_rounding import FP8_MAX, div_rn, to_e4m3
 
 
 @triton.jit
-def _quant_x(x, fp8_ptr):
+def quant_act_tile(x, fp8_ptr):
     """x [BLOCK_K, BLOCK_M] fp32 -> (e4m3 values [BLOCK_K, BLOCK_M], s [BLOCK_M]): one scale
     per row of the step (a column of the tile), s = amax / 448, unfloored (a zero group
     then contributes zero), the division floored at 1e-12 as HF's kernel does."""
@@ -70,7 +70,7 @@ def _stream_fp8_rows(x_ptr, w_ptr, s_ptr, n0, M, N, K, stride_xm, stride_wn, str
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0).to(tl.float32)
         ws = tl.load(s_ptrs + k, mask=n_ok, other=0.0)                        # [BLOCK_N]
-        xq, xs = _quant_x(x, w_ptr)                                            # [BLOCK_K, BLOCK_M], [BLOCK_M]
+        xq, xs = quant_act_tile(x, w_ptr)                        # [BLOCK_K, BLOCK_M], [BLOCK_M]
         if DOT_F32:
             part = tl.dot(w.to(tl.float32), xq.to(tl.float32))
         else:

@@ -7,7 +7,7 @@ import torch
 
 from mla_ops.cache import CacheFullError  # noqa: F401  (raised by PagedMLACache and DecodeGraph)
 from mla_ops.hf.cache import PagedMLACache
-from mla_ops.hf.fp8_linear import check_module, dequantized_weight, is_block_fp8, served_modules
+from mla_ops.hf.fp8_linear import check_model, dequantized_weight, is_block_fp8
 from mla_ops.hf.generate import check_cache_options, generation_class
 from mla_ops.hf.layer import convert_layers
 from mla_ops.hf.linear import (absorbed_decode_query, convertible_head, decode_head_class,
@@ -184,7 +184,7 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     linears (q_a + kv_a, q_b, o_proj, the dense MLPs and shared experts) run the fp8 decode
     GEMM ops (mla_ops/hf/fp8_linear.py): on CUDA at decode sizes HF's FP8Linear numerics
     (W8A8) reading the fp8 weights; elsewhere the dequantized weights, as HF computes on the
-    CPU. FP8 routed experts run HF's experts module.
+    CPU. With fuse_experts, FP8 routed experts run the fp8 MoE decode op likewise.
 
     All checks and weight absorption happen before the first module is touched, so a
     failure leaves the model as it was. Converting twice is a no-op.
@@ -205,8 +205,7 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     if others:
         raise TypeError(f"convert() supports models whose attention is all MLA; found {others[:3]}")
     options = check_cache_options(cache_options)
-    for name, m in served_modules(model):          # HF's FP8 linears: scales agree
-        check_module(name, m)
+    check_model(model)                  # HF's FP8 linears and experts: their scales agree
     plans, seen = [], set()
     for name, m, fam in attns:
         if getattr(m, "mla_converted", False):

@@ -1,5 +1,6 @@
-"""A converted layer's FP8 block-quantized linears (DeepSeek-V3 / R1 checkpoints loaded by
-HF's FineGrainedFP8 quantization) on the fp8 decode GEMM ops (lowering/gemm/fp8_linear.py).
+"""A converted layer's FP8 block-quantized linears and routed experts (DeepSeek-V3 / R1
+checkpoints loaded by HF's FineGrainedFP8 quantization) on the fp8 decode ops
+(lowering/gemm/fp8_linear.py, lowering/moe/fp8_experts.py).
 
 HF's FP8Linear holds weight float8_e4m3fn [N, K], weight_scale_inv fp32
 [ceil(N / bn), ceil(K / bk)] and block_size (bn, bk) (128 x 128 for DeepSeek). The ops
@@ -12,6 +13,13 @@ Served: HF's FP8Linear with a block size, no bias, dynamic activation scales and
 scales. Others (per-tensor or static activation scales, ue8m0 scales, biases) keep their
 own call, as every module does with lowering.config.linear_impl = "torch" or while
 autograd would need the weight's gradient.
+
+HF's FP8Experts (gate_up_proj [E, 2I, H] and down_proj [E, H, I] e4m3 with their
+*_scale_inv) in a block converted with fuse_experts: a decode step's routed experts run
+mla::moe_experts_decode_fp8 (the chosen experts' fp8 rows, HF's W8A8 numerics); other
+batches run HF's experts module where transformers' fp8 kernel loads (CUDA), else the op's
+reference on the chosen experts' dequantized weights (the CPU's answer; it gathers one
+dequantized copy of its expert per (token, k) pair, so long prompts want HF's kernel).
 """
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ import torch
 
 from lowering import config as mla_config
 from lowering.gemm import fp8_linear as fp8_ops   # registers the mla::decode_*_fp8 ops
+from lowering.moe import fp8_experts                 # registers mla::moe_experts_decode_fp8
 
 FP8 = torch.float8_e4m3fn
 
@@ -47,9 +56,57 @@ def check_module(name: str, m) -> None:
     fp8_ops.check_fp8_weight(name, m.weight, m.weight_scale_inv, gn, gk)
 
 
-def served_modules(model) -> list:
-    """(name, module) of every FP8 linear of model the fp8 ops serve."""
-    return [(n, m) for n, m in model.named_modules() if is_block_fp8(m)]
+def is_fp8_experts(m) -> bool:
+    """m is HF's FP8Experts with gated (SiLU x up) block-quantized fp32-scaled experts."""
+    block = getattr(m, "block_size", None)
+    return (type(m).__name__.endswith("FP8Experts")
+            and type(m).__module__.startswith("transformers.")
+            and getattr(m, "gate_up_proj", None) is not None and m.gate_up_proj.dtype == FP8
+            and getattr(m, "has_gate", True) and not getattr(m, "has_bias", False)
+            and block is not None and len(block) == 2
+            and m.gate_up_proj_scale_inv.dtype == torch.float32
+            and getattr(m, "activation_scheme", "dynamic") == "dynamic")
+
+
+def check_model(model) -> None:
+    """Raise a ValueError / TypeError naming the first FP8 linear or experts module whose
+    weights and scales disagree (convert() calls it before touching the model)."""
+    for name, m in model.named_modules():
+        if is_block_fp8(m):
+            check_module(name, m)
+        elif is_fp8_experts(m):
+            gn, gk = groups(m)
+            try:
+                fp8_experts.check_scales(m.gate_up_proj, m.gate_up_proj_scale_inv,
+                                         m.down_proj, m.down_proj_scale_inv, gn, gk)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{name}: {e}") from None
+
+
+def hf_fp8_kernel_loads() -> bool:
+    """Whether transformers' own fp8 kernel loads here (CUDA and the kernels package)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from transformers.integrations.finegrained_fp8 import load_finegrained_fp8_kernel
+        load_finegrained_fp8_kernel()
+    except Exception:        # the kernels package or the hub kernel missing
+        return False
+    return True
+
+
+def fp8_routed_experts(block, x: torch.Tensor, topk_idx: torch.Tensor,
+                       topk_weight: torch.Tensor) -> torch.Tensor:
+    """The FP8 routed experts of a converted MoE block for x [T, H] (see the docstring)."""
+    ex = block.experts
+    args = (ex.gate_up_proj, ex.gate_up_proj_scale_inv, ex.down_proj, ex.down_proj_scale_inv)
+    serves = fp8_experts.kernel_serves(x, *args, groups(ex)[1])
+    grad = torch.is_grad_enabled() and (ex.gate_up_proj.requires_grad
+                                        or ex.down_proj.requires_grad)
+    if mla_config.linear_impl == "torch" or grad or (not serves and x.is_cuda
+                                             and getattr(block, "mla_hf_fp8_runs", False)):
+        return ex(x, topk_idx, topk_weight)
+    return torch.ops.mla.moe_experts_decode_fp8(x, topk_idx, topk_weight, *args, *groups(ex))
 
 
 def dequantized_weight(m, dtype: torch.dtype) -> torch.Tensor:
