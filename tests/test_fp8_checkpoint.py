@@ -183,7 +183,7 @@ def test_moe_fp8_kernels_vs_fp64(T, E, K, I, H):
                                   dn.to(DEV), dns.to(DEV), 128, 128)
     assert rel(got, ref) < tol
     # the torch path: the chosen experts dequantized, no activation quant
-    deq = fp8_experts.reference(x, idx, wts, gu, gus, dn, dns, 128, 128)
+    dequantized = fp8_experts.reference(x, idx, wts, gu, gus, dn, dns, 128, 128)
     half = gus.shape[1] // 2
 
     def deq(w, sc, n, k):
@@ -196,7 +196,7 @@ def test_moe_fp8_kernels_vs_fp64(T, E, K, I, H):
             e = int(idx[t, k])
             gt, u = gud[e, :I] @ x[t].double(), gud[e, I:] @ x[t].double()
             plain[t] += float(wts[t, k]) * (dnd[e] @ (F.silu(gt) * u))
-    assert rel(deq, plain) < 1e-5
+    assert rel(dequantized, plain) < 1e-5
 
 
 def test_moe_fp8_scales_checked():
