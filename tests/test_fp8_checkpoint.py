@@ -317,6 +317,39 @@ def test_fully_quantized_moe_model_with_fused_experts_matches_hf_on_cpu():
     assert torch.equal(out.sequences, exp.sequences)
 
 
+def test_fp8_model_compiles_fullgraph_once_for_every_decode_step():
+    """generate() with a fullgraph CompileConfig: the fp8 ops (linears, fused MLP, MoE
+    experts) trace without graph breaks and the decode steps share one graph."""
+    import torch._dynamo
+    from torch._dynamo.backends.registry import lookup_backend
+    from transformers.generation.configuration_utils import CompileConfig
+    graphs = []
+
+    def counting(gm, example_inputs, **kw):
+        graphs.append(gm)
+        return lookup_backend("inductor" if CUDA else "aot_eager")(gm, example_inputs)
+    ref, model = fp8_pair(tiny_config("v3", q_lora_rank=256), skip=("lm_head",))
+    ref, model = ref.to(DEV), H.convert(model, fuse_experts=True).to(DEV)
+    ids, mask = (t.to(DEV) for t in left_padded([6, 19, 13]))
+    cc = CompileConfig(fullgraph=True, dynamic=False, backend=counting, mode=None)
+    cc._compile_all_devices = True          # CPU too
+    cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=16,
+                            device=DEV)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        out = generate(model, ids, mask, 10, past_key_values=cache, compile_config=cc)
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    finally:
+        torch._dynamo.reset()
+    exp = generate(ref, ids, mask, 10)
+    assert len(graphs) == 1 and breaks == 0, (len(graphs), breaks)
+    targets = {str(n.target) for n in graphs[0].graph.nodes}
+    for op in ("decode_linear_pair_fp8", "decode_gate_up_fp8", "moe_experts_decode_fp8"):
+        assert any(op in t for t in targets), op
+    assert torch.equal(out.sequences, exp.sequences)
+
+
 def test_convert_checks_fp8_scales_before_touching_the_model():
     ref, model = fp8_pair(tiny_config("v3", q_lora_rank=256, layers=1))
     o = model.model.layers[0].self_attn.o_proj
