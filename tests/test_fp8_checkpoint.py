@@ -350,6 +350,23 @@ def test_fp8_model_compiles_fullgraph_once_for_every_decode_step():
     assert torch.equal(out.sequences, exp.sequences)
 
 
+def test_quantize_fp8_helper_is_hfs_quantization():
+    """mla_ops.hf.fp8_models.quantize_fp8 (the benchmarks' FP8 models) holds the tensors this
+    file's HF quantization gives, and leaves the source model as it was."""
+    from mla_ops.hf.fp8_models import quantize_fp8
+    cfg = tiny_config("v3", q_lora_rank=256)
+    base, _ = build_pair(cfg)
+    _, model = fp8_pair(cfg, skip=("lm_head",))
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    q = quantize_fp8(base)
+    got, want = q.state_dict(), model.state_dict()
+    assert got.keys() == want.keys()
+    assert sum(v.dtype == FP8 for v in got.values()) > 10
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+    assert all(torch.equal(v, before[k]) for k, v in base.state_dict().items())
+
+
 def test_convert_checks_fp8_scales_before_touching_the_model():
     ref, model = fp8_pair(tiny_config("v3", q_lora_rank=256, layers=1))
     o = model.model.layers[0].self_attn.o_proj
