@@ -19,6 +19,11 @@ per layer). Targets (issue 31): fp8 >= 1.6x bf16 at B = 1, and <= 1.3x its floor
 
     python benchmarks/bench_fp8_weights.py                       # B = 1 and 32, S = 4096
     python benchmarks/bench_fp8_weights.py --shapes 1x4096 --experts 64 --no-compile
+    python benchmarks/bench_fp8_weights.py --sweep    # the fp8 GEMM kernel's configs per shape
+
+--sweep times the fp8 decode GEMM kernel (lowering/gemm/fp8_linear.py) alone at V3's
+decode shapes, 1 and 32 rows, over candidate configs (CUDA-graph replays, L2 flushed),
+beside the bf16 decode GEMM op on the same shape, and prints the CONFIGS entries.
 """
 from __future__ import annotations
 
@@ -86,6 +91,59 @@ def time_steps(runner, B, dev, iters, rounds) -> float:
     return statistics.median(times)
 
 
+# (mode, N, K, what): DeepSeek-V3's decode GEMMs (mode as in fp8_linear_kernel.py)
+SWEEP_SHAPES = [(1, 2112, 7168, "q_a + kv_a"), (0, 24576, 1536, "q_b"),
+                (0, 7168, 16384, "o_proj"), (2, 18432, 7168, "dense gate + up"),
+                (0, 7168, 18432, "dense down"), (2, 2048, 7168, "shared expert gate + up"),
+                (0, 7168, 2048, "shared expert down")]
+SWEEP_CANDIDATES = [(bn, 4, st) for bn in (16, 32, 64, 128) for st in (3, 6)]
+
+
+def sweep():
+    """Time the fp8 kernel's candidate configs per V3 shape (see the module docstring)."""
+    from timing import graph_time_us
+
+    from lowering.gemm import fp8_linear
+    from lowering.gemm import linear as gemm
+    dev = torch.device("cuda")
+    best = {}
+    for mode, N, K, what in SWEEP_SHAPES:
+        ws = [(torch.randn(N, K, device=dev) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+              for _ in range(2 if mode else 1)]
+        ss = [torch.rand(-(-N // 128), -(-K // 128), device=dev) * 1e-2 for _ in ws]
+        bf = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in ws]
+        for M in (1, 32):
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            y1 = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
+            y2 = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
+            w2, s2 = (ws[1], ss[1]) if mode else (None, None)
+            times = {}
+            for cfg in SWEEP_CANDIDATES:
+                def run(cfg=cfg):
+                    fp8_linear.launch(x, ws[0], ss[0], w2, s2, mode, y1,
+                                      y2 if mode == 1 else None, 128, 128, cfg)
+                times[cfg] = graph_time_us(run)
+            if mode == 0:
+                bf16 = graph_time_us(lambda: gemm.decode_linear_partials(
+                    x, bf[0], gemm.linear_split_k(x, bf[0])))
+            elif mode == 1:
+                bf16 = graph_time_us(lambda: gemm.decode_linear_pair_partials(
+                    x, bf[0], bf[1], gemm.pair_split_k(x, bf[0], bf[1])))
+            else:
+                bf16 = graph_time_us(lambda: torch.ops.mla.decode_gate_up(x, bf[0], bf[1]))
+            cfg = min(times, key=times.get)
+            best[(mode, N, K, M <= 16)] = cfg
+            floor = N * K * len(ws) / HBM_BYTES_PER_S * 1e6
+            print(f"  {what:24s} M={M:2d}: fp8 best {cfg} {times[cfg]:7.1f} us (floor "
+                  f"{floor:6.1f}; config now {fp8_linear.pick_config(mode, N, K, M)} "
+                  f"{times.get(fp8_linear.pick_config(mode, N, K, M), float('nan')):7.1f}), "
+                  f"bf16 op {bf16:7.1f} us: {bf16 / times[cfg]:.2f}x", flush=True)
+    print("\nCONFIGS = {")
+    for key, cfg in best.items():
+        print(f"    {key}: {cfg},")
+    print("}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -99,7 +157,11 @@ def main():
     ap.add_argument("--no-compile", action="store_true",
                     help="capture the eager step (no Inductor compile: quicker to start)")
     ap.add_argument("--json", default=None, help="append results here as JSON lines")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the fp8 GEMM kernel's configs at V3's shapes instead")
     args = ap.parse_args()
+    if args.sweep:
+        return sweep()
 
     import mla_ops.hf
     from mla_ops.hf.fp8_models import quantize_fp8

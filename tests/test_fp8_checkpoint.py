@@ -32,13 +32,15 @@ def expand_scales(s, N, K, gn=128, gk=128):
 
 def quant_act_ref(x, gk=128):
     """x [M, K] as HF's FP8Linear sees it after its activation quant, in float64: per row
-    and per gk columns s = amax / 448, e4m3(x / max(s, 1e-12)), times s."""
+    and per gk columns s = amax / 448, e4m3(x / max(s, 1e-12)), times s; the quotient as
+    the kernels form it, x times the fp32 reciprocal (HF's GPU kernel: an approximate
+    division; both within an ulp of x / s)."""
     x = x.float()
     out = torch.empty(x.shape, dtype=torch.float64)
     for k0 in range(0, x.shape[1], gk):
         blk = x[:, k0:k0 + gk]
         s = blk.abs().amax(1, keepdim=True) / torch.tensor(448.0)
-        q = (blk / s.clamp(min=1e-12)).clamp(-448, 448).to(FP8)
+        q = (blk * (1.0 / s.clamp(min=1e-12))).clamp(-448, 448).to(FP8)
         out[:, k0:k0 + gk] = q.double() * s.double()
     return out
 

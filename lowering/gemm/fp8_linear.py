@@ -36,9 +36,19 @@ MAX_ROWS = 64
 FP8 = torch.float8_e4m3fn
 
 # (mode, N, K, rows <= 16) -> (BLOCK_N, num_warps, num_stages); BLOCK_K is the scale group.
-# Not yet measured on an H200: DEFAULT_CONFIG serves every shape until
-# benchmarks/bench_fp8_weights.py --configs has ranked candidates there.
-CONFIGS: dict[tuple, tuple[int, int, int]] = {}
+# DeepSeek-V3's decode shapes, chosen (not yet measured on an H200) so that each grid
+# fills the 132 SMs: narrow tiles for the short weights (q_a + kv_a: 2112 rows, 132
+# programs of 16). `python benchmarks/bench_fp8_weights.py --sweep` times candidates per
+# shape and prints the entries to put here.
+CONFIGS: dict[tuple, tuple[int, int, int]] = {
+    **{(1, 2112, 7168, r): (16, 4, 6) for r in (True, False)},     # q_a + kv_a
+    **{(0, 24576, 1536, r): (64, 4, 4) for r in (True, False)},    # q_b
+    **{(0, 7168, 16384, r): (32, 4, 4) for r in (True, False)},    # o_proj
+    **{(2, 18432, 7168, r): (64, 4, 3) for r in (True, False)},    # dense gate + up
+    **{(0, 7168, 18432, r): (32, 4, 4) for r in (True, False)},    # dense down
+    **{(2, 2048, 7168, r): (16, 4, 6) for r in (True, False)},     # shared expert gate + up
+    **{(0, 7168, 2048, r): (32, 4, 4) for r in (True, False)},     # shared expert down
+}
 DEFAULT_CONFIG = (64, 4, 4)
 
 
@@ -86,7 +96,8 @@ def check_fp8_weight(name: str, w: torch.Tensor, s: torch.Tensor, group_n: int,
         raise TypeError(f"{name}.weight must be a 2-D float8_e4m3fn tensor, got {w.dtype} "
                         f"{tuple(w.shape)}")
     if not (isinstance(group_n, int) and isinstance(group_k, int) and group_n > 0 and group_k > 0):
-        raise ValueError(f"{name}: block size must be two positive ints, got ({group_n}, {group_k})")
+        raise ValueError(f"{name}: block size must be two positive ints, got "
+                         f"({group_n}, {group_k})")
     N, K = w.shape
     want = (triton.cdiv(N, group_n), triton.cdiv(K, group_k))
     if s.dtype != torch.float32 or tuple(s.shape) != want:

@@ -6,9 +6,9 @@
 
 The numerics are those of HF's FP8Linear on a GPU (W8A8, dynamic activation scales): each
 row of x is quantized per GROUP_K columns, s = amax(|x group|) / 448 and
-xq = e4m3(x / max(s, 1e-12)) (here with a correctly rounded division and ties-to-even
-rounding, lowering/fused/fp8_rounding.py), then per K block the fp8 x fp8 product is
-accumulated in fp32 times s * scale_inv of the weight block, and y is rounded to y's dtype.
+xq = e4m3(x / max(s, 1e-12)) (here x times the correctly rounded reciprocal, rounded ties
+to even: quant_act_tile), then per K block the fp8 x fp8 product is accumulated in fp32
+times s * scale_inv of the weight block, and y is rounded to y's dtype.
 
 Each program owns BLOCK_N rows of w and walks K one scale group (BLOCK_K = GROUP_K) at a
 time: it loads the weight tile [BLOCK_N, BLOCK_K] (one byte per element: half the bytes of
@@ -36,14 +36,20 @@ from lowering.fused.fp8_rounding import FP8_MAX, div_rn, to_e4m3
 
 
 @triton.jit
-def quant_act_tile(x, fp8_ptr):
+def quant_act_tile(x, fp8_ptr, NATIVE_CAST: tl.constexpr):
     """x [BLOCK_K, BLOCK_M] fp32 -> (e4m3 values [BLOCK_K, BLOCK_M], s [BLOCK_M]): one scale
     per row of the step (a column of the tile), s = amax / 448, unfloored (a zero group
-    then contributes zero), the division floored at 1e-12 as HF's kernel does."""
+    then contributes zero); x times the correctly rounded reciprocal of max(s, 1e-12)
+    (HF's kernel divides with the GPU's approximate division: both lie within an ulp of
+    x / s), saturated to +-448 and rounded to e4m3, ties to even. NATIVE_CAST: the
+    hardware's conversion (exact here: the value is in range); else by bit arithmetic
+    (the CPU interpreter's cast does not carry into the exponent)."""
     amax = tl.max(tl.abs(x), axis=0)                                           # [BLOCK_M]
     s = div_rn(amax, amax * 0.0 + FP8_MAX)
-    d = tl.maximum(s, 1e-12)
-    q = tl.clamp(div_rn(x, d[None, :] + tl.zeros_like(x)), -FP8_MAX, FP8_MAX)
+    r = div_rn(s * 0.0 + 1.0, tl.maximum(s, 1e-12))                            # [BLOCK_M]
+    q = tl.clamp(x * r[None, :], -FP8_MAX, FP8_MAX)
+    if NATIVE_CAST:
+        return q.to(fp8_ptr.dtype.element_ty), s
     return to_e4m3(q, fp8_ptr), s
 
 
@@ -57,8 +63,8 @@ def _stream_fp8_rows(x_ptr, w_ptr, s_ptr, n0, M, N, K, stride_xm, stride_wn, str
     offs_k = tl.arange(0, BLOCK_K)                                             # [BLOCK_K]
     n_ok = offs_n < N
     m_ok = offs_m < M
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]   # [BLOCK_N, BLOCK_K]
-    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]               # [BLOCK_K, BLOCK_M]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]   # [BN, BK]
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]               # [BK, BM]
     s_ptrs = s_ptr + (offs_n // GROUP_N) * stride_sn                             # [BLOCK_N]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -70,7 +76,7 @@ def _stream_fp8_rows(x_ptr, w_ptr, s_ptr, n0, M, N, K, stride_xm, stride_wn, str
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0).to(tl.float32)
         ws = tl.load(s_ptrs + k, mask=n_ok, other=0.0)                        # [BLOCK_N]
-        xq, xs = quant_act_tile(x, w_ptr)                        # [BLOCK_K, BLOCK_M], [BLOCK_M]
+        xq, xs = quant_act_tile(x, w_ptr, not DOT_F32)              # [BLOCK_K, BLOCK_M], [BLOCK_M]
         if DOT_F32:
             part = tl.dot(w.to(tl.float32), xq.to(tl.float32))
         else:
@@ -100,7 +106,8 @@ def _store_rows(y_ptr, acc, n0, M, N, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N:
 
 @triton.jit
 def fp8_linear_kernel(
-    x_ptr, w1_ptr, s1_ptr, w2_ptr, s2_ptr, y1_ptr, y2_ptr,   # x [M, K]; w [N, K] e4m3, s [N/GN, K/GK]
+    x_ptr, w1_ptr, s1_ptr, w2_ptr, s2_ptr, y1_ptr, y2_ptr,   # x [M, K]; w [N, K] e4m3;
+                                                             # s [N/GN, K/GK]; y [M, N]
     r_ptr,                                                   # HAS_RES: residual [M, N1]
     M, N1, N2, K,
     stride_xm, stride_w1, stride_s1, stride_w2, stride_s2, stride_y1, stride_y2, stride_r,

@@ -19,7 +19,8 @@ from lowering.moe.expert_run import expert_run, run_rows
 
 @triton.jit
 def moe_down_fp8_kernel(
-    h_ptr, w_ptr, ws_ptr, weight_ptr, out_ptr,   # h [P, I], down [E, H, I] e4m3, scales, weight [P], out [P, H]
+    h_ptr, w_ptr, ws_ptr, weight_ptr, out_ptr,   # h [P, I], down [E, H, I] e4m3, scales,
+                                                 # weight [P], out [P, H]
     sorted_expert_ptr, sorted_pair_ptr,          # [P] each
     P, E, H, I, TOP_K,
     stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_op,
@@ -49,7 +50,7 @@ def moe_down_fp8_kernel(
                 k_ok = kk < I
                 w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 h = tl.load(h_rows + kk[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-            hq, hs = quant_act_tile(h.to(tl.float32), w_ptr)   # [BLOCK_K, BLOCK_M], [BLOCK_M]
+            hq, hs = quant_act_tile(h.to(tl.float32), w_ptr, not DOT_F32)   # [BK, BM], [BM]
             wsc = tl.load(s_rows + kb, mask=n_ok, other=0.0)                   # [BLOCK_N]
             if DOT_F32:      # the CPU interpreter: fp8 x fp8 products are exact in fp32
                 part = tl.dot(w.to(tl.float32), hq.to(tl.float32))

@@ -58,7 +58,7 @@ def moe_gate_up_fp8_kernel(
                 wg = tl.load(g_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 wu = tl.load(u_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 x = tl.load(x_rows + kk[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-            xq, xs = quant_act_tile(x.to(tl.float32), w_ptr)   # [BLOCK_K, BLOCK_M], [BLOCK_M]
+            xq, xs = quant_act_tile(x.to(tl.float32), w_ptr, not DOT_F32)   # [BK, BM], [BM]
             gsc = tl.load(gs_rows + kb, mask=n_ok, other=0.0)                  # [BLOCK_N]
             usc = tl.load(us_rows + kb, mask=n_ok, other=0.0)
             if DOT_F32:      # the CPU interpreter: fp8 x fp8 products are exact in fp32
