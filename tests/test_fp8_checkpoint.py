@@ -91,7 +91,12 @@ def test_kernel_modes_vs_fp64(M, N1, N2, K, cfg):
 
     y1, y2 = torch.empty(M, N1, device=DEV, dtype=dt), torch.empty(M, N2, device=DEV, dtype=dt)
     fp8_linear.launch(xs, w1d, s1d, w2d, s2d, 1, y1, y2, 128, 128, cfg)
-    assert rel(y1, ref1) < tol and rel(y2, w8a8_ref(x, w2, s2)) < tol
+    ref2 = w8a8_ref(x, w2, s2)
+    assert rel(y1, ref1) < tol and rel(y2, ref2) < tol
+    # the pair into one fp32 output, W2's columns from N1 on (the prologue's partial)
+    y = torch.full((M, N1 + N2), float("nan"), device=DEV)
+    fp8_linear.launch(xs, w1d, s1d, w2d, s2d, 1, y, None, 128, 128, cfg, y2_col0=N1)
+    assert rel(y, torch.cat([ref1, ref2], 1)) < 1e-5
 
     y = torch.empty(M, N1, device=DEV, dtype=dt)
     fp8_linear.launch(xs, w1d, s1d, w3d, s3d, 2, y, None, 128, 128, cfg)
@@ -419,11 +424,13 @@ def test_every_fp8_gemm_of_a_gpu_decode_step_vs_fp64(monkeypatch, dtype=torch.bf
         def wrapped(*args):
             args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
             out = fn(*args)       # kept as returned (the layer writes RoPE into q in place)
-            calls.append((name, args, tuple(o.clone() for o in out)
-                          if isinstance(out, tuple) else out.clone()))
+            if out is not None:   # (fp8_pair_partials: None where the kernel does not serve)
+                calls.append((name, args, tuple(o.clone() for o in out)
+                              if isinstance(out, tuple) else out.clone()))
             return out
         monkeypatch.setattr(hf_fp8, name, wrapped)
-    for name in ("fp8_linear", "fp8_linear_pair", "fp8_mlp", "fp8_routed_experts"):
+    for name in ("fp8_linear", "fp8_linear_pair", "fp8_pair_partials", "fp8_mlp",
+                 "fp8_routed_experts"):
         record(name, getattr(hf_fp8, name))
     ids, mask = (t.to(device) for t in left_padded([5, 17, 30]))
     cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=64,
@@ -432,7 +439,7 @@ def test_every_fp8_gemm_of_a_gpu_decode_step_vs_fp64(monkeypatch, dtype=torch.bf
     cast = (lambda t: t.to(dtype).double())
     checked = set()
     for name, args, out in calls:
-        x = args[2] if name == "fp8_linear_pair" else args[1]
+        x = args[2] if name in ("fp8_linear_pair", "fp8_pair_partials") else args[1]
         if x.numel() // x.shape[-1] > 64:
             continue                                    # prefill: the dequantized path
         x2 = x.reshape(-1, x.shape[-1]).float().cpu()
@@ -442,11 +449,15 @@ def test_every_fp8_gemm_of_a_gpu_decode_step_vs_fp64(monkeypatch, dtype=torch.bf
             if residual is not None:
                 ref = cast(ref + residual.reshape(ref.shape).double().cpu())
             got = out
-        elif name == "fp8_linear_pair":
-            m1, m2 = args[0], args[1]
+        elif name in ("fp8_linear_pair", "fp8_pair_partials"):
             ref = torch.cat([w8a8_ref(x2, m.weight.cpu(), m.weight_scale_inv.cpu())
-                             for m in (m1, m2)], -1)
-            got = torch.cat([o.reshape(ref.shape[0], -1) for o in out], -1)
+                             for m in args[:2]], -1)
+            if name == "fp8_linear_pair":
+                ref = cast(ref)
+                got = torch.cat([o.reshape(ref.shape[0], -1) for o in out], -1)
+            else:                                       # fp32, unrounded
+                assert out.dtype == torch.float32 and out.shape[0] == 1
+                got = out
         elif name == "fp8_mlp":
             mlp = args[0]
             g, u = (w8a8_ref(x2, m.weight.cpu(), m.weight_scale_inv.cpu())
@@ -467,7 +478,9 @@ def test_every_fp8_gemm_of_a_gpu_decode_step_vs_fp64(monkeypatch, dtype=torch.bf
         err = rel(got.reshape(ref.shape).float(), ref)
         assert err < 2e-2, (name, err, tuple(x.shape))
         checked.add(name)
-    assert checked == {"fp8_linear", "fp8_linear_pair", "fp8_mlp", "fp8_routed_experts"}
+    # q_a + kv_a: the fp32 partial for the fused prologue (V3 on CUDA), else the pair op
+    assert checked - {"fp8_linear_pair"} == {"fp8_linear", "fp8_pair_partials", "fp8_mlp",
+                                             "fp8_routed_experts"}
 
 
 @pytest.mark.gpu

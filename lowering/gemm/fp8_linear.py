@@ -8,6 +8,9 @@ FineGrainedFP8 FP8Linear: weight float8_e4m3fn [N, K], weight_scale_inv fp32
         -> (x @ W1.T [*, N1], x @ W2.T [*, N2])                                 one launch
     mla::decode_gate_up_fp8(x, w_gate, s_gate, w_up, s_up, group_n, group_k)
         -> silu(x @ Wg.T) * (x @ Wu.T)                                          one launch
+    mla::decode_linear_pair_fp8_partials(x, w1, s1, w2, s2, group_n, group_k)
+        -> fp32 [1, *, N1 + N2] = [x @ W1.T | x @ W2.T] unrounded: the one-partial form of
+           mla::decode_linear_pair_partials that mla::decode_qkv_prologue reads
 
 where W is the dequantized weight. On CUDA, bf16 / fp16, at most MAX_ROWS rows, they run
 fp8_linear_kernel.py: the weight read as fp8 (half a bf16 weight's bytes), each row of x
@@ -114,10 +117,14 @@ def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
 
 def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
            y2: Optional[torch.Tensor], group_n: int, group_k: int, config: tuple, *,
-           residual: Optional[torch.Tensor] = None) -> None:
+           residual: Optional[torch.Tensor] = None, y2_col0: int = 0) -> None:
     """Run fp8_linear_kernel with config (BLOCK_N, num_warps, num_stages): x2 [M, K] (K
     contiguous), w1/w2 [N, K] fp8 contiguous with their scale_inv; y1/y2 [M, N]. Mode 0
-    may add residual [M, N1] (last dim contiguous) in the epilogue."""
+    may add residual [M, N1] (last dim contiguous) in the epilogue; mode 1 with y2=None
+    and y2_col0 > 0 writes x @ W2.T into y1 from column y2_col0 on."""
+    if mode == 1 and y2 is None and not 0 < y2_col0 <= y1.shape[-1] - w2.shape[0]:
+        raise ValueError(f"mode 1 without y2 needs 0 < y2_col0 and y1 of y2_col0 + "
+                         f"{w2.shape[0]} columns; got y2_col0={y2_col0}, y1 {tuple(y1.shape)}")
     M, K = x2.shape
     N1 = w1.shape[0]
     N2 = w2.shape[0] if w2 is not None else 0
@@ -138,6 +145,7 @@ def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
         y1.stride(0), y2_.stride(0), r_.stride(0) if residual is not None else 0, n1_blocks,
         MODE=mode, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=group_k, GROUP_N=group_n,
         EVEN_K=K % group_k == 0, DOT_F32=not x2.is_cuda, HAS_RES=residual is not None,
+        Y2_COL0=y2_col0 if (mode == 1 and y2 is None) else 0,
         num_warps=warps, num_stages=stages)
 
 
@@ -209,3 +217,23 @@ def decode_gate_up_fp8(x: torch.Tensor, w_gate: torch.Tensor, s_gate: torch.Tens
     y = torch.empty((x2.shape[0], w_gate.shape[0]), dtype=x.dtype, device=x.device)  # [M, N]
     launch(x2, w_gate, s_gate, w_up, s_up, 2, y, None, group_n, group_k, cfg)
     return y.view(*x.shape[:-1], w_gate.shape[0])
+
+
+@torch.library.triton_op("mla::decode_linear_pair_fp8_partials", mutates_args={})
+def decode_linear_pair_fp8_partials(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
+                                    w2: torch.Tensor, s2: torch.Tensor, group_n: int,
+                                    group_k: int) -> torch.Tensor:
+    """fp32 [1, *lead, N1 + N2] = [x @ W1.T | x @ W2.T] (one launch, unrounded), the input
+    mla::decode_qkv_prologue sums and rounds: its norms and RoPE then follow the fp8 q_a +
+    kv_a GEMM as they follow the 16-bit split-K one."""
+    K = x.shape[-1]
+    lead, N1, N2 = x.shape[:-1], w1.shape[0], w2.shape[0]
+    cfg = _kernel_config(1, x, [(w1, s1), (w2, s2)], group_n, group_k)
+    if cfg is None:
+        y = torch.cat([F.linear(x, dequantize(w, s, group_n, group_k, x.dtype))
+                       for w, s in ((w1, s1), (w2, s2))], dim=-1)
+        return y.float().unsqueeze(0)
+    x2 = _rows(x, K)
+    out = torch.empty((x2.shape[0], N1 + N2), dtype=torch.float32, device=x.device)
+    launch(x2, w1, s1, w2, s2, 1, out, None, group_n, group_k, cfg, y2_col0=N1)
+    return out.view(1, *lead, N1 + N2)

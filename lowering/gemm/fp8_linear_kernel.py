@@ -115,6 +115,8 @@ def fp8_linear_kernel(
     MODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, HAS_RES: tl.constexpr,
+    Y2_COL0: tl.constexpr,                   # > 0: MODE 1 writes x @ w2.T into y1 from this
+                                             # column on (one output tensor; y2_ptr unused)
 ):
     pid = tl.program_id(0)
     if MODE == 0:
@@ -135,7 +137,10 @@ def fp8_linear_kernel(
             acc = _stream_fp8_rows(x_ptr, w2_ptr, s2_ptr, n0, M, N2, K, stride_xm, stride_w2,
                                    stride_s2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, EVEN_K,
                                    DOT_F32)
-            _store_rows(y2_ptr, acc, n0, M, N2, stride_y2, BLOCK_M, BLOCK_N)
+            if Y2_COL0 > 0:
+                _store_rows(y1_ptr + Y2_COL0, acc, n0, M, N2, stride_y1, BLOCK_M, BLOCK_N)
+            else:
+                _store_rows(y2_ptr, acc, n0, M, N2, stride_y2, BLOCK_M, BLOCK_N)
     else:
         n0 = pid * BLOCK_N
         acc_g = _stream_fp8_rows(x_ptr, w1_ptr, s1_ptr, n0, M, N1, K, stride_xm, stride_w1,

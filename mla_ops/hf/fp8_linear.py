@@ -123,6 +123,17 @@ def uses_fp8_ops(*mods) -> bool:
             and len({groups(m) for m in mods}) == 1)
 
 
+def fp8_pair_partials(m1, m2, x: torch.Tensor):
+    """fp32 [1, *lead, N1 + N2] of the fp8 pair (q_a + kv_a) for mla::decode_qkv_prologue,
+    or None where the fp8 kernel does not serve x (then the caller runs the pair op and
+    the modules' norms)."""
+    gn, gk = groups(m1)
+    pairs = [(m1.weight, m1.weight_scale_inv), (m2.weight, m2.weight_scale_inv)]
+    if fp8_ops.fp8_linear_unmet(x, pairs, gn, gk) is not None:
+        return None
+    return torch.ops.mla.decode_linear_pair_fp8_partials(x, *pairs[0], *pairs[1], gn, gk)
+
+
 def fp8_mlp_served(mlp) -> bool:
     """An MLP whose gate_proj, up_proj and down_proj are served FP8 linears of one block."""
     mods = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)

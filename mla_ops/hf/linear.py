@@ -98,19 +98,26 @@ def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
     module for hidden states x [B, S, H]: the q_a + kv_a GEMM's split-K partials, then one
     op (mla::decode_qkv_prologue) for both norms and the key's RoPE. None where that path
     does not apply (no q_lora, V2's complex RoPE, other norms, or a pair config without
-    split-K: then the caller runs the modules)."""
+    split-K: then the caller runs the modules). HF's FP8 linears: the fp8 pair kernel's
+    one fp32 partial where it serves x (mla::decode_linear_pair_fp8_partials)."""
     m1, m2 = attn.q_a_proj, attn.kv_a_proj_with_mqa
+    fp8_pair = fp8.uses_fp8_ops(m1, m2)
     if (attn.mla_family != "v3" or attn.q_lora_rank is None
-            or not use_ops(m1, m2)
+            or not (use_ops(m1, m2) or fp8_pair)
             or not (hf_rms_norm(attn.q_a_layernorm) and hf_rms_norm(attn.kv_a_layernorm))
             or not isinstance(position_embeddings, (tuple, list))):
         return None
-    w1, w2 = m1.weight, m2.weight
-    split_k = gemm.pair_split_k(x, w1, w2)
-    if split_k <= 1:
-        return None
+    if fp8_pair:                         # FP8 weights: one unsplit fp32 partial
+        parts = fp8.fp8_pair_partials(m1, m2, x)                          # [1, B, S, NQ+L+R]
+        if parts is None:
+            return None
+    else:
+        w1, w2 = m1.weight, m2.weight
+        split_k = gemm.pair_split_k(x, w1, w2)
+        if split_k <= 1:
+            return None
+        parts = torch.ops.mla.decode_linear_pair_partials(x, w1, w2, split_k)  # [K, B, S, NQ+L+R]
     cos, sin = position_embeddings                                        # [B, S, R] each
-    parts = torch.ops.mla.decode_linear_pair_partials(x, w1, w2, split_k)  # [K, B, S, NQ+L+R]
     nq, nkv = attn.q_a_layernorm, attn.kv_a_layernorm
     return torch.ops.mla.decode_qkv_prologue(
         parts, nq.weight, nkv.weight, cos, sin, float(nq.variance_epsilon),
