@@ -1,2 +1,3 @@
 """The routed experts of a DeepSeek MoE block for a decode step's few rows (experts.py: the
-op mla::moe_experts_decode and its launchers; one kernel per file beside it)."""
+op mla::moe_experts_decode and its launchers; fp8_experts.py: mla::moe_experts_decode_fp8
+over FP8 block-quantized experts; one kernel per file beside them)."""

@@ -7,6 +7,7 @@ import torch
 
 from mla_ops.cache import CacheFullError  # noqa: F401  (raised by PagedMLACache and DecodeGraph)
 from mla_ops.hf.cache import PagedMLACache
+from mla_ops.hf.fp8_linear import check_model, dequantized_weight, is_block_fp8
 from mla_ops.hf.generate import check_cache_options, generation_class
 from mla_ops.hf.layer import convert_layers
 from mla_ops.hf.linear import (absorbed_decode_query, convertible_head, decode_head_class,
@@ -177,6 +178,14 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     fp8_decode_query (else that generate() call raises a ValueError saying so). A cache
     passed as cache= / past_key_values= is used as is.
 
+    A model loaded from an FP8 checkpoint (HF's FineGrainedFP8: FP8Linear modules with
+    weight_scale_inv in block_size blocks, DeepSeek-V3 / R1) keeps its fp8 weights: W_UK_T /
+    W_UV are absorbed from kv_b_proj dequantized once (as HF dequantizes), and the layer's
+    linears (q_a + kv_a, q_b, o_proj, the dense MLPs and shared experts) run the fp8 decode
+    GEMM ops (mla_ops/hf/fp8_linear.py): on CUDA at decode sizes HF's FP8Linear numerics
+    (W8A8) reading the fp8 weights; elsewhere the dequantized weights, as HF computes on the
+    CPU. With fuse_experts, FP8 routed experts run the fp8 MoE decode op likewise.
+
     All checks and weight absorption happen before the first module is touched, so a
     failure leaves the model as it was. Converting twice is a no-op.
     """
@@ -196,6 +205,7 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     if others:
         raise TypeError(f"convert() supports models whose attention is all MLA; found {others[:3]}")
     options = check_cache_options(cache_options)
+    check_model(model)                  # HF's FP8 linears and experts: their scales agree
     plans, seen = [], set()
     for name, m, fam in attns:
         if getattr(m, "mla_converted", False):
@@ -212,6 +222,8 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
             raise ValueError(f"{name} has weights on the meta device; load them before convert()")
         scale_inv = getattr(m.kv_b_proj, "weight_scale_inv", None)
         dt = m.kv_a_layernorm.weight.dtype if scale_inv is not None else w.dtype   # activations
+        if is_block_fp8(m.kv_b_proj):       # dequantized once, as HF dequantizes
+            w, scale_inv = dequantized_weight(m.kv_b_proj, dt), None
         mla = MLAAttention(N, P, R, V, L, float(m.scaling), workspace_rows=workspace_rows,
                            backend=backend)
         with torch.no_grad():

@@ -7,9 +7,10 @@ copies: q_a_proj + kv_a_proj_with_mqa share their input and run as one launch, g
 up_proj + SiLU x up as one launch (the dense MLPs and shared experts), o_proj and down_proj
 as single launches, and so does the model's output head (lm_head). The ops take the HF
 modules' own weights (no copies); at more rows, on CPU or in fp32 they run exactly what the
-modules would (F.linear, F.silu). A module that is not a plain bias-free nn.Linear (FP8 /
-quantized linears, biases) keeps its own call, and so does every module while autograd
-would need its weight's gradient.
+modules would (F.linear, F.silu). HF's FP8 block-quantized linears (DeepSeek's FP8
+checkpoints) run the fp8 decode GEMM ops (mla_ops/hf/fp8_linear.py). Any other module that
+is not a plain bias-free nn.Linear (other quantized linears, biases) keeps its own call, and
+so does every module while autograd would need its weight's gradient.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from lowering.fused import prologue  # noqa: F401  (registers mla::decode_qkv_pr
 from lowering.fused import q_rope  # noqa: F401  (registers mla::decode_q_rope)
 from lowering.fused.q_absorb import q_absorb_unmet  # and mla::decode_q_absorb(_fp8)
 from lowering.gemm import linear as gemm  # registers the mla::decode_* GEMM ops
+from mla_ops.hf import fp8_linear as fp8
 
 
 def _plain(*mods) -> bool:
@@ -57,7 +59,9 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, residual=None) -> torch.Tens
 
 def linear(mod, x: torch.Tensor, residual=None) -> torch.Tensor:
     """mod(x) (+ residual) for an HF linear module; mla::decode_linear(_residual) when it
-    is a plain nn.Linear."""
+    is a plain nn.Linear (mla::decode_linear_fp8 for HF's FP8 linears)."""
+    if fp8.uses_fp8_ops(mod):
+        return fp8.fp8_linear(mod, x, residual)
     if use_ops(mod):
         return decode_linear(x, mod.weight, residual)
     return mod(x) if residual is None else residual + mod(x)
@@ -70,8 +74,10 @@ def linear_pair(m1, m2, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     taken here, in the traced graph, so Inductor fuses it into the ops that read the
     result (the q_a / kv_a norms) instead of launching a reduce kernel.
     """
+    if fp8.uses_fp8_ops(m1, m2):
+        return fp8.fp8_linear_pair(m1, m2, x)
     if not use_ops(m1, m2):
-        return m1(x), m2(x)
+        return linear(m1, x), linear(m2, x)
     w1, w2 = m1.weight, m2.weight
     split_k = gemm.pair_split_k(x, w1, w2)
     if split_k > 1:
@@ -92,19 +98,26 @@ def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
     module for hidden states x [B, S, H]: the q_a + kv_a GEMM's split-K partials, then one
     op (mla::decode_qkv_prologue) for both norms and the key's RoPE. None where that path
     does not apply (no q_lora, V2's complex RoPE, other norms, or a pair config without
-    split-K: then the caller runs the modules)."""
+    split-K: then the caller runs the modules). HF's FP8 linears: the fp8 pair kernel's
+    one fp32 partial where it serves x (mla::decode_linear_pair_fp8_partials)."""
     m1, m2 = attn.q_a_proj, attn.kv_a_proj_with_mqa
+    fp8_pair = fp8.uses_fp8_ops(m1, m2)
     if (attn.mla_family != "v3" or attn.q_lora_rank is None
-            or not use_ops(m1, m2)
+            or not (use_ops(m1, m2) or fp8_pair)
             or not (hf_rms_norm(attn.q_a_layernorm) and hf_rms_norm(attn.kv_a_layernorm))
             or not isinstance(position_embeddings, (tuple, list))):
         return None
-    w1, w2 = m1.weight, m2.weight
-    split_k = gemm.pair_split_k(x, w1, w2)
-    if split_k <= 1:
-        return None
+    if fp8_pair:                         # FP8 weights: one unsplit fp32 partial
+        parts = fp8.fp8_pair_partials(m1, m2, x)                          # [1, B, S, NQ+L+R]
+        if parts is None:
+            return None
+    else:
+        w1, w2 = m1.weight, m2.weight
+        split_k = gemm.pair_split_k(x, w1, w2)
+        if split_k <= 1:
+            return None
+        parts = torch.ops.mla.decode_linear_pair_partials(x, w1, w2, split_k)  # [K, B, S, NQ+L+R]
     cos, sin = position_embeddings                                        # [B, S, R] each
-    parts = torch.ops.mla.decode_linear_pair_partials(x, w1, w2, split_k)  # [K, B, S, NQ+L+R]
     nq, nkv = attn.q_a_layernorm, attn.kv_a_layernorm
     return torch.ops.mla.decode_qkv_prologue(
         parts, nq.weight, nkv.weight, cos, sin, float(nq.variance_epsilon),
@@ -151,13 +164,16 @@ def fusable_mlp(m) -> bool:
     classes = _hf_mlp_classes()
     return (bool(classes) and isinstance(m, classes)
             and getattr(m.config, "hidden_act", None) in ("silu", "swish")
-            and _plain(m.gate_proj, m.up_proj, m.down_proj)
+            and (_plain(m.gate_proj, m.up_proj, m.down_proj)
+                 or fp8.fp8_mlp_served(m))
             and m.gate_proj.weight.shape == m.up_proj.weight.shape)
 
 
 def _mlp_forward(self, x, residual=None):
     """down_proj(silu(gate_proj(x)) * up_proj(x)) (+ residual, the decoder layer's add, in
-    down_proj's epilogue): x [..., H] -> [..., H]."""
+    down_proj's epilogue): x [..., H] -> [..., H]. FP8 linears: the fp8 ops."""
+    if fp8.uses_fp8_ops(self.gate_proj, self.up_proj, self.down_proj):
+        return fp8.fp8_mlp(self, x, residual)
     if mla_config.linear_impl == "torch" or _needs_grad(self.gate_proj, self.up_proj,
                                                          self.down_proj):
         y = self.hf_forward(x)

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from lowering import config as mla_config
 from lowering.moe import experts as moe_ops  # registers mla::moe_experts_decode
+from mla_ops.hf import fp8_linear as fp8
 from mla_ops.hf.linear import converted_class, fusable_mlp, fused_mlp_class
 
 __all__ = ["convert_moe", "moe_blocks", "route", "routed_experts"]
@@ -128,9 +129,12 @@ def routed_experts(block, x: torch.Tensor, topk_idx: torch.Tensor,
                    topk_weight: torch.Tensor) -> torch.Tensor:
     """sum_k topk_weight[t, k] * expert_{topk_idx[t, k]}(x[t]): x [T, H] -> [T, H]."""
     experts = block.experts
+    if block.mla_fuse_experts and fp8.is_fp8_experts(experts):        # an FP8 checkpoint
+        return fp8.fp8_routed_experts(block, x, topk_idx, topk_weight)
     gate_up, down = experts.gate_up_proj, experts.down_proj
     if (block.mla_fuse_experts and mla_config.linear_impl != "torch"
-            and not _needs_grad(experts) and moe_ops.kernel_serves(x, gate_up, down)):
+            and not _needs_grad(experts) and gate_up.dtype == down.dtype == x.dtype
+            and moe_ops.kernel_serves(x, gate_up, down)):
         return torch.ops.mla.moe_experts_decode(x, topk_idx, topk_weight, gate_up, down)
     impl = getattr(experts.config, "_experts_implementation", None)
     grouped = grouped_mm_forward()
@@ -224,6 +228,7 @@ def convert_moe(model, *, fuse_experts: bool = True, fuse_shared: bool = True) -
     for name, m, fam in blocks:              # nothing below can fail
         m.mla_family = fam
         m.mla_fuse_experts = bool(fuse_experts)
+        m.mla_hf_fp8_runs = fp8.is_fp8_experts(m.experts) and fp8.hf_fp8_kernel_loads()
         m.__class__ = fused_moe_class(type(m))
         shared = m.shared_experts
         if fuse_shared and fusable_mlp(shared) and not getattr(shared, "mla_converted", False):

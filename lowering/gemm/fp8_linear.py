@@ -1,0 +1,239 @@
+"""The decode GEMMs over block-quantized fp8 weights (DeepSeek-V3 / R1 checkpoints, HF's
+FineGrainedFP8 FP8Linear: weight float8_e4m3fn [N, K], weight_scale_inv fp32
+[ceil(N / group_n), ceil(K / group_k)], value = weight * scale_inv of its block):
+
+    mla::decode_linear_fp8(x [*, K], w, s, group_n, group_k) -> x @ W.T              [*, N]
+    mla::decode_linear_fp8_residual(x, w, s, r [*, N], group_n, group_k) -> r + x @ W.T
+    mla::decode_linear_pair_fp8(x, w1, s1, w2, s2, group_n, group_k)
+        -> (x @ W1.T [*, N1], x @ W2.T [*, N2])                                 one launch
+    mla::decode_gate_up_fp8(x, w_gate, s_gate, w_up, s_up, group_n, group_k)
+        -> silu(x @ Wg.T) * (x @ Wu.T)                                          one launch
+    mla::decode_linear_pair_fp8_partials(x, w1, s1, w2, s2, group_n, group_k)
+        -> fp32 [1, *, N1 + N2] = [x @ W1.T | x @ W2.T] unrounded: the one-partial form of
+           mla::decode_linear_pair_partials that mla::decode_qkv_prologue reads
+
+where W is the dequantized weight. On CUDA, bf16 / fp16, at most MAX_ROWS rows, they run
+fp8_linear_kernel.py: the weight read as fp8 (half a bf16 weight's bytes), each row of x
+quantized per group_k columns in registers, fp8 x fp8 products accumulated in fp32 with
+both scales: HF's FP8Linear numerics on a GPU (W8A8, dynamic per-token-group activation
+scales), so a converted model computes what HF's module computes. Elsewhere (CPU,
+prefill, fp32, lowering.config.linear_impl = "torch") the weight is dequantized exactly as
+HF dequantizes an FP8 checkpoint it cannot run in fp8 (fp32 product, rounded to x's
+dtype) and the op runs F.linear / F.silu: what HF's model computes on the CPU, where it
+loads such a checkpoint dequantized. Arguments are checked by the caller (the converted
+layer reads them off HF's modules, checked once by convert()).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from lowering import config as mla_config
+from lowering.gemm.fp8_linear_kernel import fp8_linear_kernel
+from lowering.gemm.linear import max_shared_bytes
+
+MAX_ROWS = 64
+FP8 = torch.float8_e4m3fn
+
+# (mode, N, K, rows <= 16) -> (BLOCK_N, num_warps, num_stages); BLOCK_K is the scale group.
+# DeepSeek-V3's decode shapes, chosen (not yet measured on an H200) so that each grid
+# fills the 132 SMs: narrow tiles for the short weights (q_a + kv_a: 2112 rows, 132
+# programs of 16). `python benchmarks/bench_fp8_weights.py --sweep` times candidates per
+# shape and prints the entries to put here.
+CONFIGS: dict[tuple, tuple[int, int, int]] = {
+    **{(1, 2112, 7168, r): (16, 4, 6) for r in (True, False)},     # q_a + kv_a
+    **{(0, 24576, 1536, r): (64, 4, 4) for r in (True, False)},    # q_b
+    **{(0, 7168, 16384, r): (32, 4, 4) for r in (True, False)},    # o_proj
+    **{(2, 18432, 7168, r): (64, 4, 3) for r in (True, False)},    # dense gate + up
+    **{(0, 7168, 18432, r): (32, 4, 4) for r in (True, False)},    # dense down
+    **{(2, 2048, 7168, r): (16, 4, 6) for r in (True, False)},     # shared expert gate + up
+    **{(0, 7168, 2048, r): (32, 4, 4) for r in (True, False)},     # shared expert down
+}
+DEFAULT_CONFIG = (64, 4, 4)
+
+
+def pick_config(mode: int, N: int, K: int, M: int) -> tuple[int, int, int]:
+    return CONFIGS.get((mode, N, K, M <= 16), DEFAULT_CONFIG)
+
+
+def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, group_n: int, group_k: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] in dtype: w (fp8) times its block's scale_inv, in fp32, rounded once (HF's
+    Fp8Dequantize; partial edge blocks take their block's scale)."""
+    N, K = w.shape
+    s = scale_inv.float().repeat_interleave(group_n, 0)[:N].repeat_interleave(group_k, 1)[:, :K]
+    return (w.float() * s).to(dtype)
+
+
+def fp8_linear_unmet(x: torch.Tensor, pairs, group_n: int, group_k: int) -> Optional[str]:
+    """None when the kernel serves x @ W.T for these (weight, scale_inv) pairs, else the
+    unmet condition (the dequantizing torch path then serves). Shapes, dtypes, devices and
+    the setting only, so traced code can branch on it."""
+    if mla_config.linear_impl == "torch":
+        return "lowering.config.linear_impl is 'torch'"
+    if not x.is_cuda:
+        return f"x is on {x.device}, the kernel runs on CUDA"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"x is {x.dtype}, the kernel takes bf16 / fp16"
+    rows = x.numel() // max(1, x.shape[-1])
+    if not 0 < rows <= MAX_ROWS:
+        return f"x has {rows} rows, the kernel serves 1 to {MAX_ROWS}"
+    if group_k not in (16, 32, 64, 128, 256) or group_n < 1:
+        return f"scale groups ({group_n}, {group_k}): group_k must be a power of two in [16, 256]"
+    for w, s in pairs:
+        if w.dtype != FP8 or not w.is_contiguous() or w.device != x.device:
+            return "every weight must be a contiguous float8_e4m3fn tensor on x's device"
+        if s.dtype != torch.float32 or not s.is_contiguous() or s.device != x.device:
+            return "every scale_inv must be a contiguous fp32 tensor on x's device"
+    return None
+
+
+def check_fp8_weight(name: str, w: torch.Tensor, s: torch.Tensor, group_n: int,
+                     group_k: int) -> None:
+    """Raise a ValueError / TypeError naming `name` unless w is an fp8 [N, K] weight with
+    scale_inv [ceil(N / group_n), ceil(K / group_k)] fp32 on its device."""
+    if w.dtype != FP8 or w.dim() != 2:
+        raise TypeError(f"{name}.weight must be a 2-D float8_e4m3fn tensor, got {w.dtype} "
+                        f"{tuple(w.shape)}")
+    if not (isinstance(group_n, int) and isinstance(group_k, int) and group_n > 0 and group_k > 0):
+        raise ValueError(f"{name}: block size must be two positive ints, got "
+                         f"({group_n}, {group_k})")
+    N, K = w.shape
+    want = (triton.cdiv(N, group_n), triton.cdiv(K, group_k))
+    if s.dtype != torch.float32 or tuple(s.shape) != want:
+        raise ValueError(f"{name}.weight_scale_inv must be fp32 {want} for weight {(N, K)} in "
+                         f"({group_n}, {group_k}) blocks, got {s.dtype} {tuple(s.shape)}")
+    if s.device != w.device:
+        raise ValueError(f"{name}.weight_scale_inv is on {s.device}, its weight on {w.device}")
+
+
+def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
+    x2 = x.reshape(-1, K)                                                     # [M, K]
+    return x2 if x2.stride(1) == 1 else x2.contiguous()
+
+
+def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
+           y2: Optional[torch.Tensor], group_n: int, group_k: int, config: tuple, *,
+           residual: Optional[torch.Tensor] = None, y2_col0: int = 0) -> None:
+    """Run fp8_linear_kernel with config (BLOCK_N, num_warps, num_stages): x2 [M, K] (K
+    contiguous), w1/w2 [N, K] fp8 contiguous with their scale_inv; y1/y2 [M, N]. Mode 0
+    may add residual [M, N1] (last dim contiguous) in the epilogue; mode 1 with y2=None
+    and y2_col0 > 0 writes x @ W2.T into y1 from column y2_col0 on."""
+    if mode == 1 and y2 is None and not 0 < y2_col0 <= y1.shape[-1] - w2.shape[0]:
+        raise ValueError(f"mode 1 without y2 needs 0 < y2_col0 and y1 of y2_col0 + "
+                         f"{w2.shape[0]} columns; got y2_col0={y2_col0}, y1 {tuple(y1.shape)}")
+    M, K = x2.shape
+    N1 = w1.shape[0]
+    N2 = w2.shape[0] if w2 is not None else 0
+    block_n, warps, stages = config
+    block_m = max(16, triton.next_power_of_2(M))
+    if x2.is_cuda:       # per stage: an x tile and one weight tile (two in mode 2)
+        per_stage = group_k * (block_m * x2.element_size() + block_n * (2 if mode == 2 else 1))
+        per_stage *= 2 if mode == 1 else 1          # mode 1 compiles the loop twice
+        stages = max(1, min(stages, max_shared_bytes(x2.device.index) // per_stage))
+    n1_blocks = triton.cdiv(N1, block_n)
+    grid = (n1_blocks + (triton.cdiv(N2, block_n) if mode == 1 else 0),)
+    w2_, s2_ = (w2, s2) if w2 is not None else (w1, s1)
+    y2_ = y2 if y2 is not None else y1
+    r_ = residual if residual is not None else x2
+    torch.library.wrap_triton(fp8_linear_kernel)[grid](
+        x2, w1, s1, w2_, s2_, y1, y2_, r_, M, N1, N2, K,
+        x2.stride(0), w1.stride(0), s1.stride(0), w2_.stride(0), s2_.stride(0),
+        y1.stride(0), y2_.stride(0), r_.stride(0) if residual is not None else 0, n1_blocks,
+        MODE=mode, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=group_k, GROUP_N=group_n,
+        EVEN_K=K % group_k == 0, DOT_F32=not x2.is_cuda, HAS_RES=residual is not None,
+        Y2_COL0=y2_col0 if (mode == 1 and y2 is None) else 0,
+        num_warps=warps, num_stages=stages)
+
+
+def _kernel_config(mode, x, pairs, group_n, group_k):
+    if fp8_linear_unmet(x, pairs, group_n, group_k) is not None:
+        return None
+    N = sum(w.shape[0] for w, _ in pairs) if mode == 1 else pairs[0][0].shape[0]
+    return pick_config(mode, N, x.shape[-1], x.numel() // x.shape[-1])
+
+
+@torch.library.triton_op("mla::decode_linear_fp8", mutates_args={})
+def decode_linear_fp8(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
+                      group_n: int, group_k: int) -> torch.Tensor:
+    K = x.shape[-1]
+    cfg = _kernel_config(0, x, [(w, scale_inv)], group_n, group_k)
+    if cfg is None:
+        return F.linear(x, dequantize(w, scale_inv, group_n, group_k, x.dtype))
+    x2 = _rows(x, K)
+    y = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)   # [M, N]
+    launch(x2, w, scale_inv, None, None, 0, y, None, group_n, group_k, cfg)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+@torch.library.triton_op("mla::decode_linear_fp8_residual", mutates_args={})
+def decode_linear_fp8_residual(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
+                               residual: torch.Tensor, group_n: int,
+                               group_k: int) -> torch.Tensor:
+    """residual + x @ W.T, the product rounded to x's dtype first (HF's `residual +
+    o_proj(h)`); on the kernel path the add is the GEMM's epilogue."""
+    K = x.shape[-1]
+    cfg = _kernel_config(0, x, [(w, scale_inv)], group_n, group_k)
+    if cfg is None:
+        return residual + F.linear(x, dequantize(w, scale_inv, group_n, group_k, x.dtype))
+    x2 = _rows(x, K)
+    r2 = _rows(residual, w.shape[0])
+    y = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)   # [M, N]
+    launch(x2, w, scale_inv, None, None, 0, y, None, group_n, group_k, cfg, residual=r2)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+@torch.library.triton_op("mla::decode_linear_pair_fp8", mutates_args={})
+def decode_linear_pair_fp8(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
+                           w2: torch.Tensor, s2: torch.Tensor, group_n: int,
+                           group_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    K = x.shape[-1]
+    cfg = _kernel_config(1, x, [(w1, s1), (w2, s2)], group_n, group_k)
+    if cfg is None:
+        return (F.linear(x, dequantize(w1, s1, group_n, group_k, x.dtype)),
+                F.linear(x, dequantize(w2, s2, group_n, group_k, x.dtype)))
+    x2 = _rows(x, K)
+    M = x2.shape[0]
+    y1 = torch.empty((M, w1.shape[0]), dtype=x.dtype, device=x.device)        # [M, N1]
+    y2 = torch.empty((M, w2.shape[0]), dtype=x.dtype, device=x.device)        # [M, N2]
+    launch(x2, w1, s1, w2, s2, 1, y1, y2, group_n, group_k, cfg)
+    lead = x.shape[:-1]
+    return y1.view(*lead, w1.shape[0]), y2.view(*lead, w2.shape[0])
+
+
+@torch.library.triton_op("mla::decode_gate_up_fp8", mutates_args={})
+def decode_gate_up_fp8(x: torch.Tensor, w_gate: torch.Tensor, s_gate: torch.Tensor,
+                       w_up: torch.Tensor, s_up: torch.Tensor, group_n: int,
+                       group_k: int) -> torch.Tensor:
+    K = x.shape[-1]
+    cfg = _kernel_config(2, x, [(w_gate, s_gate), (w_up, s_up)], group_n, group_k)
+    if cfg is None:
+        g = F.linear(x, dequantize(w_gate, s_gate, group_n, group_k, x.dtype))
+        return F.silu(g) * F.linear(x, dequantize(w_up, s_up, group_n, group_k, x.dtype))
+    x2 = _rows(x, K)
+    y = torch.empty((x2.shape[0], w_gate.shape[0]), dtype=x.dtype, device=x.device)  # [M, N]
+    launch(x2, w_gate, s_gate, w_up, s_up, 2, y, None, group_n, group_k, cfg)
+    return y.view(*x.shape[:-1], w_gate.shape[0])
+
+
+@torch.library.triton_op("mla::decode_linear_pair_fp8_partials", mutates_args={})
+def decode_linear_pair_fp8_partials(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
+                                    w2: torch.Tensor, s2: torch.Tensor, group_n: int,
+                                    group_k: int) -> torch.Tensor:
+    """fp32 [1, *lead, N1 + N2] = [x @ W1.T | x @ W2.T] (one launch, unrounded), the input
+    mla::decode_qkv_prologue sums and rounds: its norms and RoPE then follow the fp8 q_a +
+    kv_a GEMM as they follow the 16-bit split-K one."""
+    K = x.shape[-1]
+    lead, N1, N2 = x.shape[:-1], w1.shape[0], w2.shape[0]
+    cfg = _kernel_config(1, x, [(w1, s1), (w2, s2)], group_n, group_k)
+    if cfg is None:
+        y = torch.cat([F.linear(x, dequantize(w, s, group_n, group_k, x.dtype))
+                       for w, s in ((w1, s1), (w2, s2))], dim=-1)
+        return y.float().unsqueeze(0)
+    x2 = _rows(x, K)
+    out = torch.empty((x2.shape[0], N1 + N2), dtype=torch.float32, device=x.device)
+    launch(x2, w1, s1, w2, s2, 1, out, None, group_n, group_k, cfg, y2_col0=N1)
+    return out.view(1, *lead, N1 + N2)
