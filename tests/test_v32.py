@@ -70,6 +70,20 @@ def test_default_cache_generate_matches_hf():
     assert max(logit_err(a, b) for a, b in zip(out.logits, exp.logits)) <= TOL
 
 
+def test_fused_layers_mlps_and_experts_match_hf():
+    """convert()'s V3 fusions apply to V3.2's decoder layers, norms, MLPs and MoE blocks."""
+    ref, model = build_v32_pair(tiny_v32_config(index_topk=8), seed=8)
+    H.convert(model, fuse_experts=True)
+    layers = model.model.layers
+    assert all(type(l).__name__.startswith("Fused") for l in layers)
+    assert getattr(layers[0].mlp, "mla_converted", False)                 # dense SiLU MLP
+    assert getattr(layers[1].mlp, "mla_fuse_experts", False)              # the MoE block
+    ids, mask = left_padded([9, 21], seed=9)
+    out, exp = generate(model, ids, mask), generate(ref, ids, mask)
+    assert torch.equal(out.sequences, exp.sequences)
+    assert max(logit_err(a, b) for a, b in zip(out.logits, exp.logits)) <= TOL
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])      # bool and additive float masks
 def test_forward_dense_prefill_then_sparse_chunks_match_hf(attn):
     """A prompt within top-k (dense, as HF), then chunks with cached context past it

@@ -44,5 +44,9 @@ def build_v32_pair(cfg, seed=0, dtype=torch.float32):
         for name, p in ref.named_parameters():
             if p.dim() >= 2 and "embed" not in name:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        # HF zeroes the pad token's embedding row; a generated pad token would then score
+        # every key 0 in the indexer (q = 0), a tie that torch.topk breaks in an unspecified
+        # order (HF's own dynamic and static caches break it differently too)
+        ref.model.embed_tokens.weight[cfg.pad_token_id].normal_(0.0, 0.02, generator=g)
     ref = ref.to(dtype)
     return ref, copy.deepcopy(ref)
