@@ -16,15 +16,18 @@ def v32_classes():
     return DeepseekV32Config, DeepseekV32ForCausalLM
 
 
-def tiny_v32_config(index_topk=8, layers=2, index_n_heads=16, yarn=False):
+def tiny_v32_config(index_topk=8, layers=2, index_n_heads=16, yarn=False, moe=True):
     """index_topk below the test contexts, so the selection matters. 16 indexer heads keep
-    exact ties between index scores (a key's every head clipped to 0 by the ReLU) rare."""
+    exact ties between index scores (a key's every head clipped to 0 by the ReLU) rare.
+    moe=False: dense MLPs only (HF's MoE reads routed-token counts on the host: a CUDA
+    graph cannot capture it)."""
     cfg_cls, _ = v32_classes()
     kw = dict(vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
               q_lora_rank=192, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
               v_head_dim=128, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
-              topk_group=1, first_k_dense_replace=1, max_position_embeddings=512,
+              topk_group=1, first_k_dense_replace=1 if moe else layers,
+              max_position_embeddings=512,
               index_topk=index_topk, index_head_dim=128, index_n_heads=index_n_heads,
               pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if yarn:

@@ -73,8 +73,10 @@ def v32_forward(self, hidden_states, position_embeddings=None, attention_mask=No
     B, S, _ = hidden_states.shape
     N, P, R, L = mla.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
     T = B * S
+    sparse = selects(cache, S, self.indexer.index_topk)      # the same for every layer
+    # (a sparse step reads no FlashMLA schedule: the plan then computes none)
     step = cache.prepare(self.layer_idx, B, S, attention_mask, hidden_states.dtype,
-                         hidden_states.device, backend=mla.backend)
+                         hidden_states.device, backend="triton" if sparse else mla.backend)
     cos, sin = position_embeddings                                           # [B, S, R]
     q_a, kv = linear_pair(self.q_a_proj, self.kv_a_proj_with_mqa, hidden_states)
     q_resid = self.q_a_layernorm(q_a)                                        # [B, S, q_lora]
@@ -94,7 +96,7 @@ def v32_forward(self, hidden_states, position_embeddings=None, attention_mask=No
     kv_c, k_pe = kv_row[:, :L], kv_row[:, None, L:]                          # [T, L], [T, 1, R]
     pool, kv_cache = cache.index_keys[self.layer_idx], cache.pool.kv[self.layer_idx]
     write_index_keys(pool, ik, meta.slot_mapping, cache.k_scale)
-    if selects(cache, S, self.indexer.index_topk):
+    if sparse:
         slots = select_slots(iq.view(B, S, *iq.shape[1:]), iw.view(B, S, -1), pool,
                              meta.block_table, meta.seq_lens, step.lens_new,
                              self.indexer.index_topk, self.indexer.softmax_scale)  # [T, K]
