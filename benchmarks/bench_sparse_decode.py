@@ -1,8 +1,8 @@
 """Sparse decode (DeepSeek Sparse Attention: each query reads its top-k cache tokens) against
 the dense decode over the whole context, as the context S grows.
 
-    python benchmarks/bench_sparse_decode.py [--json sparse_decode.json] [--seqlens 8192,32768,131072]
-        [--batch 32] [--heads 128,16] [--topk 2048] [--no-indexer]
+    python benchmarks/bench_sparse_decode.py [--json sparse_decode.json]
+        [--seqlens 8192,32768,131072] [--batch 32] [--heads 128,16] [--topk 2048] [--no-indexer]
 
 BF16 latent cache [num_blocks, 64, 576], every request at length S, random page order.
 Rows per shape (µs: median of CUDA-graph replays, benchmarks/timing.py):
@@ -106,10 +106,6 @@ def bench_shape(B, H, S, topk, indexer, log, device="cuda", timer=None):
         record("indexer (torch)", lambda: (select_slots(iq, iw, pool, bt, lens, lens, topk,
                                                         128 ** -0.5),),
                B * S * 128 * 2)
-        del iq, iw, pool
-    del q, kv, bt, lens, slots, ref, ordered, pages
-    if device == "cuda":
-        torch.cuda.empty_cache()
     return rows
 
 
@@ -156,6 +152,7 @@ def main():
         for S in (int(s) for s in args.seqlens.split(",")):
             log(f"B={args.batch} H={H} S={S} topk={args.topk}")
             results["rows"] += bench_shape(args.batch, H, S, args.topk, args.indexer, log)
+            torch.cuda.empty_cache()          # the shape's tensors are gone: give back memory
             Path(args.json).write_text(json.dumps(results, indent=1))
     results["log"] = lines
     Path(args.json).write_text(json.dumps(results, indent=1))
