@@ -115,6 +115,22 @@ def test_forward_dense_prefill_then_sparse_chunks_match_hf(attn):
     assert cache.seq_lens() == [3 + 15, 11 + 15, 8 + 15]
 
 
+def test_cache_within_top_k_runs_dense():
+    """A cache no longer than index_topk: every prefix is selected whole, so every step
+    (decode included) runs the dense V3 path, with HF's results."""
+    ref, model = build_v32_pair(tiny_v32_config(index_topk=64), seed=10)
+    H.convert(model)
+    ids, mask = left_padded([7, 20], seed=11)
+    cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=64, block_size=16)
+    wrapped, calls = counting(v32.sparse_attention)
+    with mock.patch.object(v32, "sparse_attention", wrapped):
+        out = generate(model, ids, mask, past_key_values=cache)
+    exp = generate(ref, ids, mask)
+    assert not calls
+    assert torch.equal(out.sequences, exp.sequences)
+    assert max(logit_err(a, b) for a, b in zip(out.logits, exp.logits)) <= TOL
+
+
 def test_cache_holds_the_indexer_keys_beside_the_latent():
     cfg = tiny_v32_config(index_topk=8)
     _, model = build_v32_pair(cfg, seed=1)
