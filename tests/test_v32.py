@@ -153,7 +153,11 @@ def test_cache_holds_the_indexer_keys_beside_the_latent():
 # ------------------------------------------------------------------ the indexer's choice
 
 
-def test_select_slots_matches_a_float64_brute_force():
+@pytest.mark.parametrize("chunked", [False, True])
+def test_select_slots_matches_a_float64_brute_force(chunked, monkeypatch):
+    import mla_ops.hf.dsa as dsa
+    if chunked:                                   # one query token per chunk of scores
+        monkeypatch.setattr(dsa, "SCORE_ELEMENTS", 1)
     g = torch.Generator().manual_seed(0)
     B, S, Hi, Di, bs, M, nb, topk = 3, 4, 5, 32, 4, 6, 20, 7
     q = torch.randn(B, S, Hi, Di, generator=g)

@@ -62,6 +62,11 @@ def write_index_keys(pool: torch.Tensor, k: torch.Tensor, slots: torch.Tensor,
     return torch.ops.mla.kv_cache_update(k[:, :h], k[:, h:], pool, slots, "auto", k_scale)
 
 
+# Per-head scores [B, c, Hi, n] of at most this many fp32 values at once: a step's query
+# tokens are scored in chunks of c (HF scores all S at once: [B, S, Hi, T]).
+SCORE_ELEMENTS = 1 << 28
+
+
 def select_slots(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, lens_new: torch.Tensor,
                  topk: int, scale: float) -> torch.Tensor:
@@ -77,18 +82,21 @@ def select_slots(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
     M = block_table.shape[1]
     n = M * bs                                                              # key positions
     table = block_table.long().clamp(0, nb - 1)                             # [B, M]
-    keys = pool[table].reshape(B, n, Di)                                    # [B, n, Di]
-    # HF: relu(q . k * scale), then the heads summed with weights
-    scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * scale
-    scores = torch.relu(scores)                                             # [B, S, Hi, n]
-    index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)               # [B, S, n]
-    j = torch.arange(n, device=q.device)
+    keys = pool[table].reshape(B, n, Di).transpose(-1, -2).float().unsqueeze(1)  # [B,1,Di,n]
     pos = seq_lens.long()[:, None] - S + torch.arange(S, device=q.device)   # [B, S]
     limit = torch.minimum(pos, lens_new.long()[:, None] - 1)                # [B, S]
-    visible = j[None, None] <= limit[..., None]                             # [B, S, n]
-    index = torch.where(visible, index, float("-inf"))
+    j = torch.arange(n, device=q.device)
     k = min(topk, n)
-    best, at = index.topk(k, dim=-1)                                        # [B, S, k]
-    slot = table.gather(1, (at // bs).reshape(B, S * k)).reshape(B, S, k) * bs + at % bs
-    slot = torch.where(best > float("-inf"), slot, -1)
+    c = max(1, min(S, SCORE_ELEMENTS // max(1, B * Hi * n)))                # tokens a chunk
+    out = []
+    for i in range(0, S, c):
+        # HF: relu(q . k * scale), then the heads summed with weights
+        scores = torch.relu(torch.matmul(q[:, i:i + c].float(), keys) * scale)  # [B,c,Hi,n]
+        index = torch.matmul(w[:, i:i + c].unsqueeze(-2), scores).squeeze(-2)   # [B, c, n]
+        visible = j[None, None] <= limit[:, i:i + c, None]                      # [B, c, n]
+        index = torch.where(visible, index, float("-inf"))
+        best, at = index.topk(k, dim=-1)                                        # [B, c, k]
+        slot = table.gather(1, (at // bs).reshape(B, -1)).reshape(at.shape) * bs + at % bs
+        out.append(torch.where(best > float("-inf"), slot, -1))
+    slot = out[0] if len(out) == 1 else torch.cat(out, dim=1)                   # [B, S, k]
     return slot.reshape(B * S, k).to(torch.int32)
