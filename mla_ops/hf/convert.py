@@ -1,4 +1,5 @@
-"""convert(): swap a DeepseekV2/V3 model's attention for MLAAttention (see mla_ops/hf/__init__.py)."""
+"""convert(): swap a DeepseekV2/V3/V3.2 model's attention for MLAAttention (see
+mla_ops/hf/__init__.py; V3.2's forward and its sparse attention: mla_ops/hf/v32.py)."""
 from __future__ import annotations
 
 import sys
@@ -145,7 +146,7 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
             fp8_decode_query: float | None = None, fuse_mlp: bool = True,
             decode_head: bool = True, fuse_norms: bool = True, fuse_experts: bool = False,
             cache_options: dict | None = None):
-    """Route every DeepSeek V2/V3 attention layer of `model` through the MLA ops (in place).
+    """Route every DeepSeek V2/V3/V3.2 attention layer of `model` through the MLA ops (in place).
 
     The attention's own projections run as decode GEMM ops (q_a + kv_a in one launch; see
     mla_ops/hf/linear.py), and with fuse_mlp every dense MLP / shared expert with SiLU runs
