@@ -1,4 +1,4 @@
-"""HuggingFace DeepSeek V2 / V3 on the MLA ops.
+"""HuggingFace DeepSeek V2 / V3 / V3.2 on the MLA ops (V3.2: mla_ops/hf/v32.py).
 
     import mla_ops.hf
     model = mla_ops.hf.convert(model)                      # in place; returns the model

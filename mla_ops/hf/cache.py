@@ -30,6 +30,7 @@ import lowering
 
 from mla_ops.cache import CacheFullError, PagedLatentCache, mark_static
 from mla_ops.hf import step as step_ops
+from mla_ops.hf.dsa import index_key_pool
 from mla_ops.hf.step import Step
 
 # ----------------------------------------------------------------------------- cache
@@ -106,6 +107,10 @@ class PagedMLACache(Cache):
                                      qk_rope_head_dim=config.qk_rope_head_dim, dtype=dtype,
                                      kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, device=device)
         self.kv_cache_dtype = self.pool.kind                     # "auto" | "fp8"
+        # DeepSeek Sparse Attention (config.index_topk): the indexer's keys per layer,
+        # [num_blocks, block_size, index_head_dim], same slots as the latent rows; else None
+        self.index_keys = index_key_pool(config, num_blocks, block_size, dtype,
+                                         self.pool.kv[0].device)
         self.dtype = dtype
         self.device = self.pool.kv[0].device
         dev, Bm, M = self.device, max_batch_size, self.max_blocks

@@ -1,4 +1,5 @@
-"""convert(): swap a DeepseekV2/V3 model's attention for MLAAttention (see mla_ops/hf/__init__.py)."""
+"""convert(): swap a DeepseekV2/V3/V3.2 model's attention for MLAAttention (see
+mla_ops/hf/__init__.py; V3.2's forward and its sparse attention: mla_ops/hf/v32.py)."""
 from __future__ import annotations
 
 import sys
@@ -14,6 +15,7 @@ from mla_ops.hf.linear import (absorbed_decode_query, convertible_head, decode_h
                                fusable_mlp, fused_mlp_class, linear, linear_pair,
                                qkv_a_prologue)
 from mla_ops.hf.moe import convert_moe
+from mla_ops.hf.v32 import v32_forward
 from mla_ops.layer import MLAAttention
 
 __all__ = ["convert", "is_converted"]
@@ -26,7 +28,8 @@ def _hf_classes():
     """(family, class) of the supported HF MLA attention modules."""
     out = []
     for fam, mod, cls in (("v3", "deepseek_v3", "DeepseekV3Attention"),
-                          ("v2", "deepseek_v2", "DeepseekV2Attention")):
+                          ("v2", "deepseek_v2", "DeepseekV2Attention"),
+                          ("v32", "deepseek_v32", "DeepseekV32Attention")):
         try:
             m = __import__(f"transformers.models.{mod}.modeling_{mod}", fromlist=[cls])
             out.append((fam, getattr(m, cls)))
@@ -133,7 +136,8 @@ def _paged_class(cls, family: str):
         rope = mod.apply_rotary_emb if family == "v2" else mod.apply_rotary_pos_emb
         inter = None if family == "v2" else mod.apply_rotary_pos_emb_interleave
         _PAGED_CLASSES[cls] = type(f"Paged{cls.__name__}", (cls,), {
-            "forward": _paged_forward, "hf_forward": cls.forward, "mla_family": family,
+            "forward": v32_forward if family == "v32" else _paged_forward,
+            "hf_forward": cls.forward, "mla_family": family,
             "_mla_rope": staticmethod(rope), "_mla_rope_interleave": staticmethod(inter),
             "mla_converted": True, "__module__": __name__})
     return _PAGED_CLASSES[cls]
@@ -143,7 +147,7 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
             fp8_decode_query: float | None = None, fuse_mlp: bool = True,
             decode_head: bool = True, fuse_norms: bool = True, fuse_experts: bool = False,
             cache_options: dict | None = None):
-    """Route every DeepSeek V2/V3 attention layer of `model` through the MLA ops (in place).
+    """Route every DeepSeek V2/V3/V3.2 attention layer of `model` through the MLA ops (in place).
 
     The attention's own projections run as decode GEMM ops (q_a + kv_a in one launch; see
     mla_ops/hf/linear.py), and with fuse_mlp every dense MLP / shared expert with SiLU runs
@@ -199,7 +203,8 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
         elif name.endswith("self_attn"):
             others.append(f"{name} ({type(m).__name__})")
     if not attns:
-        raise TypeError(f"convert() needs a DeepSeek V2/V3 model with multi-head latent attention; "
+        raise TypeError(f"convert() needs a model of a supported family (deepseek_v2, "
+                        f"deepseek_v3, deepseek_v32) with multi-head latent attention; "
                         f"{type(model).__name__} has none"
                         + (f" (its attention: {others[0]})" if others else ""))
     if others:
@@ -213,6 +218,9 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
         if m.layer_idx in seen:
             raise ValueError(f"two attention modules share layer_idx {m.layer_idx}")
         seen.add(m.layer_idx)
+        if fam == "v32" and fp8_decode_query is not None:
+            raise ValueError("fp8_decode_query is not supported for DeepSeek-V3.2 (its sparse "
+                             "attention takes a 16-bit query)")
         w = m.kv_b_proj.weight
         N, P, V, R, L = m.num_heads, m.qk_nope_head_dim, m.v_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
         if tuple(w.shape) != (N * (P + V), L):

@@ -22,7 +22,7 @@ import lowering.fused.norm  # noqa: F401  (registers mla::rms_norm)
 
 from mla_ops.hf.linear import converted_class, hf_rms_norm
 
-_LAYERS = ("DeepseekV3DecoderLayer", "DeepseekV2DecoderLayer")
+_LAYERS = ("DeepseekV3DecoderLayer", "DeepseekV2DecoderLayer", "DeepseekV32DecoderLayer")
 
 
 def _on(*params) -> bool:

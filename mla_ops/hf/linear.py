@@ -89,7 +89,7 @@ def linear_pair(m1, m2, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def hf_rms_norm(m) -> bool:
     """An HF DeepSeek RMSNorm module whose forward is HF's own (weight [H], variance_epsilon)."""
-    return (type(m).__name__ in ("DeepseekV3RMSNorm", "DeepseekV2RMSNorm")
+    return (type(m).__name__ in ("DeepseekV3RMSNorm", "DeepseekV2RMSNorm", "DeepseekV32RMSNorm")
             and m.weight.dim() == 1 and type(m).__module__.startswith("transformers."))
 
 
@@ -150,7 +150,8 @@ def absorbed_decode_query(attn, q_a: torch.Tensor, position_embeddings):
 
 def _hf_mlp_classes():
     out = []
-    for mod, cls in (("deepseek_v3", "DeepseekV3MLP"), ("deepseek_v2", "DeepseekV2MLP")):
+    for mod, cls in (("deepseek_v3", "DeepseekV3MLP"), ("deepseek_v2", "DeepseekV2MLP"),
+                     ("deepseek_v32", "DeepseekV32MLP")):
         try:
             m = __import__(f"transformers.models.{mod}.modeling_{mod}", fromlist=[cls])
             out.append(getattr(m, cls))

@@ -58,7 +58,8 @@ def hf_moe_classes() -> dict:
     """{HF MoE block class: family} of the installed transformers."""
     out = {}
     for fam, mod, cls in (("v3", "deepseek_v3", "DeepseekV3MoE"),
-                          ("v2", "deepseek_v2", "DeepseekV2Moe")):
+                          ("v2", "deepseek_v2", "DeepseekV2Moe"),
+                          ("v3", "deepseek_v32", "DeepseekV32MoE")):   # V3's router
         for c in _hf(mod, cls):
             out[c] = fam
     return out
