@@ -3,9 +3,9 @@ single-process model, and the split's math in float64 in one process.
 
 The two-rank run starts once per session (tests/tp_worker.py, torch.multiprocessing,
 a FileStore in a fresh tmpdir so runs never collide): tiny V3 (dense + MoE layer, MoE
-decode on our router) and V2 (no q_lora, HF's MoE) split three ways (convert(tp_group=),
-convert then shard, shard then convert), the last generated through a compiled
-fullgraph decode step; and, where accelerate is installed, a V2 model loaded by
+decode on our router) and V2 (no q_lora, HF's MoE) split three ways (convert then shard,
+shard then convert, convert(tp_group=)), the last generated through a compiled fullgraph
+decode step; and, where accelerate is installed, a V2 model loaded by
 transformers with tp_plan="auto" and converted.
 """
 from __future__ import annotations

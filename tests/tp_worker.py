@@ -11,9 +11,9 @@ import torch.distributed as dist
 NEW_TOKENS = 6
 LENGTHS = [5, 9]
 CASES = {   # name: (family, q_lora_rank, how the model is split, fuse_experts, compiled)
-    "v3": ("v3", 192, "convert(tp_group)", True, False),
-    "v2": ("v2", None, "convert, then shard", False, False),
-    "v3-compiled": ("v3", 192, "shard, then convert", True, True),
+    "v3": ("v3", 192, "convert, then shard", True, False),
+    "v2": ("v2", None, "shard, then convert", False, False),
+    "v3-compiled": ("v3", 192, "convert(tp_group)", True, True),
 }
 
 graphs: list = []   # graphs handed to the compiler backend (module level: CompileConfig copies)

@@ -13,7 +13,7 @@ from mla_ops.hf.linear import (absorbed_decode_query, convertible_head, decode_h
                                fusable_mlp, fused_mlp_class, linear, linear_pair,
                                qkv_a_prologue)
 from mla_ops.hf.moe import convert_moe
-from mla_ops.hf.tensor_parallel import shard, tp_plan_group
+from mla_ops.hf.tensor_parallel import prepare_shard, shard, tp_plan_group
 from mla_ops.layer import MLAAttention
 
 __all__ = ["convert", "is_converted"]
@@ -178,19 +178,20 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     fp8_decode_query (else that generate() call raises a ValueError saying so). A cache
     passed as cache= / past_key_values= is used as is.
 
-    tp_group (a torch.distributed ProcessGroup) splits the model over its ranks for tensor
-    parallelism first (mla_ops.hf.shard: each rank keeps its heads and MLP / expert
-    slices, the decoder layers sum the ranks' outputs); a model loaded with transformers'
-    tp_plan is split so without it, over its tp_plan group.
+    tp_group (a torch.distributed ProcessGroup) then splits the converted model over its
+    ranks for tensor parallelism (mla_ops.hf.shard: each rank keeps its heads and MLP /
+    expert slices, the decoder layers sum the ranks' outputs); a model loaded with
+    transformers' tp_plan is split so without it, over its tp_plan group (its DTensor
+    weights gathered first).
 
     All checks and weight absorption happen before the first module is touched, so a
-    failure leaves the model as it was (split, with tp_group or a tp_plan model: the split
-    comes first). Converting twice is a no-op.
+    failure leaves the model as it was (a tp_plan model's weights gathered). Converting
+    twice is a no-op.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert() takes a torch.nn.Module, got {type(model).__name__}")
-    if tp_group is not None or tp_plan_group(model) is not None:
-        shard(model, tp_group)      # first: the absorbed weights then hold this rank's heads
+    if tp_group is not None or tp_plan_group(model) is not None:   # checked; DTensors gathered
+        tp_group = prepare_shard(model, tp_group)
     attns, others = [], []
     for name, m in model.named_modules():
         fam = _family(m)
@@ -246,5 +247,7 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
         if cache_options is not None or not hasattr(model, "mla_cache_options"):
             model.mla_cache_options = options           # (converting again keeps them)
         model.__class__ = generation_class(type(model))
+    if tp_group is not None:
+        shard(model, tp_group)
     return model
 

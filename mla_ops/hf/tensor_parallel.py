@@ -38,7 +38,8 @@ from torch import nn
 
 from mla_ops.layer import MLAAttention
 
-__all__ = ["shard", "all_reduce", "is_sharded", "check_shardable", "tp_plan_group"]
+__all__ = ["shard", "prepare_shard", "all_reduce", "is_sharded", "check_shardable",
+           "tp_plan_group"]
 
 _FAMILIES = (("deepseek_v3", "DeepseekV3"), ("deepseek_v2", "DeepseekV2"))
 _KINDS = {"attention": "Attention", "mlp": "MLP", "layer": "DecoderLayer",
@@ -267,15 +268,8 @@ def gather_dtensors(model) -> None:
 # ------------------------------------------------------------------------- shard
 
 
-def shard(model, group=None):
-    """Split `model` (HF DeepSeek V2 / V3, converted or not) over the ranks of `group`
-    for tensor parallelism, in place, and return it (see the module docstring).
-
-    group: a torch.distributed ProcessGroup; default the tp_plan group of a model loaded
-    with transformers' tp_plan, else the default group. Call it on every rank of the
-    group, each holding the same weights. Every check runs before anything changes;
-    sharding a sharded model again is a no-op (the same group) or a ValueError.
-    """
+def _resolve(model, group):
+    """(group, its name) for shard(): checked, defaulted; raises before any change."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard() takes a torch.nn.Module, got {type(model).__name__}")
     if group is not None and not isinstance(group, dist.ProcessGroup):
@@ -288,15 +282,45 @@ def shard(model, group=None):
         group = planned if planned is not None else dist.group.WORLD
     if planned is not None and planned.group_name != group.group_name:
         raise ValueError("group is not the process group of the model's tp_plan")
-    name = group.group_name
-    done = {getattr(m, "mla_tp_group_name", None) for m in model.modules()} - {None}
+    return group, group.group_name
+
+
+def _sharded_over(model):
+    return {getattr(m, "mla_tp_group_name", None) for m in model.modules()} - {None}
+
+
+def prepare_shard(model, group=None):
+    """shard()'s checks, and a tp_plan model's DTensors gathered (so convert() can absorb
+    plain weights); returns the group to pass to shard() after converting."""
+    group, name = _resolve(model, group)
+    done = _sharded_over(model)
+    if done and done != {name}:
+        raise ValueError(f"the model is already sharded over process group {done}")
+    if not done:
+        check_shardable(model, dist.get_world_size(group))
+        if tp_plan_group(model) is not None:
+            gather_dtensors(model)
+    return group
+
+
+def shard(model, group=None):
+    """Split `model` (HF DeepSeek V2 / V3, converted or not) over the ranks of `group`
+    for tensor parallelism, in place, and return it (see the module docstring).
+
+    group: a torch.distributed ProcessGroup; default the tp_plan group of a model loaded
+    with transformers' tp_plan, else the default group. Call it on every rank of the
+    group, each holding the same weights. Every check runs before anything changes;
+    sharding a sharded model again is a no-op (the same group) or a ValueError.
+    """
+    group, name = _resolve(model, group)
+    done = _sharded_over(model)
     if done:
         if done == {name}:
             return model
         raise ValueError(f"the model is already sharded over process group {done}")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     check_shardable(model, size)
-    if planned is not None:
+    if tp_plan_group(model) is not None:
         gather_dtensors(model)
     attns = [m for m in model.modules() if isinstance(m, hf_classes("attention"))]
     if size > 1:
