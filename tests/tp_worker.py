@@ -8,7 +8,7 @@ import torch
 import torch._dynamo
 import torch.distributed as dist
 
-NEW_TOKENS = 6
+NEW_TOKENS = 4
 LENGTHS = [5, 9]
 CASES = {   # name: (family, q_lora_rank, how the model is split, fuse_experts, compiled)
     "v3": ("v3", 192, "convert, then shard", True, False),
@@ -94,5 +94,55 @@ def main(rank, world, store, out_dir, names, model_dir):
         if model_dir is not None:
             results["tp_plan"] = run_tp_plan(model_dir)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------- two GPUs
+
+GPU_STEPS = 8
+
+
+def decode_logits(model, cache, ids, mask, fed):
+    """Prefill ids into cache, then DecodeGraph steps fed the tokens fed [B, steps]:
+    logits [steps, B, vocab] in fp32."""
+    import mla_ops.hf as H
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+    runner = H.DecodeGraph(model, cache, backend="inductor")
+    out = [runner(fed[:, i:i + 1]).float().reshape(fed.shape[0], -1).clone()
+           for i in range(fed.shape[1])]
+    return torch.stack(out)
+
+
+def gpu_model(dev, tp_group=None):
+    import mla_ops.hf as H
+    from hf_models import build_pair, tiny_config
+    model = build_pair(tiny_config("v3"), seed=4, dtype=torch.bfloat16)[0].to(dev)
+    return H.convert(model, tp_group=tp_group, fuse_experts=True)
+
+
+def gpu_cache(model, dev, heads):
+    import mla_ops.hf as H
+    return H.PagedMLACache(model.config, max_batch_size=len(LENGTHS), max_cache_len=64,
+                           block_size=64, device=dev, dtype=torch.bfloat16, num_heads=heads)
+
+
+def gpu_main(rank, world, store, out_dir, fed):
+    """Rank `rank` on cuda:rank over NCCL: the tiny V3 model split in two, each step of
+    the captured decode graph fed the tokens `fed` [B, steps]."""
+    from hf_models import left_padded
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank,
+                            world_size=world, device_id=dev)
+    try:
+        model = gpu_model(dev, dist.group.WORLD)
+        heads = model.config.num_attention_heads // world
+        ids, mask = (t.to(dev) for t in left_padded(LENGTHS))
+        logits = decode_logits(model, gpu_cache(model, dev, heads), ids, mask, fed.to(dev))
+        torch.save(logits.cpu(), os.path.join(out_dir, f"gpu_rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -310,7 +310,8 @@ def shard(model, group=None):
     group: a torch.distributed ProcessGroup; default the tp_plan group of a model loaded
     with transformers' tp_plan, else the default group. Call it on every rank of the
     group, each holding the same weights. Every check runs before anything changes;
-    sharding a sharded model again is a no-op (the same group) or a ValueError.
+    sharding a sharded model again is a no-op (the same group) or a ValueError. For
+    inference: the all-reduce has no backward.
     """
     group, name = _resolve(model, group)
     done = _sharded_over(model)
@@ -334,5 +335,4 @@ def shard(model, group=None):
     for layer in [m for m in model.modules() if isinstance(m, hf_classes("layer"))]:
         layer.mla_tp_group_name = name
         layer.__class__ = tp_layer_class(type(layer))
-    model.mla_tp_size = size
     return model
