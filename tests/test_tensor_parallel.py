@@ -64,7 +64,7 @@ def test_two_ranks_equal_one_process(ranks, name):
     for r in range(WORLD):
         got = ranks[r][name]
         heads = tiny_config(tp_worker.CASES[name][0]).num_attention_heads
-        assert got["heads"] == [heads // WORLD]                  # each rank: its heads only
+        assert got["heads"] == [heads // WORLD] == [got["cache_heads"]]   # each rank: its heads
         check_equal(got, tp_worker.build(name))
     assert torch.equal(ranks[0][name]["logits"], ranks[1][name]["logits"])
 

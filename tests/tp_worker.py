@@ -64,7 +64,9 @@ def run_case(name, group):
         out["graphs"] = len(graphs)
         out["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
     heads = {m.num_heads for m in model.modules() if type(m).__name__ == "MLAAttention"}
-    out.update(sequences=res.sequences, logits=torch.stack(res.logits), heads=sorted(heads))
+    cache = next(v for k in ("past_key_values", "cache") if (v := getattr(res, k, None)))
+    out.update(sequences=res.sequences, logits=torch.stack(res.logits), heads=sorted(heads),
+               cache_heads=cache.num_heads)     # generate()'s default cache: one rank's
     return out
 
 
