@@ -65,6 +65,7 @@ def test_two_ranks_equal_one_process(ranks, name):
         got = ranks[r][name]
         heads = tiny_config(tp_worker.CASES[name][0]).num_attention_heads
         assert got["heads"] == [heads // WORLD] == [got["cache_heads"]]   # each rank: its heads
+        assert got["head_rows"] == 256 // WORLD                  # and its vocabulary slice
         check_equal(got, tp_worker.build(name))
     assert torch.equal(ranks[0][name]["logits"], ranks[1][name]["logits"])
 

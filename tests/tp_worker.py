@@ -66,7 +66,8 @@ def run_case(name, group):
     heads = {m.num_heads for m in model.modules() if type(m).__name__ == "MLAAttention"}
     cache = next(v for k in ("past_key_values", "cache") if (v := getattr(res, k, None)))
     out.update(sequences=res.sequences, logits=torch.stack(res.logits), heads=sorted(heads),
-               cache_heads=cache.num_heads)     # generate()'s default cache: one rank's
+               cache_heads=cache.num_heads,     # generate()'s default cache: one rank's
+               head_rows=model.get_output_embeddings().weight.shape[0])
     return out
 
 

@@ -15,7 +15,10 @@ gathered and re-split here); shard() then keeps rank r's share of size ranks:
                 (dense layers and shared experts)
     experts     each routed expert's gate and up rows and down columns of slice r;
                 the router whole, so every rank picks the same experts
-    the rest    embedding, norms, output head whole
+    output head vocabulary rows of slice r (a bias-free nn.Linear not tied to the input
+                embedding, the vocabulary a multiple of size; else whole); each rank's
+                logits gathered whole after it
+    the rest    embedding, norms whole
 
 Each decoder layer then sums the ranks' partial outputs once after o_proj and once after
 its MLP / MoE block (shared and routed experts summed first), before the residual add:
@@ -67,6 +70,15 @@ def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(y)
 
 
+def all_gather_last(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+    """The ranks' x [..., n] side by side along the last dim: [..., size * n] (rank order),
+    as torch's functional all-gather (traced, no graph break)."""
+    y = torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), size, group_name)
+    y = torch.ops._c10d_functional.wait_tensor(y)                   # [size * rows, n]
+    y = y.view(size, *x.shape)                                      # [size, ..., n]
+    return torch.cat(y.unbind(0), dim=-1)                           # [..., size * n]
+
+
 def is_sharded(model) -> bool:
     return any(getattr(m, "mla_tp_group_name", None) is not None for m in model.modules())
 
@@ -101,6 +113,37 @@ def tp_layer_class(cls):
         _LAYER_CLASSES[cls] = type(f"TensorParallel{base.__name__}", (cls,), {
             "forward": _tp_layer_forward, "__module__": __name__})
     return _LAYER_CLASSES[cls]
+
+
+def _tp_head_forward(self, x):
+    """This rank's vocabulary slice of the logits, gathered: x [..., H] -> [..., vocab]."""
+    local = type(self).mla_head_forward(self, x)                       # [..., vocab / size]
+    return all_gather_last(local, self.mla_tp_group_name, self.mla_tp_size)
+
+
+_HEAD_CLASSES: dict = {}
+
+
+def tp_head_class(cls):
+    """The subclass of an output head class (nn.Linear, or the converted one) whose
+    forward gathers the ranks' vocabulary slices; made once."""
+    if cls not in _HEAD_CLASSES:
+        _HEAD_CLASSES[cls] = type(f"TensorParallel{cls.__name__}", (cls,), {
+            "forward": _tp_head_forward, "mla_head_forward": cls.forward,
+            "__module__": __name__})
+    return _HEAD_CLASSES[cls]
+
+
+def splittable_head(model, size: int):
+    """The model's output head when shard() splits it by vocabulary, else None."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if (not isinstance(head, nn.Linear) or head.bias is not None or head.out_features % size
+            or (emb is not None and emb.weight is head.weight)
+            or getattr(head, "weight_scale_inv", None) is not None):
+        return None
+    return head
 
 
 # ------------------------------------------------------------------------- checks
@@ -324,6 +367,7 @@ def shard(model, group=None):
     if tp_plan_group(model) is not None:
         gather_dtensors(model)
     attns = [m for m in model.modules() if isinstance(m, hf_classes("attention"))]
+    head = splittable_head(model, size) if size > 1 else None
     if size > 1:
         with torch.no_grad():
             for m in attns:
@@ -332,6 +376,12 @@ def shard(model, group=None):
                 split_mlp(m, rank, size)
             for _, e in _expert_modules(model):
                 split_experts(e, rank, size)
+            if head is not None:
+                v = head.out_features // size
+                _rows(head, rank * v, (rank + 1) * v)                   # [vocab / size, H]
+    if head is not None:
+        head.mla_tp_group_name, head.mla_tp_size = name, size
+        head.__class__ = tp_head_class(type(head))
     for layer in [m for m in model.modules() if isinstance(m, hf_classes("layer"))]:
         layer.mla_tp_group_name = name
         layer.__class__ = tp_layer_class(type(layer))
