@@ -142,7 +142,8 @@ def test_split_attention_converted_keeps_heads():
     with torch.no_grad():
         tp.split_attention(attn, 1, 2)
     assert attn.num_heads == attn.mla_attn.num_heads == 2
-    assert torch.equal(attn.mla_attn.W_UK_T, W_UK_T[2:]) and torch.equal(attn.mla_attn.W_UV, W_UV[2:])
+    assert torch.equal(attn.mla_attn.W_UK_T, W_UK_T[2:])
+    assert torch.equal(attn.mla_attn.W_UV, W_UV[2:])
     assert attn.q_b_proj.weight.shape == (2 * 192, 192) and attn.o_proj.weight.shape == (256, 256)
 
 
@@ -182,7 +183,7 @@ def test_two_gpus_nccl_decode_graph_matches_one_gpu(tmp_path):
     ids, mask = (t.to(dev) for t in left_padded(tp_worker.LENGTHS))
     B, steps = len(tp_worker.LENGTHS), tp_worker.GPU_STEPS
     cache = tp_worker.gpu_cache(model, dev, None)
-    tokens = torch.randint(                 # fed to both runs: the same inputs every step3, model.config.vocab_size, (B, steps),
+    tokens = torch.randint(3, model.config.vocab_size, (B, steps),   # fed to both runs
                            generator=torch.Generator().manual_seed(9))
     want = tp_worker.decode_logits(model, cache, ids, mask, tokens.to(dev)).cpu()
     del model, cache

@@ -41,8 +41,8 @@ from torch import nn
 
 from mla_ops.layer import MLAAttention
 
-__all__ = ["shard", "prepare_shard", "all_reduce", "is_sharded", "check_shardable",
-           "tp_plan_group"]
+__all__ = ["shard", "prepare_shard", "all_reduce", "all_gather_last", "is_sharded",
+           "check_shardable", "tp_plan_group"]
 
 _FAMILIES = (("deepseek_v3", "DeepseekV3"), ("deepseek_v2", "DeepseekV2"))
 _KINDS = {"attention": "Attention", "mlp": "MLP", "layer": "DecoderLayer",
