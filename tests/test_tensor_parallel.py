@@ -1,7 +1,7 @@
 """Tensor parallelism (mla_ops/hf/tensor_parallel.py) on CPU: two gloo ranks against the
 single-process model, and the split's math in float64 in one process.
 
-The two-rank run starts once per session (tests/tp_worker.py, torch.multiprocessing,
+The two-rank run starts once for the module (tests/tp_worker.py, torch.multiprocessing,
 a FileStore in a fresh tmpdir so runs never collide): tiny V3 (dense + MoE layer, MoE
 decode on our router) and V2 (no q_lora, HF's MoE) split three ways (convert then shard,
 shard then convert, convert(tp_group=)), the last generated through a compiled fullgraph
