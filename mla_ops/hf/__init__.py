@@ -21,11 +21,15 @@ epilogues and mla::rms_norm (mla_ops/hf/layer.py).
 
 PagedMLACache (mla_ops/hf/cache.py) is a real transformers Cache over the paged latent
 cache; the converted layers ask it for each step's plan. DecodeGraph (mla_ops/hf/graph.py)
-captures a converted model's whole decode step in one CUDA graph.
+captures a converted model's whole decode step in one CUDA graph. shard(model, group)
+(mla_ops/hf/tensor_parallel.py; or convert(model, tp_group=group)) splits the model's
+heads and MLP / expert slices over a torch.distributed group for tensor parallelism.
 """
 from mla_ops.hf.convert import CacheFullError, convert, is_converted  # noqa: F401
 from mla_ops.hf.cache import PagedMLACache  # noqa: F401
 from mla_ops.hf.graph import DecodeGraph  # noqa: F401
 from mla_ops.hf.generate import cache_kwargs  # noqa: F401
+from mla_ops.hf.tensor_parallel import shard  # noqa: F401
 
-__all__ = ["convert", "PagedMLACache", "DecodeGraph", "is_converted", "cache_kwargs"]
+__all__ = ["convert", "PagedMLACache", "DecodeGraph", "is_converted", "cache_kwargs",
+           "shard"]

@@ -78,12 +78,14 @@ class PagedMLACache(Cache):
     when it needs them, so a smaller pool serves batches of shorter sequences.
     schedule_per_step: where the layers run FlashMLA, a decode step's plan computes its
     work split once for all layers (False: each layer's call computes its own).
+    num_heads: the query heads each layer runs, for that split (default
+    config.num_attention_heads; under tensor parallelism the heads of one rank).
     """
 
     def __init__(self, config, max_batch_size: int, max_cache_len: int, block_size: int = 64,
                  kv_cache_dtype: str = "auto", device=None, dtype: torch.dtype | None = None,
                  k_scale: float = 1.0, num_blocks: int | None = None,
-                 schedule_per_step: bool = True):
+                 schedule_per_step: bool = True, num_heads: int | None = None):
         config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         missing = [k for k in ("kv_lora_rank", "qk_rope_head_dim", "num_hidden_layers")
                    if getattr(config, k, None) is None]
@@ -94,6 +96,9 @@ class PagedMLACache(Cache):
                         ("block_size", block_size)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if num_heads is not None and (not isinstance(num_heads, int) or isinstance(num_heads, bool)
+                                      or num_heads <= 0):
+            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
         if dtype is None:
             dtype = getattr(config, "dtype", None)
             dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -124,7 +129,7 @@ class PagedMLACache(Cache):
         # (with schedule_per_step); for layers with an fp8 decode query
         # (convert(fp8_decode_query=...)) the split of FlashMLA's fp8 kernel, where it
         # serves them.
-        heads = getattr(config, "num_attention_heads", None)
+        heads = num_heads or getattr(config, "num_attention_heads", None)
         width = config.kv_lora_rank + config.qk_rope_head_dim
         self.num_heads = heads
 

@@ -16,6 +16,7 @@ from mla_ops.hf.linear import (absorbed_decode_query, convertible_head, decode_h
                                qkv_a_prologue)
 from mla_ops.hf.moe import convert_moe
 from mla_ops.hf.v32 import v32_forward
+from mla_ops.hf.tensor_parallel import prepare_shard, shard, tp_plan_group
 from mla_ops.layer import MLAAttention
 
 __all__ = ["convert", "is_converted"]
@@ -146,7 +147,7 @@ def _paged_class(cls, family: str):
 def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
             fp8_decode_query: float | None = None, fuse_mlp: bool = True,
             decode_head: bool = True, fuse_norms: bool = True, fuse_experts: bool = False,
-            cache_options: dict | None = None):
+            cache_options: dict | None = None, tp_group=None):
     """Route every DeepSeek V2/V3/V3.2 attention layer of `model` through the MLA ops (in place).
 
     The attention's own projections run as decode GEMM ops (q_a + kv_a in one launch; see
@@ -190,11 +191,20 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     (W8A8) reading the fp8 weights; elsewhere the dequantized weights, as HF computes on the
     CPU. With fuse_experts, FP8 routed experts run the fp8 MoE decode op likewise.
 
+    tp_group (a torch.distributed ProcessGroup) then splits the converted model over its
+    ranks for tensor parallelism (mla_ops.hf.shard: each rank keeps its heads and MLP /
+    expert slices, the decoder layers sum the ranks' outputs); a model loaded with
+    transformers' tp_plan is split so without it, over its tp_plan group (its DTensor
+    weights gathered first).
+
     All checks and weight absorption happen before the first module is touched, so a
-    failure leaves the model as it was. Converting twice is a no-op.
+    failure leaves the model as it was (a tp_plan model's weights gathered). Converting
+    twice is a no-op.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert() takes a torch.nn.Module, got {type(model).__name__}")
+    if tp_group is not None or tp_plan_group(model) is not None:   # checked; DTensors gathered
+        tp_group = prepare_shard(model, tp_group)
     attns, others = [], []
     for name, m in model.named_modules():
         fam = _family(m)
@@ -257,5 +267,7 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
         if cache_options is not None or not hasattr(model, "mla_cache_options"):
             model.mla_cache_options = options           # (converting again keeps them)
         model.__class__ = generation_class(type(model))
+    if tp_group is not None:
+        shard(model, tp_group)
     return model
 

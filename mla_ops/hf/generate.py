@@ -97,6 +97,9 @@ def default_cache(model, generation_config, batch_size: int, max_cache_length: i
                          "cache_options=dict(kv_cache_dtype='fp8', k_scale=...) or pass "
                          "cache=PagedMLACache(..., kv_cache_dtype='fp8')")
     options.setdefault("block_size", BLOCK_SIZE.get(weight.device.type, DEFAULT_BLOCK_SIZE))
+    heads = {m.num_heads for m in model.modules() if isinstance(m, MLAAttention)}
+    if len(heads) == 1:                 # the layers' heads (one rank's, tensor parallel)
+        options.setdefault("num_heads", heads.pop())
     cache = PagedMLACache(model.config, max_batch_size=rows, max_cache_len=length,
                           device=weight.device, dtype=weight.dtype, **options)
     model.mla_default_cache_shape = (rows, length)
