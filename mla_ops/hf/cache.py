@@ -20,6 +20,11 @@ last layer writes the new state back after its attention (mla_ops/hf/step.py: on
 decode step's plan and its commit are one kernel each; other steps and devices run them
 as torch ops). Decode-step shapes depend only on B, so a fixed batch compiles once and
 replays in a CUDA graph.
+
+Eager steps check on the host that they fit before writing (CacheFullError / ValueError).
+A decode step does so without a device sync: the first eager decode step after any other
+change of the state reads how many decode steps of B rows still fit (one read), and later
+ones count down on the host (room_for_decode).
 """
 from __future__ import annotations
 

@@ -144,11 +144,11 @@ def generation_class(cls):
 
 
 def build_class(cls):
+    eager = {"forward": direct_launch_forward(cls)} if hasattr(cls, "forward") else {}
     if not hook_serves(cls):
         return type(cls.__name__, (cls,), {"generate": _guarded_generate(cls),
-                                          "forward": direct_launch_forward(cls),
                                           "mla_generation": True, "__module__": __name__,
-                                          "__qualname__": cls.__qualname__})
+                                          "__qualname__": cls.__qualname__, **eager})
     hf_prepare, key = getattr(cls, HOOK), cache_key()
 
     def prepare_cache(self, generation_config, model_kwargs, generation_mode, batch_size,
@@ -170,8 +170,7 @@ def build_class(cls):
 
     prepare_cache.__doc__ = "A PagedMLACache as generate()'s default cache (mla_ops/hf/generate.py)."
     return type(cls.__name__, (cls,), {HOOK: prepare_cache, "mla_generation": True,
-                                      MASK_HOOK: decode_masks(cls),
-                                      "forward": direct_launch_forward(cls),
+                                      MASK_HOOK: decode_masks(cls), **eager,
                                       "__module__": __name__, "__qualname__": cls.__qualname__})
 
 
