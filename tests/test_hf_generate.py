@@ -426,3 +426,33 @@ def test_eager_decode_steps_do_not_sync_on_cuda():
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert torch.equal(torch.cat(got, 1), exp)
+
+
+def test_compiled_generate_runs_decode_graphs_ops(monkeypatch):
+    """The decode step generate() compiles (compile_config) and the one DecodeGraph
+    compiles call the same MLA ops in the same order (CPU, fp32)."""
+    from transformers.generation.configuration_utils import CompileConfig
+    graphs = []
+
+    def backend(gm, example_inputs, **kwargs):
+        graphs.append([str(n.target) for n in gm.graph.nodes
+                       if n.op == "call_function" and "mla." in str(n.target)])
+        return gm.forward
+
+    _, model = build_pair(tiny_config("v3", layers=3))
+    H.convert(model)
+    ids, mask = left_padded([4, 9])
+    cc = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    cc._compile_all_devices = True
+    torch._dynamo.reset()
+    try:
+        run(model, ids, mask, max_new_tokens=4, compile_config=cc)
+        cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=32, block_size=16)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask,
+                  position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **cache_arg(model, cache))
+        H.DecodeGraph(model, cache, backend=backend, graph=False)(ids[:, -1])
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 2 and graphs[0], graphs
+    assert graphs[0] == graphs[1]
