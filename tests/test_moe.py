@@ -335,7 +335,7 @@ def test_converted_block_bf16_on_gpu(family, T):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager", "batched_mm"])
 def test_bf16_moe_decode_graph_captures(fresh_dynamo, impl):
     """bf16 on the GPU: the converted MoE decode step (routed experts on the decode op)
     captures in DecodeGraph whatever _experts_implementation says, and its replays give the
