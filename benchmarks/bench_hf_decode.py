@@ -12,6 +12,9 @@ decode step with S tokens of context per row:
                graph trees, the whole decode step captured once in one CUDA graph and
                replayed (no per-step guards or graph-tree bookkeeping)
 
+--config v2-lite / v3-moe: the released MoE models' shapes (1 dense layer, the rest MoE;
+HF's experts "grouped_mm"); benchmarks/bench_generate.py times them with every mode and
+their floor. HF's modes run HF's model as built, ours a converted copy (same weights).
 Caches are filled with random rows (no prefill is run). Reported: ms per layer = median
 step time / num_layers (the step includes embedding, final norm and head).
 
@@ -28,6 +31,7 @@ convert() and PagedMLACache arguments, and the layers' decode backend.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -248,8 +252,12 @@ def print_timeline(prof, steps):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--config", choices=["v3-shaped", "tiny"], default="v3-shaped")
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--config", choices=["v3-shaped", "tiny", "v2-lite", "v3-moe"],
+                    default="v3-shaped",
+                    help="v2-lite / v3-moe: the released MoE models' shapes (first layer "
+                         "dense, the rest MoE; mla_ops.hf.models.MOE_SHAPES)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="default: 2 (v2-lite: 4)")
     ap.add_argument("--shapes", default="1x4096,32x4096,32x1024")
     ap.add_argument("--modes", default="ours-compile,hf-eager,hf-compile")
     ap.add_argument("--compile-mode", default=None,
@@ -307,13 +315,15 @@ def main():
     if args.vocab:
         cfg.vocab_size = args.vocab
     cfg._attn_implementation = "sdpa"
-    model = build_model(cfg, dev, dtype)
+    cfg._experts_implementation = "grouped_mm"
     if args.fp8_decode_query is not None and args.kv_cache_dtype != "fp8":
         ap.error("--fp8-decode-query needs --kv-cache-dtype fp8")
-    mla_ops.hf.convert(model, backend=args.mla_backend,      # a StaticCache still runs HF's path
-                       fp8_decode_query=args.fp8_decode_query)
-    nl = cfg.num_hidden_layers
     modes = args.modes.split(",")
+    # HF's modes run HF's model as built; ours a converted copy of it (same weights)
+    hf_model = build_model(cfg, dev, dtype)
+    model = copy.deepcopy(hf_model) if any(m.startswith("hf") for m in modes) else hf_model
+    mla_ops.hf.convert(model, backend=args.mla_backend, fp8_decode_query=args.fp8_decode_query)
+    nl = cfg.num_hidden_layers
     extra = 3 * (args.warmup + args.iters) + 80      # every timed, warm-up or host-timed step adds a token
     if args.ab:
         extra += args.ab_rounds * (args.iters + 2) * (1 + args.ab.count(";"))
@@ -334,13 +344,13 @@ def main():
                 cache = fill_paged_cache(cfg, B, S, extra, dev, dtype, args)
             else:
                 cache = fill_static_cache(cfg, B, S, extra, dev, dtype)
-            fwd = model.forward
+            fwd = (model if mode.startswith("ours") else hf_model).forward
             graph = mode.endswith("graph")      # DecodeGraph compiles; the first step is eager
             if graph and not on_cuda:
                 print(f"  {mode} needs CUDA; skipped", flush=True)
                 continue
             if mode.endswith("compile"):
-                fwd = torch.compile(model.forward, fullgraph=True, dynamic=False,
+                fwd = torch.compile(fwd, fullgraph=True, dynamic=False,
                                     backend=backend, mode=cmode)
             lowering.backend_choices.clear()
 

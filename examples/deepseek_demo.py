@@ -60,7 +60,8 @@ def decode_graph_run(model, cache, ids, mask, expected, new, dev, backend):
     t = time.perf_counter()
     try:
         runner = mla_ops.hf.DecodeGraph(model, cache, backend=backend)
-    except RuntimeError as exc:       # e.g. the tiny config's MoE layer reads on the host
+    except RuntimeError as exc:       # a layer that reads on the host (e.g. HF's MoE block
+                                      # left by convert(fuse_experts=False))
         print(f"DecodeGraph: no CUDA graph for this model ({str(exc).splitlines()[-1]}); "
               f"running its compiled step without one")
         runner = mla_ops.hf.DecodeGraph(model, cache, backend=backend, graph=False)

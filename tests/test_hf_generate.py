@@ -253,3 +253,215 @@ def test_default_cache_on_cuda_bf16():
         assert torch.equal(given.sequences, eager.sequences)
     finally:
         torch._dynamo.reset()
+
+
+HOST_READS = ("item", "tolist", "__int__", "__bool__", "__float__", "__index__")
+
+
+def count_host_reads(monkeypatch):
+    """Patch torch.Tensor's host reads to count the calls made from mla_ops / lowering code
+    (not HF's); the value checks that always run on CPU tensors (only with
+    lowering.config.validate on CUDA ones) are turned off, as on CUDA by default."""
+    import collections
+    import traceback
+    import mla_ops.attention
+    import mla_ops.ops
+    from lowering.decode import entry
+    for mod in (mla_ops.attention, mla_ops.ops, entry):
+        monkeypatch.setattr(mod, "wants_value_checks", lambda *a, **k: False)
+    seen = collections.Counter()
+    for name in HOST_READS:
+        orig = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _orig=orig, _name=name, **k):
+            frame = traceback.extract_stack(limit=2)[0]
+            if (f"{os.sep}mla_ops{os.sep}" in frame.filename
+                    or f"{os.sep}lowering{os.sep}" in frame.filename):
+                seen[f"{_name} at {os.path.basename(frame.filename)}:{frame.lineno}"] += 1
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return seen
+
+
+@pytest.mark.parametrize("family", ["v3", "v2"])
+def test_eager_decode_steps_read_nothing_on_the_host(monkeypatch, family):
+    """An eager generate(): the converted model's decode steps make no host reads (no
+    device syncs on CUDA) after the first, which counts the room left once; HF's own
+    per-step reads (stopping criteria) are not ours and not counted. Tokens as HF's."""
+    ref, model = build_pair(tiny_config(family, q_lora_rank=192 if family == "v3" else None,
+                                        layers=3))
+    H.convert(model)
+    ids, mask = left_padded(LENGTHS)
+    exp = {n: run(ref, ids, mask, max_new_tokens=n).sequences for n in (3, 12)}
+    seen = count_host_reads(monkeypatch)
+    reads = {}
+    for n in (3, 12):                          # the same prefill and first decode step
+        seen.clear()
+        out = run(model, ids, mask, max_new_tokens=n)
+        assert torch.equal(out.sequences, exp[n])
+        reads[n] = dict(seen)
+    assert sum(reads[12].values()) == sum(reads[3].values()), (reads[3], reads[12])
+
+
+def test_decode_room_counted_down_and_refused_when_full():
+    """The host's count of decode steps that fit: eager decode steps past it raise
+    CacheFullError / ValueError before writing, as the synced check did."""
+    _, model = build_pair(tiny_config("v3"))
+    H.convert(model)
+    cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=10, block_size=4,
+                            num_blocks=5)
+    ids = torch.randint(3, 256, (2, 5))
+    kw = H.cache_kwargs(model, cache)
+    with torch.no_grad():
+        model(input_ids=ids, **kw)                          # 5 tokens: 2 blocks per row
+        assert cache.host_room is None                      # a prefill counts nothing
+        nxt = torch.randint(3, 256, (2, 1))
+        for left in (2, 1, 0):              # 6, 7, 8 tokens fit the rows' second blocks
+            model(input_ids=nxt, position_ids=cache.lens[:2, None].long(), **kw)
+            assert cache.host_room[1:] == (2, left)
+        with pytest.raises(H.CacheFullError):   # 9: 1 free block, 2 rows need one each
+            model(input_ids=nxt, position_ids=cache.lens[:2, None].long(), **kw)
+    assert cache.seq_lens() == [8, 8] and cache.blocks_in_use() == 4
+    cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=10, block_size=4)
+    kw = H.cache_kwargs(model, cache)
+    with torch.no_grad():
+        model(input_ids=ids[:, :3], **kw)
+        for n in range(4, 11):                              # max_cache_len 10 bounds it
+            model(input_ids=nxt, position_ids=cache.lens[:2, None].long(), **kw)
+            assert cache.seq_lens() == [n, n]
+        with pytest.raises(ValueError, match="max_cache_len"):
+            model(input_ids=nxt, position_ids=cache.lens[:2, None].long(), **kw)
+    assert cache.seq_lens() == [10, 10]
+
+
+def test_compiled_generate_decode_step_is_decode_graphs(monkeypatch):
+    """generate() with compile_config (fp32, CPU): the compiled decode forward gets no
+    attention mask (the inputs DecodeGraph's step passes), one graph for every step and a
+    second call, no graph breaks, the eager call's tokens."""
+    from transformers.generation.configuration_utils import CompileConfig
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    inputs = []
+
+    def backend(gm, example_inputs, **kwargs):
+        inputs.append([n.name for n in gm.graph.nodes if n.op == "placeholder"])
+        return gm.forward
+
+    _, model = build_pair(tiny_config("v2", q_lora_rank=None, layers=3))
+    H.convert(model)
+    ids, mask = left_padded([4, 21, 9])
+    cc = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    cc._compile_all_devices = True
+    try:
+        eager = run(model, ids, mask, max_new_tokens=10)
+        compiled = run(model, ids, mask, max_new_tokens=10, compile_config=cc)
+        again = run(model, ids, mask, max_new_tokens=10, compile_config=cc)
+        assert len(inputs) == 1, f"{len(inputs)} graphs compiled"
+        assert not any("mask" in name for name in inputs[0]), inputs[0]
+        assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+        assert torch.equal(compiled.sequences, eager.sequences)
+        assert torch.equal(again.sequences, eager.sequences)
+        assert max(logit_err(a, b) for a, b in zip(compiled.logits, eager.logits)) <= TOL
+    finally:
+        torch._dynamo.reset()
+
+
+def test_eager_forward_launches_triton_kernels_directly():
+    """A converted model's eager forward runs its layers with wrap_triton's higher-order-op
+    dispatch off (direct kernel launches), restores the switch afterwards, keeps HF's
+    signature, and leaves a compiled forward's tracing as it was (the switch on)."""
+    from mla_ops.hf.eager import set_wrap_triton_enabled
+    if set_wrap_triton_enabled is None:
+        pytest.skip("this torch has no set_wrap_triton_enabled")
+    from torch._library.triton import is_wrap_triton_enabled
+    ref, model = build_pair(tiny_config("v3"))
+    H.convert(model)
+    assert "cache" in cache_arg(model, None) or "past_key_values" in cache_arg(model, None)
+    import inspect
+    assert inspect.signature(model.forward).parameters.keys() == \
+        inspect.signature(ref.forward).parameters.keys()
+    flags = []
+    hook = model.model.layers[1].register_forward_hook(
+        lambda *a: flags.append(is_wrap_triton_enabled()))
+    ids, mask = left_padded([3, 7])
+    with torch.no_grad():
+        a = model(ids, attention_mask=mask).logits
+    assert flags == [False] and is_wrap_triton_enabled()
+    assert logit_err(a, ref(ids, attention_mask=mask).logits) <= TOL
+    hook.remove()
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model.forward, fullgraph=True, backend="eager")
+        with torch.no_grad():
+            b = compiled(ids, attention_mask=mask).logits
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_eager_decode_steps_do_not_sync_on_cuda():
+    """bf16 on CUDA, an MoE layer included: after the first eager decode step (which reads
+    the room left once), eager decode steps of the converted model make no device sync
+    (torch.cuda.set_sync_debug_mode('error') raises on one), and their tokens are those
+    of eager generate()."""
+    _, model = build_pair(tiny_config("v3", layers=3), seed=5, dtype=torch.bfloat16)
+    model = H.convert(model).to("cuda")
+    ids, mask = (t.cuda() for t in left_padded([5, 33, 20], seed=2))
+    new = 8
+    with torch.no_grad():
+        exp = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                             disable_compile=True)[:, ids.shape[1]:]
+    cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, device="cuda",
+                            dtype=torch.bfloat16)
+    kw = H.cache_kwargs(model, cache)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    got = []
+    with torch.no_grad():
+        nxt = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                    **kw).logits[:, -1].argmax(-1, keepdim=True)
+        got.append(nxt)
+        nxt = model(input_ids=nxt, position_ids=cache.lens[:3, None].long(),
+                    **kw).logits[:, -1].argmax(-1, keepdim=True)      # counts the room
+        got.append(nxt)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(new - 2):
+                nxt = model(input_ids=nxt, position_ids=cache.lens[:3, None].long(),
+                            **kw).logits[:, -1].argmax(-1, keepdim=True)
+                got.append(nxt)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(torch.cat(got, 1), exp)
+
+
+def test_compiled_generate_runs_decode_graphs_ops(monkeypatch):
+    """The decode step generate() compiles (compile_config) and the one DecodeGraph
+    compiles call the same MLA ops in the same order (CPU, fp32)."""
+    from transformers.generation.configuration_utils import CompileConfig
+    graphs = []
+
+    def backend(gm, example_inputs, **kwargs):
+        graphs.append([str(n.target) for n in gm.graph.nodes
+                       if n.op == "call_function" and "mla." in str(n.target)])
+        return gm.forward
+
+    _, model = build_pair(tiny_config("v3", layers=3))
+    H.convert(model)
+    ids, mask = left_padded([4, 9])
+    cc = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    cc._compile_all_devices = True
+    torch._dynamo.reset()
+    try:
+        run(model, ids, mask, max_new_tokens=4, compile_config=cc)
+        cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=32, block_size=16)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask,
+                  position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **cache_arg(model, cache))
+        H.DecodeGraph(model, cache, backend=backend, graph=False)(ids[:, -1])
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 2 and graphs[0], graphs
+    assert graphs[0] == graphs[1]

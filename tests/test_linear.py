@@ -332,7 +332,7 @@ def test_converted_hf_layer_uses_the_ops():
     H.convert(model)
     fused = [n for n, m in model.named_modules() if type(m).__name__.startswith("FusedDeepseek")]
     assert fused == ["model.layers.0", "model.layers.0.mlp", "model.layers.1",
-                     "model.layers.1.mlp.shared_experts"]
+                     "model.layers.1.mlp", "model.layers.1.mlp.shared_experts"]   # + MoE block
     norms = [n for n, m in model.named_modules() if type(m).__name__ == "DecodeDeepseekV3RMSNorm"]
     assert norms == ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
                      "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm",
@@ -345,13 +345,13 @@ def test_converted_hf_layer_uses_the_ops():
     H.convert(model)                                                   # twice: a no-op
     assert type(model.lm_head).__name__ == "DecodeLinear" and set(model.state_dict()) == keys
     _, model = build_pair(tiny_config("v3"))
-    H.convert(model, fuse_mlp=False, decode_head=False, fuse_norms=False)
+    H.convert(model, fuse_mlp=False, decode_head=False, fuse_norms=False, fuse_experts=False)
     assert not any(type(m).__name__.startswith(("Fused", "Decode")) for m in model.modules())
     assert type(model.lm_head) is torch.nn.Linear
     cfg = tiny_config("v2")
     cfg.mlp_bias = True
     _, model = build_pair(cfg)
-    H.convert(model)
+    H.convert(model, fuse_experts=False)          # (the MoE block itself is no biased MLP)
     assert not any(type(m).__name__.startswith("Fused") and "mlp" in n
                    for n, m in model.named_modules())
 

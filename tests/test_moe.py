@@ -2,8 +2,6 @@
 weights, ties included) against HF's modules and an independent float64 re-implementation;
 converted tiny V2 / V3 models against HF (logits, greedy tokens); the compiled decode step
 fullgraph with no graph breaks, whatever config._experts_implementation says."""
-import inspect
-
 import pytest
 import torch
 import torch._dynamo
@@ -222,17 +220,13 @@ def test_compiled_decode_step_fullgraph(fresh_dynamo, impl):
 # ------------------------------------------------------------------------- through convert()
 
 
-needs_wiring = pytest.mark.skipif(
-    "fuse_experts" not in inspect.signature(H.convert).parameters,
-    reason="convert() does not take fuse_experts yet")
-
-
-@needs_wiring
 @pytest.mark.parametrize("family", ["v3", "v2"])
 def test_convert_swaps_moe_blocks(family):
+    """convert() converts the MoE blocks by default (fuse_experts=True)."""
     ref, model = moe_pair(family)
-    H.convert(model, fuse_experts=True)
+    H.convert(model)
     assert all(getattr(model.model.layers[i].mlp, "mla_converted", False) for i in (1, 2))
+    assert all(model.model.layers[i].mlp.mla_fuse_experts for i in (1, 2))
     ids, mask = left_padded([5, 9])
     cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=32, block_size=16)
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
@@ -241,17 +235,67 @@ def test_convert_swaps_moe_blocks(family):
                            ref.generate(ids, **kw))
 
 
-@needs_wiring
 def test_convert_fuse_experts_false_keeps_hf_experts_path():
-    """convert() leaves the MoE blocks to HF unless asked (fuse_experts=True); the block
-    with our router and HF's experts is convert_moe(model, fuse_experts=False)."""
+    """convert(fuse_experts=False) leaves the MoE blocks to HF; the block with our router
+    and HF's experts is convert_moe(model, fuse_experts=False)."""
     from mla_ops.hf.moe import convert_moe
     _, model = moe_pair("v3")
-    H.convert(model)
+    H.convert(model, fuse_experts=False)
     assert not getattr(model.model.layers[1].mlp, "mla_converted", False)
     assert convert_moe(model, fuse_experts=False) > 0
     block = model.model.layers[1].mlp
     assert block.mla_converted and not block.mla_fuse_experts
+
+
+def experts_impls() -> list:
+    """Every config._experts_implementation the installed transformers accepts."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return ["eager"]
+    return ["eager"] + sorted(ALL_EXPERTS_FUNCTIONS.keys())
+
+
+@pytest.mark.parametrize("impl", experts_impls())
+def test_every_experts_implementation_works_or_is_refused(fresh_dynamo, impl):
+    """convert()'s default on a model asking for each registered experts implementation:
+    either the converted model gives HF's tokens eagerly and in DecodeGraph's compiled
+    step (fullgraph, one graph, no graph breaks; CPU: no CUDA graph), or convert() raises
+    a ValueError naming the setting and what to set, leaving the model as it was."""
+    from mla_ops.hf.moe import SERVED_IMPLS
+    graphs = []
+
+    def backend(gm, example_inputs, **kwargs):
+        graphs.append(gm)
+        return gm.forward
+
+    ref, model = moe_pair("v3", seed=3)
+    model.config._experts_implementation = impl
+    if impl not in SERVED_IMPLS:
+        with pytest.raises(ValueError, match=f"_experts_implementation='{impl}'.*grouped_mm"):
+            H.convert(model)
+        assert not H.is_converted(model)
+        return
+    H.convert(model)
+    ids, mask = left_padded([6, 11], seed=5)
+    new = 8
+    with torch.no_grad():
+        assert logit_err(model(ids, attention_mask=mask).logits,
+                         ref(ids, attention_mask=mask).logits) <= 1e-5
+        exp = ref.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=32, block_size=16)
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                             **H.cache_kwargs(model, cache))
+        assert torch.equal(got, exp)
+        cache.reset()
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                      **H.cache_kwargs(model, cache)).logits[:, -1].argmax(-1)
+    runner = H.DecodeGraph(model, cache, backend=backend, graph=False)
+    tokens = torch.cat([first[:, None], runner.greedy(first, new - 1)], 1)
+    assert torch.equal(tokens, exp[:, ids.shape[1]:])
+    assert len(graphs) == 1
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
 
 
 def test_decode_op_compiles_fullgraph_on_cpu(fresh_dynamo):
@@ -291,7 +335,7 @@ def test_converted_block_bf16_on_gpu(family, T):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager", "batched_mm"])
 def test_bf16_moe_decode_graph_captures(fresh_dynamo, impl):
     """bf16 on the GPU: the converted MoE decode step (routed experts on the decode op)
     captures in DecodeGraph whatever _experts_implementation says, and its replays give the

@@ -20,6 +20,11 @@ last layer writes the new state back after its attention (mla_ops/hf/step.py: on
 decode step's plan and its commit are one kernel each; other steps and devices run them
 as torch ops). Decode-step shapes depend only on B, so a fixed batch compiles once and
 replays in a CUDA graph.
+
+Eager steps check on the host that they fit before writing (CacheFullError / ValueError).
+A decode step does so without a device sync: the first eager decode step after any other
+change of the state reads how many decode steps of B rows still fit (one read), and later
+ones count down on the host (room_for_decode).
 """
 from __future__ import annotations
 
@@ -143,6 +148,10 @@ class PagedMLACache(Cache):
         self._flashmla_fp8q_backends = flashmla_backends(torch.float8_e4m3fn)
         self.version = 0        # bumped by every host-side change of the state (eager steps,
                                 # reset, occupy, restore); compiled steps do not bump it
+        # (version, B, n): at that version n more decode steps of B rows fit, read at the
+        # first eager decode step after any other change, so later eager decode steps
+        # need no host read of the state (see prepare)
+        self.host_room: tuple | None = None
         if not torch.compiler.is_compiling():   # the pool's tensors are marked by PagedLatentCache
             for t in (self.block_table, self.lens, self.num_used, self.seen):
                 mark_static(t)
@@ -268,10 +277,27 @@ class PagedMLACache(Cache):
                                  f"pass device= to PagedMLACache")
             valid = None if S == 1 else step_ops.valid_tokens(attention_mask, B, S, self.seen)
             served = self._flashmla_fp8q_backends if fp8_query else self._flashmla_backends
+            check = not compiling and layer_idx == 0
+            if check and S == 1 and self.room_for_decode(B):
+                check = False                   # known to fit: no host read this step
             self._step = step_ops.plan(self, B, S, valid,                  # valid: [B, S]
-                                       check=not compiling and layer_idx == 0,
+                                       check=check,
                                        flashmla=S == 1 and backend in served, fp8q=fp8_query)
         return self._step
+
+    def room_for_decode(self, B: int) -> bool:
+        """Whether a one-token step of rows [0, B) is known to fit. Eager decode steps read
+        the state on the host once (the first after any other change of it) and count
+        down from there; a compiled step changes the state without the host seeing it,
+        so callers that run one (DecodeGraph) forget the count (forget_room)."""
+        room = self.host_room
+        if room is None or room[:2] != (self.version, B):
+            room = self.host_room = (self.version, B, step_ops.decode_room(self, B))
+        return room[2] >= 1
+
+    def forget_room(self) -> None:
+        """Drop the host's count of decode steps that fit (the state changed unseen)."""
+        self.host_room = None
 
     def layer_done(self, layer_idx: int, B: int, S: int) -> None:
         """After a layer's attention ops: the last layer commits the step's plan.
@@ -290,4 +316,7 @@ class PagedMLACache(Cache):
         step_ops.commit(self, step, B, S)
         self._step = None
         if not torch.compiler.is_compiling():
+            room = self.host_room
             self.version += 1
+            self.host_room = (None if S != 1 or room is None or room[:2] != (self.version - 1, B)
+                              else (self.version, B, room[2] - 1))

@@ -146,7 +146,7 @@ def _paged_class(cls, family: str):
 
 def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
             fp8_decode_query: float | None = None, fuse_mlp: bool = True,
-            decode_head: bool = True, fuse_norms: bool = True, fuse_experts: bool = False,
+            decode_head: bool = True, fuse_norms: bool = True, fuse_experts: bool = True,
             cache_options: dict | None = None, tp_group=None):
     """Route every DeepSeek V2/V3/V3.2 attention layer of `model` through the MLA ops (in place).
 
@@ -160,11 +160,14 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     With decode_head, the output head (lm_head, when a plain bias-free nn.Linear) runs on
     the decode GEMM op too, with the same numerics rule.
 
-    With fuse_experts (opt-in for now), every MoE block runs our router (HF's computation,
+    With fuse_experts (the default), every MoE block runs our router (HF's computation,
     the same experts and weights) and, for a decode step's few rows on CUDA, its routed
     experts as mla::moe_experts_decode, which streams only the chosen experts' weights
-    (mla_ops/hf/moe.py); other batches run HF's experts as the config asks. Without it
-    the MoE blocks keep HF's module.
+    (mla_ops/hf/moe.py); other batches run HF's experts as config._experts_implementation
+    asks ("grouped_mm", "batched_mm" or "eager"; HF's eager loop is replaced by grouped_mm
+    while compiling or capturing, so every one of them compiles fullgraph). Any other
+    setting, or a block we cannot convert, raises a ValueError here saying what to change.
+    fuse_experts=False keeps HF's MoE blocks as they are.
 
     With fuse_norms, each HF decoder layer adds its residuals in o_proj's and down_proj's
     epilogues and runs its two RMSNorms (and the model's final one) as mla::rms_norm

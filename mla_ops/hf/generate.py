@@ -21,6 +21,16 @@ is, use_cache=False builds none, and generation_config.cache_implementation buil
 cache of that kind (the converted layers then run HF's attention). Strategies the paged
 cache cannot serve (beam search and the other modes that reorder or crop the cache) raise
 a ValueError naming what to do instead of running wrong.
+
+Decode steps: generate() builds a 4D attention mask before each forward for a compileable
+cache; on a PagedMLACache a decode step's is not built (the converted attention reads no
+mask for one token per row), so generate()'s decode forward, compiled through
+compile_config or HF's auto-compile, is the step DecodeGraph compiles (same inputs, same
+graph), and an eager step launches none of the mask's kernels.
+
+Eager calls: the class's forward launches the converted ops' Triton kernels directly,
+without torch's per-launch higher-order-op dispatch (mla_ops/hf/eager.py); compiled calls
+trace HF's forward as before.
 """
 from __future__ import annotations
 
@@ -29,11 +39,13 @@ import inspect
 import torch
 
 from mla_ops.hf.cache import PagedMLACache
+from mla_ops.hf.eager import direct_launch_forward
 from mla_ops.layer import MLAAttention
 
 __all__ = ["generation_class", "check_cache_options", "cache_kwargs", "HOOK"]
 
 HOOK = "_prepare_cache_for_generation"
+MASK_HOOK = "create_masks_for_generate"
 HOOK_PARAMS = ("generation_config", "model_kwargs", "generation_mode", "batch_size",
                "max_cache_length")
 SERVED_MODES = ("greedy_search", "sample")
@@ -135,10 +147,11 @@ def generation_class(cls):
 
 
 def build_class(cls):
+    eager = {"forward": direct_launch_forward(cls)} if hasattr(cls, "forward") else {}
     if not hook_serves(cls):
         return type(cls.__name__, (cls,), {"generate": _guarded_generate(cls),
                                           "mla_generation": True, "__module__": __name__,
-                                          "__qualname__": cls.__qualname__})
+                                          "__qualname__": cls.__qualname__, **eager})
     hf_prepare, key = getattr(cls, HOOK), cache_key()
 
     def prepare_cache(self, generation_config, model_kwargs, generation_mode, batch_size,
@@ -160,7 +173,29 @@ def build_class(cls):
 
     prepare_cache.__doc__ = "A PagedMLACache as generate()'s default cache (mla_ops/hf/generate.py)."
     return type(cls.__name__, (cls,), {HOOK: prepare_cache, "mla_generation": True,
+                                      MASK_HOOK: decode_masks(cls), **eager,
                                       "__module__": __name__, "__qualname__": cls.__qualname__})
+
+
+def decode_masks(cls):
+    """The model's create_masks_for_generate, which generate() calls before each forward
+    when the cache is compileable: for a decode step (one token per row) on a
+    PagedMLACache it builds nothing. The converted attention reads no mask there (every
+    row's one token is real), so the step is the forward DecodeGraph compiles, inputs
+    included, and an eager step skips HF's mask kernels."""
+    own = getattr(cls, MASK_HOOK, None)
+
+    def create_masks_for_generate(self, *args, **kwargs):
+        embeds = kwargs.get("inputs_embeds")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, PagedMLACache) and embeds is not None and embeds.shape[1] == 1:
+            return None
+        if own is not None:
+            return own(self, *args, **kwargs)
+        from transformers.masking_utils import create_masks_for_generate as hf_masks
+        return hf_masks(*args, **kwargs)
+
+    return create_masks_for_generate
 
 
 def _guarded_generate(cls):

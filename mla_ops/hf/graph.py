@@ -33,6 +33,7 @@ import torch
 from mla_ops.cache import CacheFullError
 from mla_ops.hf.convert import is_converted
 from mla_ops.hf.cache import PagedMLACache
+from mla_ops.hf.step import decode_room
 
 
 class DecodeGraph:
@@ -119,20 +120,9 @@ class DecodeGraph:
     # -- room --------------------------------------------------------------------------
     def sync(self) -> int:
         """Re-read the cache state (one host sync); return how many steps still fit."""
-        c, B, bs = self.cache, self.batch_size, self.cache.block_size
-        lens = c.lens[:B].tolist()
-        seen, used = int(c.seen), int(c.num_used)
-        free = c.num_blocks - used
-
-        def blocks_needed(k):
-            return sum(-(-(n + k) // bs) - (-(-n // bs)) for n in lens)
-        k = c.max_cache_len - seen                # HF's padded length bounds every row
-        lo, hi = 0, max(k, 0)
-        while lo < hi:                            # largest k with blocks_needed(k) <= free
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if blocks_needed(mid) <= free else (lo, mid - 1)
+        lo = decode_room(self.cache, self.batch_size)
         self._steps_left = lo
-        self._seen_version = c.version
+        self._seen_version = self.cache.version
         return lo
 
     @property
@@ -163,6 +153,7 @@ class DecodeGraph:
         self._steps_left -= n
 
     def _run(self) -> None:
+        self.cache.forget_room()             # the step changes the state unseen by the host
         if self._graph is not None:
             self._graph.replay()
         else:

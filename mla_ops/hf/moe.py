@@ -24,8 +24,9 @@ The routed experts (HF's DeepseekV3Experts / DeepseekV2Experts, weights as store
       default on GPUs, is torch's grouped GEMM over tokens sorted by expert), except that
       "eager" (HF's loop over the experts hit: data dependent, with host syncs) is
       replaced by HF's grouped_mm implementation while torch.compile traces or a CUDA
-      graph captures, so the compiled / captured model works whatever the setting. A name that is not a registered experts implementation is
-      refused at conversion.
+      graph captures, so the compiled / captured model works with each of them. Any other
+      setting ("deepgemm", "sonicmoe", or a name that is not registered) is refused at
+      conversion with what to set instead.
 
 The ops have no autograd formulas: with grad enabled for the expert weights, HF's own
 experts run; so do they with lowering.config.linear_impl = "torch" (MLA_LINEAR_IMPL=torch),
@@ -44,6 +45,10 @@ from mla_ops.hf.linear import converted_class, fusable_mlp, fused_mlp_class
 __all__ = ["convert_moe", "moe_blocks", "route", "routed_experts"]
 
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+# config._experts_implementation values the converted block serves (None: HF's default);
+# the others HF registers (e.g. "deepgemm", "sonicmoe": hub kernels) are refused at
+# conversion, since neither their CPU path nor their tracing is something we test
+SERVED_IMPLS = (None, "eager", "grouped_mm", "batched_mm")
 
 
 def _hf(mod: str, *names: str) -> tuple:
@@ -213,6 +218,12 @@ def check_block(name: str, m, family: str) -> None:
     if impl not in (None, "eager") and registered and impl not in registered:
         raise ValueError(f"config._experts_implementation={impl!r} is not a registered experts "
                          f"implementation; set it to one of {('eager',) + registered}")
+    if impl not in SERVED_IMPLS:
+        raise ValueError(f"{name}: config._experts_implementation={impl!r} is not one the "
+                         f"converted MoE block runs (its prefill rows, compiled and captured "
+                         f"steps): call model.set_experts_implementation('grouped_mm') (or "
+                         f"'batched_mm', 'eager') before converting, or convert with "
+                         f"fuse_experts=False to keep HF's MoE blocks")
 
 
 def convert_moe(model, *, fuse_experts: bool = True, fuse_shared: bool = True) -> int:

@@ -148,6 +148,24 @@ def check_room(cache, lens_new: torch.Tensor, total: torch.Tensor,
     return None if context is None else tuple(host[4:])
 
 
+def decode_room(cache, B: int) -> int:
+    """How many more one-token-per-row steps of rows [0, B) fit in cache: within
+    max_cache_len counted as HF counts (the padded length seen, which bounds every row)
+    and within the free blocks. One host read of the state."""
+    state = torch.cat((cache.lens[:B].long(), cache.num_used.view(1),
+                       cache.seen.view(1))).tolist()
+    lens, used, seen = state[:B], state[B], state[B + 1]
+    bs, free = cache.block_size, cache.num_blocks - used
+
+    def blocks_needed(k):
+        return sum(-(-(n + k) // bs) - (-(-n // bs)) for n in lens)
+    lo, hi = 0, max(cache.max_cache_len - seen, 0)
+    while lo < hi:                            # the largest k with blocks_needed(k) <= free
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if blocks_needed(mid) <= free else (lo, mid - 1)
+    return lo
+
+
 def commit(cache, step: Step, B: int, S: int) -> None:
     """Write the step's block table, lengths and counters into cache's state in place."""
     if step.pack is not None:                    # planned by mla::decode_step_plan
