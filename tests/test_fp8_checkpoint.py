@@ -96,7 +96,9 @@ def test_kernel_modes_vs_fp64(M, N1, N2, K, cfg):
     # the pair into one fp32 output, W2's columns from N1 on (the prologue's partial)
     y = torch.full((M, N1 + N2), float("nan"), device=DEV)
     fp8_linear.launch(xs, w1d, s1d, w2d, s2d, 1, y, None, 128, 128, cfg, y2_col0=N1)
-    assert rel(y, torch.cat([ref1, ref2], 1)) < 1e-5
+    # fp32 out; on the GPU the hardware's fp8 cast of x / s may round a few values of x to
+    # the other neighbour than the reference's cast
+    assert rel(y, torch.cat([ref1, ref2], 1)) < (1e-3 if CUDA else 1e-5)
 
     y = torch.empty(M, N1, device=DEV, dtype=dt)
     fp8_linear.launch(xs, w1d, s1d, w3d, s3d, 2, y, None, 128, 128, cfg)
@@ -110,10 +112,12 @@ def test_kernel_quantizes_the_activation_as_hf():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 256, generator=g)
     w, s = rand_fp8(96, 256, g)
-    y = torch.empty(3, 96)
-    fp8_linear.launch(x, w, s, None, None, 0, y, None, 128, 128, (32, 4, 2))
+    y = torch.empty(3, 96, device=DEV)
+    fp8_linear.launch(x.to(DEV), w.to(DEV), s.to(DEV), None, None, 0, y, None, 128, 128,
+                      (32, 4, 2))
     plain = x.double() @ (w.double() * expand_scales(s, 96, 256)).T
-    assert rel(y, w8a8_ref(x, w, s)) < 1e-5 < 1e-3 < rel(y, plain)
+    tight = 3e-4 if CUDA else 1e-5           # (the GPU's fp8 cast: see test_kernel_modes_vs_fp64)
+    assert rel(y, w8a8_ref(x, w, s)) < tight < 1e-3 < rel(y, plain)
 
 
 def test_ops_torch_path_dequantizes_as_hf():
@@ -435,7 +439,7 @@ def test_every_fp8_gemm_of_a_gpu_decode_step_vs_fp64(monkeypatch, dtype=torch.bf
     ids, mask = (t.to(device) for t in left_padded([5, 17, 30]))
     cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=64,
                             device=device, dtype=dtype)
-    generate(model, ids, mask, 3, past_key_values=cache)
+    generate(model, ids, mask, 3, past_key_values=cache, disable_compile=True)   # each call seen
     cast = (lambda t: t.to(dtype).double())
     checked = set()
     for name, args, out in calls:
@@ -491,7 +495,8 @@ def test_fp8_model_decode_graph_on_gpu_matches_generate():
     from hf_models import graph_and_generate_tokens
     model = cuda_fp8_model()
     ids, mask = (t.cuda() for t in left_padded([5, 17, 30]))
-    cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=64)
+    cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=64,
+                            device="cuda", dtype=torch.bfloat16)
     runner, got, exp = graph_and_generate_tokens(model, ids, mask, cache, 8)
     assert runner.graph_enabled
     assert torch.equal(got, exp)
