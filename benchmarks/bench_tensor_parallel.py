@@ -110,15 +110,8 @@ def ours_step(model, cfg, B, S, extra, dtype, num_heads, dev):
 
 
 def hf_step(model, cfg, B, S, extra, dtype, dev):
-    from transformers import StaticCache
-    cache = StaticCache(config=cfg, max_cache_len=S + extra)
-    L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    for layer in cache.layers:   # keys [B, 1, max, L], values [B, 1, max, R] (HF's MLA layout)
-        layer.lazy_initialization(torch.empty(B, 1, 0, L, device=dev, dtype=dtype),
-                                  torch.empty(B, 1, 0, R, device=dev, dtype=dtype))
-        layer.keys.normal_()
-        layer.values.normal_()
-        layer.cumulative_length.fill_(S)
+    from bench_hf_decode import fill_static_cache      # (a sibling script of this folder)
+    cache = fill_static_cache(cfg, B, S, extra, dev, dtype)
     ids = torch.randint(3, cfg.vocab_size, (B, 1), generator=torch.Generator().manual_seed(2))
     ids, pos = ids.to(dev), torch.full((B, 1), S, device=dev, dtype=torch.long)
 

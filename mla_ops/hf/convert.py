@@ -7,7 +7,7 @@ import sys
 import torch
 
 from mla_ops.cache import CacheFullError  # noqa: F401  (raised by PagedMLACache and DecodeGraph)
-from mla_ops.hf.cache import PagedMLACache
+from mla_ops.hf.fallback import paged_or_hf
 from mla_ops.hf.fp8_linear import check_model, dequantized_weight, is_block_fp8
 from mla_ops.hf.generate import check_cache_options, generation_class
 from mla_ops.hf.layer import convert_layers
@@ -68,15 +68,10 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
 
     transformers < 5.24 passes the cache as past_key_values, later versions as cache.
     """
-    residual = kwargs.pop("mla_residual", None)
-    cache = past_key_values if past_key_values is not None else kwargs.get("cache")
-    if not isinstance(cache, PagedMLACache):
-        if past_key_values is not None:
-            kwargs["past_key_values"] = past_key_values
-        out, weights = self.hf_forward(hidden_states=hidden_states,
-                                       position_embeddings=position_embeddings,
-                                       attention_mask=attention_mask, **kwargs)
-        return (out if residual is None else residual + out), weights
+    residual, cache, hf_result = paged_or_hf(self, hidden_states, position_embeddings,
+                                             attention_mask, past_key_values, kwargs)
+    if hf_result is not None:
+        return hf_result
     mla: MLAAttention = self.mla_attn
     B, S, _ = hidden_states.shape
     N, P, R, V, L = (mla.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,

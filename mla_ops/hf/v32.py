@@ -25,6 +25,7 @@ import torch
 
 from mla_ops.attention import build_decode_query
 from mla_ops.hf.cache import PagedMLACache
+from mla_ops.hf.fallback import paged_or_hf
 from mla_ops.hf.dsa import indexer_qkw, select_slots, write_index_keys
 from mla_ops.hf.linear import linear, linear_pair
 from mla_ops.layer import MLAAttention
@@ -57,15 +58,10 @@ def v32_forward(self, hidden_states, position_embeddings=None, attention_mask=No
     """Converted DeepseekV32Attention.forward: hidden_states [B, S, H] -> ([B, S, H], None);
     with mla_residual [B, S, H] (a converted decoder layer) the output is mla_residual +
     o_proj(...). Caches other than PagedMLACache run HF's forward."""
-    residual = kwargs.pop("mla_residual", None)
-    cache = past_key_values if past_key_values is not None else kwargs.get("cache")
-    if not isinstance(cache, PagedMLACache):
-        if past_key_values is not None:
-            kwargs["past_key_values"] = past_key_values
-        out, weights = self.hf_forward(hidden_states=hidden_states,
-                                       position_embeddings=position_embeddings,
-                                       attention_mask=attention_mask, **kwargs)
-        return (out if residual is None else residual + out), weights
+    residual, cache, hf_result = paged_or_hf(self, hidden_states, position_embeddings,
+                                             attention_mask, past_key_values, kwargs)
+    if hf_result is not None:
+        return hf_result
     if cache.index_keys is None:
         raise ValueError("this PagedMLACache has no pool for the indexer's keys: build it "
                          "from the DeepSeek-V3.2 model's config (one with index_topk)")
