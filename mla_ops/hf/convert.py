@@ -1,13 +1,13 @@
-"""convert(): swap a DeepseekV2/V3/V3.2 model's attention for MLAAttention (see
-mla_ops/hf/__init__.py; V3.2's forward and its sparse attention: mla_ops/hf/v32.py)."""
+"""convert(): swap an MLA model's attention for MLAAttention (see mla_ops/hf/__init__.py;
+the families and what each differs in: mla_ops/hf/families.py; V3.2's forward and its sparse
+attention: mla_ops/hf/v32.py)."""
 from __future__ import annotations
-
-import sys
 
 import torch
 
 from mla_ops.cache import CacheFullError  # noqa: F401  (raised by PagedMLACache and DecodeGraph)
 from mla_ops.hf.fallback import paged_or_hf
+from mla_ops.hf.families import FAMILY_NAMES, class_attributes, family_of
 from mla_ops.hf.fp8_linear import check_model, dequantized_weight, is_block_fp8
 from mla_ops.hf.generate import check_cache_options, generation_class
 from mla_ops.hf.layer import convert_layers
@@ -25,39 +25,8 @@ __all__ = ["convert", "is_converted"]
 # ------------------------------------------------------------------------- attention
 
 
-def _hf_classes():
-    """(family, class) of the supported HF MLA attention modules."""
-    out = []
-    for fam, mod, cls in (("v3", "deepseek_v3", "DeepseekV3Attention"),
-                          ("v2", "deepseek_v2", "DeepseekV2Attention"),
-                          ("v32", "deepseek_v32", "DeepseekV32Attention")):
-        try:
-            m = __import__(f"transformers.models.{mod}.modeling_{mod}", fromlist=[cls])
-            out.append((fam, getattr(m, cls)))
-        except (ImportError, AttributeError):
-            pass
-    return out
-
-
-def _family(module) -> str | None:
-    for fam, cls in _hf_classes():
-        if isinstance(module, cls):
-            return fam
-    return None
-
-
 def is_converted(model) -> bool:
     return any(getattr(m, "mla_converted", False) for m in model.modules())
-
-
-def _rope(self, q_rot, k_rot, position_embeddings):
-    """HF's own RoPE for this layer: q_rot [B, N, S, R], k_rot [B, 1, S, R]."""
-    if self.mla_family == "v2":
-        return self._mla_rope(q_rot, k_rot, position_embeddings.to(q_rot.device))
-    cos, sin = position_embeddings
-    if self.config.rope_interleave:
-        return self._mla_rope_interleave(q_rot, k_rot, cos, sin)
-    return self._mla_rope(q_rot, k_rot, cos, sin)
 
 
 def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
@@ -82,7 +51,9 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
                          fp8_query=mla.q_scale is not None)
     # decode (CUDA, split-K GEMM): both norms and the key's RoPE in one op after the GEMM;
     # for decode rows then q_b, the query's RoPE and its absorption in another
-    fused = qkv_a_prologue(self, hidden_states, position_embeddings)
+    # (a family with a query scale never takes it: it scales q below)
+    fused = (qkv_a_prologue(self, hidden_states, position_embeddings)
+             if self.mla_query_scale is None else None)
     q = decode_q = None
     if fused is not None:
         q_a, kv_row = fused                                   # [B, S, q_lora], [B, S, L+R]
@@ -103,7 +74,7 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
         kv_c, k_rot = torch.split(kv, [L, R], dim=-1)                        # kv [B, S, L+R]
         kv_c = self.kv_a_layernorm(kv_c)                                     # [B, S, L]
         k_rot = k_rot.reshape(B, 1, S, R)
-        q_rot, k_rot = _rope(self, q[..., P:].transpose(1, 2), k_rot, position_embeddings)
+        q_rot, k_rot = self.mla_rope(q[..., P:].transpose(1, 2), k_rot, position_embeddings)
         # RoPE written back in place: q_pass stays where the GEMM put it (a cat would copy
         # all P + R columns into a new buffer).
         q[..., P:] = q_rot.transpose(1, 2)
@@ -112,6 +83,9 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
         kv_row = torch.cat((kv_c.reshape(T, L), k_rot.reshape(T, R)), dim=-1)   # [T, L+R]
     if q is not None:
         q = q.view(T, N, P + R)                                              # [T, N, P+R]
+        if self.mla_query_scale is not None:      # e.g. Mistral 4's position scale
+            scale = self.mla_query_scale(kwargs).reshape(T, 1, 1)           # [T, 1, 1]
+            q = q * scale.to(q.dtype)
     if step.perm is not None:            # (a step with pads: never one with decode_q)
         q, kv_row = q[step.perm], kv_row[step.perm]
     kv_c, k_pe = kv_row[:, :L], kv_row[:, None, L:]                          # [T, L], [T, 1, R]
@@ -126,16 +100,13 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
 _PAGED_CLASSES: dict = {}
 
 
-def _paged_class(cls, family: str):
+def _paged_class(cls, fam):
+    """The converted class of HF attention class `cls` (family row `fam`)."""
     if cls not in _PAGED_CLASSES:
-        mod = sys.modules[cls.__module__]          # HF's modeling file: its own RoPE functions
-        rope = mod.apply_rotary_emb if family == "v2" else mod.apply_rotary_pos_emb
-        inter = None if family == "v2" else mod.apply_rotary_pos_emb_interleave
         _PAGED_CLASSES[cls] = type(f"Paged{cls.__name__}", (cls,), {
-            "forward": v32_forward if family == "v32" else _paged_forward,
-            "hf_forward": cls.forward, "mla_family": family,
-            "_mla_rope": staticmethod(rope), "_mla_rope_interleave": staticmethod(inter),
-            "mla_converted": True, "__module__": __name__})
+            "forward": v32_forward if fam.sparse else _paged_forward,
+            "hf_forward": cls.forward, "mla_converted": True, "__module__": __name__,
+            **class_attributes(cls, fam)})
     return _PAGED_CLASSES[cls]
 
 
@@ -143,7 +114,10 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
             fp8_decode_query: float | None = None, fuse_mlp: bool = True,
             decode_head: bool = True, fuse_norms: bool = True, fuse_experts: bool = True,
             cache_options: dict | None = None, tp_group=None):
-    """Route every DeepSeek V2/V3/V3.2 attention layer of `model` through the MLA ops (in place).
+    """Route every MLA attention layer of `model` through the MLA ops (in place): DeepSeek
+    V2 / V3 / V3.2, GLM-4.7-Flash (glm4_moe_lite), Youtu, MiniCPM3 and Mistral 4 (the table
+    in mla_ops/hf/families.py; past V3.2 only the attention is swapped, the rest of those
+    models runs HF's code).
 
     The attention's own projections run as decode GEMM ops (q_a + kv_a in one launch; see
     mla_ops/hf/linear.py), and with fuse_mlp every dense MLP / shared expert with SiLU runs
@@ -205,14 +179,14 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
         tp_group = prepare_shard(model, tp_group)
     attns, others = [], []
     for name, m in model.named_modules():
-        fam = _family(m)
+        fam = family_of(m)
         if fam is not None:
             attns.append((name, m, fam))
         elif name.endswith("self_attn"):
             others.append(f"{name} ({type(m).__name__})")
     if not attns:
-        raise TypeError(f"convert() needs a model of a supported family (deepseek_v2, "
-                        f"deepseek_v3, deepseek_v32) with multi-head latent attention; "
+        raise TypeError(f"convert() needs a model of a supported family "
+                        f"({', '.join(FAMILY_NAMES)}) with multi-head latent attention; "
                         f"{type(model).__name__} has none"
                         + (f" (its attention: {others[0]})" if others else ""))
     if others:
@@ -226,7 +200,7 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
         if m.layer_idx in seen:
             raise ValueError(f"two attention modules share layer_idx {m.layer_idx}")
         seen.add(m.layer_idx)
-        if fam == "v32" and fp8_decode_query is not None:
+        if fam.sparse and fp8_decode_query is not None:
             raise ValueError("fp8_decode_query is not supported for DeepSeek-V3.2 (its sparse "
                              "attention takes a 16-bit query)")
         w = m.kv_b_proj.weight
