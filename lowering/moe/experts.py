@@ -31,7 +31,19 @@ MAX_ROWS = 64
 # rows a kernel streams per expert (gate_up: I, down: H) and K their length; DEFAULT_CONFIG
 # elsewhere. Entries come from benchmarks/bench_moe.py --sweep on the target GPU.
 # BLOCK_M (tokens of one expert per dot) is 16, the smallest tl.dot takes.
-CONFIGS: dict[tuple, tuple[int, int, int, int]] = {}
+# H200, torch 2.11, triton 3.6 (2026-12-02): "<= 16" rows take the T = 1 winner (the
+# latency case; at T = 8 every config sat at the byte floor within a few percent), "> 16"
+# the T = 32 winner.
+CONFIGS: dict[tuple, tuple[int, int, int, int]] = {
+    ("gate_up", 1408, 2048, True): (32, 128, 4, 3),     # V2-Lite T=1: 28.3 µs
+    ("down", 2048, 1408, True): (64, 128, 4, 4),        # V2-Lite T=1: 17.5 µs
+    ("gate_up", 1408, 2048, False): (64, 128, 4, 2),    # V2-Lite T=32: 179.4 µs
+    ("down", 2048, 1408, False): (64, 128, 4, 4),       # V2-Lite T=32: 98.5 µs
+    ("gate_up", 2048, 7168, True): (64, 128, 4, 3),     # V3 T=1: 119.7 µs
+    ("down", 7168, 2048, True): (64, 128, 4, 4),        # V3 T=1: 68.1 µs
+    ("gate_up", 2048, 7168, False): (64, 128, 8, 3),    # V3 T=32: 1932.7 µs
+    ("down", 7168, 2048, False): (64, 128, 4, 4),       # V3 T=32: 981.6 µs
+}
 DEFAULT_CONFIG = {"gate_up": (32, 128, 4, 3), "down": (64, 128, 4, 3)}
 BLOCK_M = 16
 
