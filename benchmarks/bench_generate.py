@@ -21,7 +21,14 @@ Modes (--modes), the same weights throughout:
                 a StaticCache; generate(): cache_implementation="static" + compile_config
                 (fullgraph, reduce-overhead)
   ours-eager    mla_ops.hf.convert(model) (MoE blocks included), a PagedMLACache (for
-                generate(): none passed, the default one), no compile
+                generate(): none passed, the default one), no compile; generate()'s
+                decode steps replay a CUDA graph of the eager step (convert's default
+                generate_graph=True)
+  ours-eager-steps   generate() only: as ours-eager with convert(generate_graph=False),
+                every decode step an eager forward
+  ours-default  generate() only: model.generate(ids) with no compile argument: on CUDA
+                HF auto-compiles the decode step for a compileable cache (its CompileConfig
+                defaults: reduce-overhead, not fullgraph)
   ours-compile  decode: as hf-compile on the PagedMLACache; generate(): compile_config as
                 hf-compile's on the default PagedMLACache
   ours-graph    decode: mla_ops.hf.DecodeGraph replays; generate(): the prefill as one eager
@@ -38,7 +45,7 @@ distinct experts of a B = 8 step estimated as the expected count for uniform pic
     python benchmarks/bench_generate.py --rows v2-lite-32x1024,gen-v2-lite --modes hf-compile,ours-graph
     python benchmarks/bench_generate.py --device cpu --tiny     # a smoke run of the code paths
 
-Slow modes (--slow-modes, default hf-eager and ours-eager) generate --slow-new-tokens new
+Slow modes (--slow-modes, default hf-eager and ours-eager-steps) generate --slow-new-tokens new
 tokens and a one-token call (the prefill alone), and the full call's time is read as
 prefill + (decode part) x 127 / (slow tokens - 1): marked "scaled". Results are appended
 to benchmarks/generate_results.jsonl (--json).
@@ -57,7 +64,9 @@ import mla_ops.hf
 from bench_hf_decode import fill_paged_cache, fill_static_cache, host_time, time_steps
 from mla_ops.hf.models import build_model, make_config
 
-MODES = ("hf-eager", "hf-compile", "ours-eager", "ours-compile", "ours-graph")
+MODES = ("hf-eager", "hf-compile", "ours-eager", "ours-eager-steps", "ours-default",
+         "ours-compile", "ours-graph")
+GENERATE_ONLY = ("ours-eager-steps", "ours-default")
 DECODE_ROWS = {"v2-lite-32x1024": ("v2-lite", 32, 1024), "v2-lite-1x4096": ("v2-lite", 1, 4096),
                "v3-moe-32x1024": ("v3-moe", 32, 1024), "v3-moe-1x4096": ("v3-moe", 1, 4096)}
 GEN_ROWS = {"gen-v2-lite": "v2-lite", "gen-v3-moe": "v3-moe"}
@@ -194,6 +203,14 @@ def generate_once(model, mode, ids, mask, new, state):
     with torch.no_grad():
         if mode in ("hf-eager", "ours-eager"):
             return model.generate(ids, disable_compile=True, **kw)[:, S:]
+        if mode == "ours-eager-steps":
+            model.mla_generate_graph = False              # as convert(generate_graph=False)
+            try:
+                return model.generate(ids, disable_compile=True, **kw)[:, S:]
+            finally:
+                model.mla_generate_graph = True
+        if mode == "ours-default":
+            return model.generate(ids, **kw)[:, S:]
         if mode == "hf-compile":
             return model.generate(ids, cache_implementation="static", compile_config=cc,
                                   **kw)[:, S:]
@@ -251,7 +268,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8, help="generate(): prompts per call")
     ap.add_argument("--prompt-len", type=int, default=2048, help="generate(): tokens per prompt")
     ap.add_argument("--new-tokens", type=int, default=128, help="generate(): new tokens")
-    ap.add_argument("--slow-modes", default="hf-eager,ours-eager",
+    ap.add_argument("--slow-modes", default="hf-eager,ours-eager-steps",
                     help="generate(): modes timed with --slow-new-tokens and scaled")
     ap.add_argument("--slow-new-tokens", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=3, help="decode rows: steps before timing")
@@ -304,6 +321,8 @@ def main():
                 print(f"  {mode}: skipped (modes run HF's first; list them first)", flush=True)
                 continue
             for r in mine:
+                if r in DECODE_ROWS and mode in GENERATE_ONLY:
+                    continue
                 torch._dynamo.reset()
                 torch._dynamo.utils.counters.clear()
                 try:

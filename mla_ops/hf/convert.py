@@ -113,7 +113,7 @@ def _paged_class(cls, fam):
 def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
             fp8_decode_query: float | None = None, fuse_mlp: bool = True,
             decode_head: bool = True, fuse_norms: bool = True, fuse_experts: bool = True,
-            cache_options: dict | None = None, tp_group=None):
+            cache_options: dict | None = None, generate_graph: bool = True, tp_group=None):
     """Route every MLA attention layer of `model` through the MLA ops (in place): DeepSeek
     V2 / V3 / V3.2, GLM-4.7-Flash (glm4_moe_lite), Youtu, MiniCPM3 and Mistral 4 (the table
     in mla_ops/hf/families.py; past V3.2 only the attention is swapped, the rest of those
@@ -155,6 +155,11 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     fp8_decode_query (else that generate() call raises a ValueError saying so). A cache
     passed as cache= / past_key_values= is used as is.
 
+    With generate_graph (the default), generate() run without compile (disable_compile=True,
+    or where HF does not compile) replays its decode steps on a CUDA PagedMLACache from a
+    CUDA graph of the eager step, captured at each call's first decode step: the eager
+    step's kernels and logits without its host time (mla_ops/hf/generate_graph.py).
+
     A model loaded from an FP8 checkpoint (HF's FineGrainedFP8: FP8Linear modules with
     weight_scale_inv in block_size blocks, DeepSeek-V3 / R1) keeps its fp8 weights: W_UK_T /
     W_UV are absorbed from kv_b_proj dequantized once (as HF dequantizes), and the layer's
@@ -192,6 +197,8 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     if others:
         raise TypeError(f"convert() supports models whose attention is all MLA; found {others[:3]}")
     options = check_cache_options(cache_options)
+    if not isinstance(generate_graph, bool):
+        raise TypeError(f"generate_graph must be a bool, got {type(generate_graph).__name__}")
     check_model(model)                  # HF's FP8 linears and experts: their scales agree
     plans, seen = [], set()
     for name, m, fam in attns:
@@ -238,6 +245,7 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     if hasattr(model, "generate"):
         if cache_options is not None or not hasattr(model, "mla_cache_options"):
             model.mla_cache_options = options           # (converting again keeps them)
+        model.mla_generate_graph = bool(generate_graph)
         model.__class__ = generation_class(type(model))
     if tp_group is not None:
         shard(model, tp_group)

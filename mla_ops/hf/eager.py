@@ -14,6 +14,9 @@ converted model's top-level class gets it (mla_ops/hf/generate.py's generation_c
 every eager call of the model (generate()'s steps included) launches its kernels
 directly, and a compiled call (generate()'s compile_config, DecodeGraph) traces cls.forward
 as before. Where this torch has no such switch, the forward is cls.forward unchanged.
+
+Inside generate(), an eager decode step on a PagedMLACache is a replay of a CUDA graph of
+this eager step where generate() attached one to the cache (mla_ops/hf/generate_graph.py).
 """
 from __future__ import annotations
 
@@ -35,7 +38,15 @@ def direct_launch_forward(cls):
 
     @functools.wraps(hf_forward)                       # (HF reads forward's signature)
     def forward(self, *args, **kwargs):
-        if set_wrap_triton_enabled is None or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            return hf_forward(self, *args, **kwargs)
+        from mla_ops.hf.generate_graph import attached
+        graphs = attached(kwargs)
+        if graphs is not None and graphs.serves(args, kwargs):
+            out = graphs.step(kwargs)
+            if out is not None:
+                return out
+        if set_wrap_triton_enabled is None:
             return hf_forward(self, *args, **kwargs)
         with set_wrap_triton_enabled(False):
             return hf_forward(self, *args, **kwargs)

@@ -30,16 +30,21 @@ graph), and an eager step launches none of the mask's kernels.
 
 Eager calls: the class's forward launches the converted ops' Triton kernels directly,
 without torch's per-launch higher-order-op dispatch (mla_ops/hf/eager.py); compiled calls
-trace HF's forward as before.
+trace HF's forward as before. With convert(generate_graph=True) (the default), generate()'s
+eager decode steps on a CUDA PagedMLACache replay a CUDA graph of the eager step, captured
+at the call's first decode step and dropped when the call returns
+(mla_ops/hf/generate_graph.py).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
 
 from mla_ops.hf.cache import PagedMLACache
 from mla_ops.hf.eager import direct_launch_forward
+from mla_ops.hf.generate_graph import attach, detach
 from mla_ops.layer import MLAAttention
 
 __all__ = ["generation_class", "check_cache_options", "cache_kwargs", "HOOK"]
@@ -163,16 +168,30 @@ def build_class(cls):
                 refuse(why)
         if (user is not None or generation_config.use_cache is False
                 or generation_config.cache_implementation is not None):
-            return hf_prepare(self, generation_config, model_kwargs, generation_mode,
-                              batch_size, max_cache_length)
-        why = unserved(generation_config, generation_mode)
-        if why:
-            refuse(why)
-        model_kwargs[key] = default_cache(self, generation_config, batch_size,
+            out = hf_prepare(self, generation_config, model_kwargs, generation_mode,
+                             batch_size, max_cache_length)
+        else:
+            why = unserved(generation_config, generation_mode)
+            if why:
+                refuse(why)
+            model_kwargs[key] = default_cache(self, generation_config, batch_size,
                                               max_cache_length)
+            out = None
+        attach(self, model_kwargs.get(key))
+        return out
 
     prepare_cache.__doc__ = "A PagedMLACache as generate()'s default cache (mla_ops/hf/generate.py)."
+    hf_generate = cls.generate
+
+    @functools.wraps(hf_generate)
+    def generate(self, *args, **kwargs):
+        try:
+            return hf_generate(self, *args, **kwargs)
+        finally:
+            detach(self)              # this call's decode-step graphs go with it
+
     return type(cls.__name__, (cls,), {HOOK: prepare_cache, "mla_generation": True,
+                                      "generate": generate,
                                       MASK_HOOK: decode_masks(cls), **eager,
                                       "__module__": __name__, "__qualname__": cls.__qualname__})
 

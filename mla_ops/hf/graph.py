@@ -33,6 +33,7 @@ import torch
 from mla_ops.cache import CacheFullError
 from mla_ops.hf.convert import is_converted
 from mla_ops.hf.cache import PagedMLACache
+from mla_ops.hf.generate import cache_kwargs
 from mla_ops.hf.step import decode_room
 
 
@@ -77,8 +78,8 @@ class DecodeGraph:
     def _forward(self, input_ids):
         c = self.cache
         pos = c.lens[:self.batch_size, None].long()           # [B, 1] each row's next position
-        logits = self.model.forward(input_ids=input_ids, position_ids=pos, past_key_values=c,
-                                    use_cache=True, logits_to_keep=1).logits
+        logits = self.model.forward(input_ids=input_ids, position_ids=pos, use_cache=True,
+                                    logits_to_keep=1, **cache_kwargs(self.model, c)).logits
         tokens = logits[:, -1].argmax(-1)                      # [B]
         # the greedy next input, written by the step itself (every call sets its input
         # first, so only greedy() relies on it: one copy kernel per step fewer)

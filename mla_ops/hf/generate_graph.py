@@ -1,0 +1,134 @@
+"""generate() without compile: its decode steps replayed from a CUDA graph of the eager step.
+
+An eager decode step of a converted model launches a few dozen kernels per layer, and
+their host time (Python, the op dispatch, Triton's launcher: 0.1-0.4 ms per op call on an
+H200) exceeds their GPU time several times over at decode sizes. The eager step is
+capturable, though: after its first step a PagedMLACache counts its room on the host and
+the step reads nothing else there (mla_ops/hf/cache.py), and the MoE blocks keep decode
+rows on the device. So when generate() runs its forward eagerly (disable_compile=True, or
+no compile criteria met), its first decode step of each call captures that step
+(DecodeGraph(compile=False): one warm-up step, then the capture, both undone) and every
+decode step replays it. The kernels are the eager step's, so the logits are the eager
+step's; what goes is the host time.
+
+convert(model, generate_graph=...) picks it (default: on); it applies to generate()'s
+PagedMLACache on CUDA, the default one or one the user passes, and only for the call:
+generate() detaches it when it returns, so a forward of the user's own afterwards runs
+eagerly again. A forward that asks for more than the logits (hidden states, attentions)
+or that is not one token per row runs eagerly. Where the step cannot be captured, or the
+cache has no room for the warm-up step, the call's decode steps run eagerly (same
+numbers), with a warning saying why.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from mla_ops.hf.cache import PagedMLACache
+from mla_ops.hf.step import decode_room
+
+__all__ = ["GenerateGraphs", "attached", "output_class"]
+
+ATTR = "mla_generate_graphs"          # the PagedMLACache attribute that holds them
+DEVICES = ("cuda",)                   # where a cache gets them
+WARMUP = 1
+EXTRA_OUTPUTS = ("output_attentions", "output_hidden_states", "output_router_logits",
+                 "inputs_embeds")
+
+
+def output_class():
+    """HF's causal-LM output and the name of its cache field ("cache" from transformers
+    5.24, "past_key_values" before)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    names = CausalLMOutputWithPast.__dataclass_fields__
+    return CausalLMOutputWithPast, ("cache" if "cache" in names else "past_key_values")
+
+
+class GenerateGraphs:
+    """One generate() call's decode-step graphs on one PagedMLACache, one per batch size."""
+
+    def __init__(self, model, cache: PagedMLACache, graph: bool | None = None):
+        self.model, self.cache = model, cache
+        self.graph = cache.device.type == "cuda" if graph is None else graph
+        self.runners: dict = {}                 # B -> DecodeGraph
+        self.off: str | None = None             # why the steps run eagerly, once decided
+        self.busy = False                       # inside the runner's own forward calls
+
+    def serves(self, args: tuple, kwargs: dict) -> bool:
+        """Whether this forward call is a decode step the graph computes (see above)."""
+        if self.busy or self.off is not None or args:
+            return False
+        ids = kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
+            return False
+        if any(kwargs.get(k) is not None and kwargs.get(k) is not False for k in EXTRA_OUTPUTS):
+            return False
+        return kwargs.get("use_cache", True) is not False and ids.shape[0] <= self.cache.max_batch_size
+
+    def step(self, kwargs: dict):
+        """The decode step of kwargs["input_ids"] [B, 1]: HF's output with logits [B, 1, V]
+        (the graph's buffer: generate() copies what it keeps) and the cache; None where the
+        steps run eagerly from now on."""
+        ids = kwargs["input_ids"]
+        B = ids.shape[0]
+        runner = self.runners.get(B)
+        if runner is None:
+            runner = self._capture(B)
+            if runner is None:
+                return None
+        cls, field = output_class()
+        self.busy = True                 # (without a graph the runner calls the forward)
+        try:
+            logits = runner(ids)                                           # [B, 1, V]
+        finally:
+            self.busy = False
+        return cls(logits=logits, **{field: self.cache})
+
+    def _capture(self, B: int):
+        from mla_ops.hf.graph import DecodeGraph          # (graph.py imports convert.py)
+        room = decode_room(self.cache, B)                   # one host read per capture
+        if room < WARMUP + 1:
+            self._eager(f"{room} decode step(s) fit in the cache; capturing needs "
+                        f"{WARMUP + 1}", warn=False)
+            return None
+        self.busy = True
+        try:
+            runner = DecodeGraph(self.model, self.cache, batch_size=B, compile=False,
+                                 graph=self.graph, warmup=WARMUP)
+        except RuntimeError as exc:                         # not capturable: says why
+            self._eager(str(exc).splitlines()[0], warn=True)
+            return None
+        finally:
+            self.busy = False
+        self.runners[B] = runner
+        return runner
+
+    def _eager(self, why: str, warn: bool) -> None:
+        self.off = why
+        if warn:
+            warnings.warn(f"generate(): this call's decode steps run eagerly, not from a CUDA "
+                          f"graph of the step ({why}); convert(model, generate_graph=False) "
+                          f"skips the attempt", RuntimeWarning, stacklevel=4)
+
+
+def attached(kwargs: dict) -> GenerateGraphs | None:
+    """The graphs generate() attached to this forward call's cache, if any."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    return getattr(cache, ATTR, None) if isinstance(cache, PagedMLACache) else None
+
+
+def attach(model, cache) -> None:
+    """generate()'s prepare hook: graphs for this call's cache when the model asks for them
+    (convert(generate_graph=True)) and the cache is a PagedMLACache on CUDA."""
+    if (isinstance(cache, PagedMLACache) and getattr(model, "mla_generate_graph", False)
+            and cache.device.type in DEVICES and getattr(cache, ATTR, None) is None):
+        setattr(cache, ATTR, GenerateGraphs(model, cache))
+        model.__dict__["_mla_graph_cache"] = cache
+
+
+def detach(model) -> None:
+    """When generate() returns: the call's graphs go (and their memory with them)."""
+    cache = model.__dict__.pop("_mla_graph_cache", None)
+    if cache is not None:
+        setattr(cache, ATTR, None)

@@ -1,0 +1,161 @@
+"""generate() without compile replays its decode steps from a CUDA graph of the eager step
+(convert(generate_graph=True), mla_ops/hf/generate_graph.py).
+
+On CPU there is no CUDA graph: the tests let a CPU cache take the graphs object (its
+runner then calls the eager step itself, DecodeGraph(graph=False)) to test the routing:
+which forward calls it serves, the output generate() reads, that the call's graphs go when
+generate() returns, and the fallbacks. The CUDA tests capture real graphs and compare the
+tokens and logits with the eager steps'."""
+import warnings
+
+import pytest
+import torch
+
+import mla_ops.hf as H
+from hf_models import build_pair, left_padded, tiny_config
+from mla_ops.hf import generate_graph as GG
+
+LENGTHS = [5, 17, 30]
+NEW = 10
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """Let CPU caches take generate()'s graphs; count the decode steps they serve."""
+    monkeypatch.setattr(GG, "DEVICES", ("cuda", "cpu"))
+    served = []
+    step = GG.GenerateGraphs.step
+
+    def counted(self, kwargs):
+        out = step(self, kwargs)
+        served.append(out is not None)
+        return out
+    monkeypatch.setattr(GG.GenerateGraphs, "step", counted)
+    return served
+
+
+def gen(model, ids, mask, new=NEW, **kw):
+    kw.setdefault("do_sample", False)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, output_logits=True,
+                              return_dict_in_generate=True, disable_compile=True, **kw)
+
+
+def cache_of(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def pair(family="v3", q_lora=192, layers=2, seed=0, dtype=torch.float32):
+    _, model = build_pair(tiny_config(family, q_lora_rank=q_lora, layers=layers), seed=seed,
+                          dtype=dtype)
+    return model
+
+
+@pytest.mark.parametrize("family,q_lora", [("v3", 192), ("v2", None)])
+def test_decode_steps_served_and_tokens_equal_eager(cpu_graphs, family, q_lora):
+    ids, mask = left_padded(LENGTHS)
+    model = H.convert(pair(family, q_lora), generate_graph=False)
+    exp = gen(model, ids, mask)
+    assert cpu_graphs == []                          # off: never attached
+    model.mla_generate_graph = True                  # as convert(generate_graph=True) sets
+    got = gen(model, ids, mask)
+    assert cpu_graphs == [True] * (NEW - 1)          # every decode step, none of the prefill
+    assert torch.equal(got.sequences, exp.sequences)
+    for a, b in zip(got.logits, exp.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    cache = cache_of(got)
+    assert getattr(cache, GG.ATTR) is None           # the call's graphs went with it
+    assert cache.seq_lens() == [n + NEW - 1 for n in LENGTHS]
+
+
+def test_sampling_and_a_users_cache(cpu_graphs):
+    """Sampling reads the same logits; a PagedMLACache the user passes is served during the
+    call and a forward of the user's afterwards runs eagerly."""
+    ids, mask = left_padded(LENGTHS, seed=5)
+    model = H.convert(pair(seed=3))
+    caches = [H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64) for _ in range(2)]
+    outs = []
+    for cache, graph in zip(caches, (False, True)):
+        model.mla_generate_graph = graph
+        torch.manual_seed(7)
+        outs.append(gen(model, ids, mask, do_sample=True, top_k=20, **H.cache_kwargs(model, cache)))
+    assert cpu_graphs == [True] * (NEW - 1)
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert getattr(caches[1], GG.ATTR) is None
+    n = len(cpu_graphs)
+    with torch.no_grad():
+        model(input_ids=outs[1].sequences[:, -1:], **H.cache_kwargs(model, caches[1]))
+    assert len(cpu_graphs) == n                      # not routed: nothing attached now
+
+
+def test_calls_it_does_not_serve(cpu_graphs):
+    """Hidden states asked for, or a cache with no room for the warm-up step: the steps
+    run eagerly with the same tokens, no warning for the room."""
+    ids, mask = left_padded(LENGTHS, seed=8)
+    model = H.convert(pair(seed=2))
+    model.mla_generate_graph = False
+    exp = gen(model, ids, mask, new=2)       # sizes the default cache: 1 decode step fits
+    model.mla_generate_graph = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = gen(model, ids, mask, new=2)
+    assert cpu_graphs == [False] and torch.equal(got.sequences, exp.sequences)
+    model.mla_generate_graph = False
+    exp = gen(model, ids, mask, new=4)
+    model.mla_generate_graph = True
+    got = gen(model, ids, mask, new=4, output_hidden_states=True)
+    assert cpu_graphs == [False] and torch.equal(got.sequences, exp.sequences)
+
+
+def test_serves_only_one_token_per_row():
+    model = H.convert(pair())
+    cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=32)
+    g = GG.GenerateGraphs(model, cache, graph=False)
+    ids = torch.ones(2, 1, dtype=torch.long)
+    assert g.serves((), dict(input_ids=ids))
+    assert not g.serves((ids,), {})                                  # positional: HF's path
+    assert not g.serves((), dict(input_ids=torch.ones(2, 3, dtype=torch.long)))
+    assert not g.serves((), dict(input_ids=torch.ones(3, 1, dtype=torch.long)))  # > rows
+    assert not g.serves((), dict(input_ids=ids, output_attentions=True))
+    assert not g.serves((), dict(input_ids=ids, use_cache=False))
+    assert not g.serves((), dict(inputs_embeds=torch.ones(2, 1, 8)))
+
+
+def test_convert_checks_the_setting():
+    with pytest.raises(TypeError, match="generate_graph must be a bool"):
+        H.convert(pair(), generate_graph="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family,q_lora", [("v3", 192), ("v2", None)])
+def test_cuda_graph_replays_equal_eager_steps(family, q_lora):
+    """bf16 on CUDA with an MoE layer: generate(disable_compile=True) captures the step
+    once and replays it; tokens equal and logits equal to the eager steps' (the same
+    kernels)."""
+    model = H.convert(pair(family, q_lora, layers=3, seed=5)).to("cuda", torch.bfloat16)
+    ids, mask = (t.cuda() for t in left_padded([5, 70, 33], seed=2))
+    model.mla_generate_graph = False
+    exp = gen(model, ids, mask, new=24)
+    model.mla_generate_graph = True
+    runners = []
+    make = GG.GenerateGraphs._capture
+
+    def spy(self, B):
+        r = make(self, B)
+        runners.append(r)
+        return r
+    try:
+        GG.GenerateGraphs._capture = spy
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)           # captured, not eager
+            got = gen(model, ids, mask, new=24)
+    finally:
+        GG.GenerateGraphs._capture = make
+    assert len(runners) == 1 and runners[0]._graph is not None
+    assert torch.equal(got.sequences, exp.sequences)
+    for a, b in zip(got.logits, exp.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    again = gen(model, ids, mask, new=24)                           # a second call: new graph
+    assert torch.equal(again.sequences, exp.sequences)
