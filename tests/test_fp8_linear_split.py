@@ -173,6 +173,8 @@ def test_launch_rejects_a_split_it_cannot_run():
         fp8_linear.launch(x, w, s, w, s, 2, y, None, 128, 128, (32, 4, 2, 2))
     with pytest.raises(ValueError, match="SPLIT_K=2"):       # not [SPLIT_K, M, N] fp32
         fp8_linear.launch(x, w, s, None, None, 0, y[0], None, 128, 128, (32, 4, 2, 2))
+    with pytest.raises(ValueError, match="SPLIT_K=2"):       # mode 1 splits into one output
+        fp8_linear.launch(x, w, s, w, s, 1, y, y, 128, 128, (32, 4, 2, 2))
     with pytest.raises(ValueError, match="SPLIT_K"):
         fp8_linear.launch(x, w, s, None, None, 0, y[0], None, 128, 128, (32, 4, 2, 0))
 

@@ -176,11 +176,12 @@ def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
     split_k = config[3] if len(config) > 3 else 1
     if not isinstance(split_k, int) or split_k < 1:
         raise ValueError(f"config's SPLIT_K must be a positive int, got {split_k!r}")
-    if split_k > 1 and (mode == 2 or residual is not None or y1.dim() != 3
-                        or y1.shape[0] != split_k or y1.dtype != torch.float32):
-        raise ValueError(f"SPLIT_K={split_k} needs mode 0 or 1 without a residual and y1 "
-                         f"fp32 [{split_k}, M, N]; got mode {mode}, y1 {y1.dtype} "
-                         f"{tuple(y1.shape)}")
+    if split_k > 1 and (mode == 2 or residual is not None or y2 is not None
+                        or y1.dim() != 3 or y1.shape[0] != split_k
+                        or y1.dtype != torch.float32):
+        raise ValueError(f"SPLIT_K={split_k} needs mode 0 or 1 without a residual or y2 and "
+                         f"y1 fp32 [{split_k}, M, N] (mode 1: W2's columns from y2_col0); "
+                         f"got mode {mode}, y1 {y1.dtype} {tuple(y1.shape)}")
     if mode == 1 and y2 is None and not 0 < y2_col0 <= y1.shape[-1] - w2.shape[0]:
         raise ValueError(f"mode 1 without y2 needs 0 < y2_col0 and y1 of y2_col0 + "
                          f"{w2.shape[0]} columns; got y2_col0={y2_col0}, y1 {tuple(y1.shape)}")

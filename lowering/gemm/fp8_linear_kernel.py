@@ -67,17 +67,13 @@ def quant_act_tile(x, fp8_ptr, NATIVE_CAST: tl.constexpr):
 def _stream_fp8_rows(x_ptr, w_ptr, s_ptr, n0, M, N, K, stride_xm, stride_wn, stride_sn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_N: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-                     SPLIT_K: tl.constexpr = 1):
+                     SPLIT_K=1):
     """acc [BLOCK_N, BLOCK_M] = dequant(w[n0 : n0 + BLOCK_N]) @ quant(x).T in fp32, over
-    this program's range of scale groups (all of K unless SPLIT_K > 1)."""
+    this program's range of scale groups (all of K when SPLIT_K is 1)."""
     groups = tl.cdiv(K, BLOCK_K)
-    if SPLIT_K > 1:
-        split = tl.program_id(1)
-        g0 = split * groups // SPLIT_K
-        g1 = (split + 1) * groups // SPLIT_K
-    else:
-        g0 = 0
-        g1 = groups
+    split = tl.program_id(1)
+    g0 = split * groups // SPLIT_K
+    g1 = (split + 1) * groups // SPLIT_K
     offs_n = n0 + tl.arange(0, BLOCK_N)                                        # [BLOCK_N]
     offs_m = tl.arange(0, BLOCK_M)                                             # [BLOCK_M]
     offs_k = tl.arange(0, BLOCK_K)                                             # [BLOCK_K]
@@ -141,7 +137,7 @@ def fp8_linear_kernel(
     EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, HAS_RES: tl.constexpr,
     Y2_COL0: tl.constexpr,                   # > 0: MODE 1 writes x @ w2.T into y1 from this
                                              # column on (one output tensor; y2_ptr unused)
-    SPLIT_K: tl.constexpr = 1,               # grid axis 1 (MODE 0 / 1): fp32 partials
+    SPLIT_K,                                 # grid axis 1 (MODE 0 / 1; > 1: fp32 partials)
 ):
     pid = tl.program_id(0)
     if MODE == 0:
@@ -190,7 +186,7 @@ def fp8_split_reduce_kernel(
     r_ptr,                          # EPILOGUE 1: the residual [M, N1]
     M, N1, NP,
     stride_ps, stride_pm, stride_y1, stride_y2, stride_r,
-    SPLIT_K: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK: tl.constexpr,
+    SPLIT_K, EPILOGUE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """The sum of the partials in split order (fp32), rounded once to y's dtype, then:
     EPILOGUE 0 as it is (two outputs split at column N1), 1 plus the residual (the sum
@@ -203,7 +199,7 @@ def fp8_split_reduce_kernel(
     ok = offs < n_out
     row = p_ptr + m.to(tl.int64) * stride_pm + offs
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLIT_K):
+    for s in range(0, SPLIT_K):
         acc += tl.load(row + s * stride_ps, mask=ok, other=0.0)
     dt = y1_ptr.dtype.element_ty
     y1 = y1_ptr + m.to(tl.int64) * stride_y1 + offs
@@ -216,7 +212,7 @@ def fp8_split_reduce_kernel(
         tl.store(y1, (acc.to(dt).to(tl.float32) + r.to(tl.float32)).to(dt), mask=ok)
     else:
         up = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in range(SPLIT_K):
+        for s in range(0, SPLIT_K):
             up += tl.load(row + N1 + s * stride_ps, mask=ok, other=0.0)
         g = acc.to(dt).to(tl.float32)
         act = (g * tl.sigmoid(g)).to(dt).to(tl.float32)                        # silu(gate)
