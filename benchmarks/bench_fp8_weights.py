@@ -181,18 +181,21 @@ def compile_tasks(tasks) -> int:
     return len(tasks)
 
 
-def precompile(pool, jobs) -> None:
+def precompile(pool, jobs) -> bool:
     """Compile the kernels of jobs {(mode, N, K, M): [cfg, ...]} in the worker processes
     (Triton compiles one kernel at a time per process; its disk cache is shared), one job
-    per task, the largest first. Without a pool the timing process compiles them."""
+    per task, the largest first; whether they did. Without a pool (or where a worker
+    fails) the timing process compiles them."""
     if pool is None:
-        return
+        return False
     tasks = sorted(([(*key, cfgs)] for key, cfgs in jobs.items()), key=lambda t: -len(t[0][4]))
     try:
         pool.map(compile_tasks, tasks, chunksize=1)
     except Exception as e:            # compiling then happens while timing
         print(f"  (precompiling failed: {type(e).__name__}: {e}; compiling while timing)",
               flush=True)
+        return False
+    return True
 
 
 def sweep():
@@ -205,6 +208,8 @@ def sweep():
     import time
 
     from lowering.gemm import fp8_linear
+    if not torch.cuda.is_available():
+        raise SystemExit("--sweep times CUDA graphs: it needs a CUDA device")
     t0 = time.perf_counter()
     shapes = [(mode, N, K, M, what) for mode, N, K, what in SWEEP_SHAPES for M in (1, 32)]
     first = {(m, N, K, M): [*sweep_candidates(m, N, K, M), fp8_linear.pick_config(m, N, K, M),
@@ -216,9 +221,9 @@ def sweep():
         print(f"  (no worker processes: {e}; compiling while timing)", flush=True)
         pool = None
     try:
-        precompile(pool, first)
-        print(f"  [{time.perf_counter() - t0:5.1f} s] compiled the first round's kernels in "
-              f"{workers} processes", flush=True)
+        if precompile(pool, first):
+            print(f"  [{time.perf_counter() - t0:5.1f} s] compiled the first round's kernels "
+                  f"in {workers} processes", flush=True)
         times = {}
         for mode, N, K, M, what in shapes:
             t = sweep_tensors(mode, N, K, M)

@@ -71,7 +71,7 @@ def n_programs(mode: int, N: int, block_n: int, split_k: int) -> int:
     return triton.cdiv(N, block_n) * (2 if mode == 2 and split_k > 1 else 1)
 
 
-def default_split_k(mode: int, N: int, K: int, M: int, block_n: int, group_k: int = 128,
+def default_split_k(mode: int, N: int, K: int, block_n: int, group_k: int = 128,
                     sms: int = SMS) -> int:
     """The K splits for a shape without a CONFIGS entry: the largest power of two whose
     grid stays within PROGRAMS_PER_SM programs per SM with at least MIN_GROUPS_PER_SPLIT
@@ -94,7 +94,7 @@ def pick_config(mode: int, N: int, K: int, M: int,
     DEFAULT_TILE and default_split_k. The split the launch takes is split_k_for's."""
     cfg = CONFIGS.get((mode, N, K, M <= 16))
     if cfg is None:
-        cfg = (*DEFAULT_TILE, default_split_k(mode, N, K, M, DEFAULT_TILE[0], group_k))
+        cfg = (*DEFAULT_TILE, default_split_k(mode, N, K, DEFAULT_TILE[0], group_k))
     return cfg
 
 
@@ -218,20 +218,25 @@ def reduce_partials(parts: torch.Tensor, y1: torch.Tensor, y2: Optional[torch.Te
     """fp8_split_reduce_kernel: the sum over dim 0 of parts fp32 [S, M, NP] rounded once
     to y1's dtype into y1 [M, N1] (and columns N1 on into y2 [M, NP - N1]); or plus
     residual [M, N1] (rounded again); or gated: parts [S, M, 2 N1] hold gate | up and
-    y1 = silu(gate) * up. Every output's and the residual's last dim contiguous."""
+    y1 = silu(gate) * up. Every output's and the residual's last dim contiguous. (Unused
+    pointer arguments get parts, never written, rather than an alias of an output.)"""
     S, M, NP = parts.shape
     N1 = y1.shape[-1]
-    epilogue = 2 if gated else (1 if residual is not None else 0)
+    if gated:
+        epilogue = 2
+    elif residual is not None:
+        epilogue = 1
+    else:
+        epilogue = 3 if y2 is not None else 0
     if NP != (2 * N1 if gated else N1 + (y2.shape[-1] if y2 is not None else 0)):
         raise ValueError(f"partials {tuple(parts.shape)} do not match outputs of {N1} columns"
                          f"{' (gated: gate | up)' if gated else ''}")
-    y2_ = y2 if y2 is not None else y1
-    r_ = residual if residual is not None else y1
-    n_out = NP if epilogue == 0 else N1
-    grid = (M, triton.cdiv(n_out, REDUCE_BLOCK))
+    y2_ = y2 if y2 is not None else parts
+    r_ = residual if residual is not None else parts
+    grid = (M, triton.cdiv(NP if epilogue == 3 else N1, REDUCE_BLOCK))
     torch.library.wrap_triton(fp8_split_reduce_kernel)[grid](
         parts, y1, y2_, r_, M, N1, NP, parts.stride(0), parts.stride(1), y1.stride(0),
-        y2_.stride(0), r_.stride(0), SPLIT_K=S, EPILOGUE=epilogue, BLOCK=REDUCE_BLOCK,
+        y2_.stride(-2), r_.stride(-2), SPLIT_K=S, EPILOGUE=epilogue, BLOCK=REDUCE_BLOCK,
         num_warps=2)
 
 

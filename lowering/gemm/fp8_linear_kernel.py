@@ -181,22 +181,21 @@ def fp8_linear_kernel(
 @triton.jit
 def fp8_split_reduce_kernel(
     p_ptr,                          # fp32 partials [SPLIT_K, M, NP] (last dim contiguous)
-    y1_ptr, y2_ptr,                 # EPILOGUE 0: y1 [M, N1] = sum[:, :N1], y2 [M, NP - N1]
-                                    # the rest (none when N1 = NP); 1 and 2: y1 [M, N1]
+    y1_ptr, y2_ptr,                 # y1 [M, N1]; EPILOGUE 3: y2 [M, NP - N1]
     r_ptr,                          # EPILOGUE 1: the residual [M, N1]
     M, N1, NP,
     stride_ps, stride_pm, stride_y1, stride_y2, stride_r,
     SPLIT_K, EPILOGUE: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """The sum of the partials in split order (fp32), rounded once to y's dtype, then:
-    EPILOGUE 0 as it is (two outputs split at column N1), 1 plus the residual (the sum
-    rounded again: HF's `residual + linear(x)`), 2 gated: columns [0, N1) hold gate's
-    partials and [N1, 2 N1) up's, y1 = silu(gate) * up rounded as the unfused modules.
-    Program (m, j) covers row m, output columns [j * BLOCK, (j + 1) * BLOCK)."""
+    """The sum of the partials in split order (fp32), rounded once to y's dtype, then by
+    EPILOGUE: 0 y1 = the sum (N1 = NP); 1 y1 = the sum plus the residual (rounded again:
+    HF's `residual + linear(x)`); 2 gated: columns [0, N1) hold gate's partials and
+    [N1, 2 N1) up's, y1 = silu(gate) * up rounded as the unfused modules; 3 two outputs:
+    y1 = the sum's columns [0, N1), y2 the rest. Program (m, j) covers row m, output
+    columns [j * BLOCK, (j + 1) * BLOCK) (of the sum for EPILOGUE 3, else of y1)."""
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)                      # [BLOCK]
-    n_out = N1 if EPILOGUE != 0 else NP
-    ok = offs < n_out
+    ok = offs < (NP if EPILOGUE == 3 else N1)
     row = p_ptr + m.to(tl.int64) * stride_pm + offs
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in range(0, SPLIT_K):
@@ -204,16 +203,18 @@ def fp8_split_reduce_kernel(
     dt = y1_ptr.dtype.element_ty
     y1 = y1_ptr + m.to(tl.int64) * stride_y1 + offs
     if EPILOGUE == 0:
-        tl.store(y1, acc.to(dt), mask=offs < N1)
-        y2 = y2_ptr + m.to(tl.int64) * stride_y2 + (offs - N1)
-        tl.store(y2, acc.to(y2_ptr.dtype.element_ty), mask=ok & (offs >= N1))
+        tl.store(y1, acc.to(dt), mask=ok)
     elif EPILOGUE == 1:
         r = tl.load(r_ptr + m.to(tl.int64) * stride_r + offs, mask=ok, other=0.0)
         tl.store(y1, (acc.to(dt).to(tl.float32) + r.to(tl.float32)).to(dt), mask=ok)
-    else:
+    elif EPILOGUE == 2:
         up = tl.zeros((BLOCK,), dtype=tl.float32)
         for s in range(0, SPLIT_K):
             up += tl.load(row + N1 + s * stride_ps, mask=ok, other=0.0)
         g = acc.to(dt).to(tl.float32)
         act = (g * tl.sigmoid(g)).to(dt).to(tl.float32)                        # silu(gate)
         tl.store(y1, (act * up.to(dt).to(tl.float32)).to(dt), mask=ok)
+    else:
+        tl.store(y1, acc.to(dt), mask=ok & (offs < N1))
+        y2 = y2_ptr + m.to(tl.int64) * stride_y2 + (offs - N1)
+        tl.store(y2, acc.to(y2_ptr.dtype.element_ty), mask=ok & (offs >= N1))
