@@ -220,3 +220,37 @@ def test_ops_split_through_configs_eager_and_compiled(rows, monkeypatch):
         assert rel(yr, cast(cast(ref1) + r.double().cpu())) < tol
         assert rel(yg, gate_up) < 3 * tol
         assert rel(parts.sum(0), torch.cat([ref1, ref2], 1)) < tight
+
+
+# ------------------------------------------------------------------ GPU: a model's decode
+
+
+@pytest.fixture
+def tiny_splits(monkeypatch):
+    """default_split_k splits even the tiny test model's K (2 to 4 scale groups): q_a +
+    kv_a, o_proj, the fused MLPs' gate + up and down_proj then run split-K."""
+    monkeypatch.setattr(fp8_linear, "MIN_GROUPS_PER_SPLIT", 1)
+    assert fp8_linear.pick_config(0, 256, 512, 1)[3] == 4                   # o_proj, down
+    assert fp8_linear.pick_config(2, 512, 256, 1)[3] == 2                   # gate + up
+    assert fp8_linear.pick_config(1, 832, 256, 1)[3] == 2                   # q_a + kv_a
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_split_decode_step_gemms_vs_fp64(tiny_splits, monkeypatch):
+    from test_fp8_checkpoint import test_every_fp8_gemm_of_a_gpu_decode_step_vs_fp64 as check
+    check(monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_split_model_compiles_fullgraph_once(tiny_splits):
+    from test_fp8_checkpoint import test_fp8_model_compiles_fullgraph_once_for_every_decode_step as check
+    check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_split_model_decode_graph_matches_generate(tiny_splits):
+    from test_fp8_checkpoint import test_fp8_model_decode_graph_on_gpu_matches_generate as check
+    check()
