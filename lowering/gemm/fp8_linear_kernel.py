@@ -11,13 +11,14 @@ to even: quant_act_tile), then per K block the fp8 x fp8 product is accumulated 
 times s * scale_inv of the weight block, and y is rounded to y's dtype.
 
 Each program owns BLOCK_N rows of w and walks K (its split of K: below) one scale group
-(BLOCK_K = GROUP_K) at a time: it loads the weight tile [BLOCK_N, BLOCK_K] (one byte per element: half the bytes of
-a bf16 weight), the x tile [BLOCK_K, BLOCK_M], quantizes the x tile in registers (x is a
+(BLOCK_K = GROUP_K) at a time: it loads the weight tile [BLOCK_N, BLOCK_K] (one byte per
+element: half the bytes of a bf16 weight), the x tile [BLOCK_K, BLOCK_M], quantizes the x tile in registers (x is a
 few KB in L2; every program quantizes it again, as HF's kernel does, which costs ALU, not
 memory traffic) and adds dot(w, xq) * scale_inv[n // GROUP_N, k] * s[m] to an fp32
 accumulator [BLOCK_N, BLOCK_M].
 
-With SPLIT_K > 1 (modes 0 and 1) program (n, s) walks only the s-th of SPLIT_K contiguous
+With SPLIT_K > 1 (modes 0 and 1; a runtime argument, so every split of a tile shares one
+compiled kernel) program (n, s) walks only the s-th of SPLIT_K contiguous
 ranges of whole scale groups (groups [s * G // SPLIT_K, (s + 1) * G // SPLIT_K) of
 G = cdiv(K, BLOCK_K): sizes differ by at most one group) and stores its fp32 partial sum
 in y1[s] of [SPLIT_K, M, N]; fp8_split_reduce_kernel then sums the partials in split
