@@ -22,8 +22,10 @@ per layer). Targets (issue 31): fp8 >= 1.6x bf16 at B = 1, and <= 1.3x its floor
     python benchmarks/bench_fp8_weights.py --sweep    # the fp8 GEMM kernel's configs per shape
 
 --sweep times the fp8 decode GEMM kernel (lowering/gemm/fp8_linear.py) alone at V3's
-decode shapes, 1 and 32 rows, over candidate configs (CUDA-graph replays, L2 flushed),
-beside the bf16 decode GEMM op on the same shape, and prints the CONFIGS entries.
+decode shapes, 1 and 32 rows, over candidate configs (BLOCK_N, stages and the K splits
+whose grid fills the SMs: sweep_candidates; CUDA-graph replays, L2 flushed, a split's
+reduce launch included), beside the bf16 decode GEMM op on the same shape, and prints
+the CONFIGS entries (about a minute on an H200).
 """
 from __future__ import annotations
 
@@ -96,52 +98,169 @@ SWEEP_SHAPES = [(1, 2112, 7168, "q_a + kv_a"), (0, 24576, 1536, "q_b"),
                 (0, 7168, 16384, "o_proj"), (2, 18432, 7168, "dense gate + up"),
                 (0, 7168, 18432, "dense down"), (2, 2048, 7168, "shared expert gate + up"),
                 (0, 7168, 2048, "shared expert down")]
-SWEEP_CANDIDATES = [(bn, 4, st) for bn in (16, 32, 64, 128) for st in (3, 6)]
+SWEEP_BLOCK_N = (16, 32, 64, 128)
+SWEEP_SPLITS = (1, 2, 4, 8, 16)
+SWEEP_STAGES = (3, 4, 6)          # 4 first, then the others for the best tile and split
+SWEEP_GRID = (66, 528)            # programs: half the H200's 132 SMs to four per SM
+
+
+def sweep_candidates(mode: int, N: int, K: int, M: int):
+    """(BLOCK_N, num_warps, 4 stages, SPLIT_K) worth timing for a shape: every BLOCK_N of
+    SWEEP_BLOCK_N with the splits whose grid lies in SWEEP_GRID (the unsplit one
+    always; where no split lands in it, the one nearest its low end)."""
+    from lowering.gemm import fp8_linear
+    out = []
+    for bn in SWEEP_BLOCK_N:
+        splits = [sk for sk in SWEEP_SPLITS
+                  if fp8_linear.split_k_for((bn, 4, 4, sk), mode, M, N, K, 128) == sk]
+        grid = {sk: fp8_linear.n_programs(mode, N, bn, sk) * sk for sk in splits}
+        ok = [sk for sk in splits if SWEEP_GRID[0] <= grid[sk] <= SWEEP_GRID[1]]
+        if not ok:
+            ok = [min(splits, key=lambda sk: abs(grid[sk] - SWEEP_GRID[0]))]
+        out += [(bn, 4, 4, sk) for sk in sorted({1, *ok})]
+    return out
+
+
+def quick_time_us(fn) -> float:
+    """Median µs of a CUDA-graph replay of fn (L2 flushed): timing.graph_time_us with a
+    shorter measurement, so the sweep's configs fit in a minute."""
+    import triton.testing
+    from timing import capture
+    graph = capture(fn, 2)
+    return triton.testing.do_bench(graph.replay, warmup=5, rep=30, return_mode="median") * 1e3
+
+
+def sweep_tensors(mode, N, K, M, fill=True):
+    """(x, weights, scales, bf16 weights, y1, y2) of a sweep shape on the GPU; fill=False
+    leaves them unset (compiling needs only their shapes)."""
+    dev = torch.device("cuda")
+    n = 2 if mode else 1
+    if fill:
+        ws = [(torch.randn(N, K, device=dev) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+              for _ in range(n)]
+        ss = [torch.rand(-(-N // 128), -(-K // 128), device=dev) * 1e-2 for _ in ws]
+        bf = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in ws]
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    else:
+        ws = [torch.empty(N, K, device=dev, dtype=torch.float8_e4m3fn) for _ in range(n)]
+        ss = [torch.ones(-(-N // 128), -(-K // 128), device=dev) for _ in ws]
+        bf = [torch.zeros(N, K, device=dev, dtype=torch.bfloat16) for _ in ws]
+        x = torch.zeros(M, K, device=dev, dtype=torch.bfloat16)
+    y1 = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
+    y2 = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
+    return x, ws, ss, bf, y1, y2
+
+
+def sweep_call(mode, t, cfg):
+    """A no-argument call of the fp8 GEMM (fp8_linear.run, split reduce included) with cfg,
+    or with cfg None of the bf16 decode GEMM op on the same shape."""
+    from lowering.gemm import fp8_linear
+    from lowering.gemm import linear as gemm
+    x, ws, ss, bf, y1, y2 = t
+    if cfg is not None:
+        w2, s2 = (ws[1], ss[1]) if mode else (None, None)
+        return lambda: fp8_linear.run(x, ws[0], ss[0], w2, s2, mode, y1,
+                                      y2 if mode == 1 else None, 128, 128, cfg)
+    if mode == 0:
+        return lambda: gemm.decode_linear_partials(x, bf[0], gemm.linear_split_k(x, bf[0]))
+    if mode == 1:
+        return lambda: gemm.decode_linear_pair_partials(x, bf[0], bf[1],
+                                                        gemm.pair_split_k(x, bf[0], bf[1]))
+    return lambda: torch.ops.mla.decode_gate_up(x, bf[0], bf[1])
+
+
+def compile_tasks(tasks) -> int:
+    """Run each (mode, N, K, M, cfg) once on unset tensors, so that Triton's on-disk cache
+    holds its kernels when the timing process asks (a worker of precompile)."""
+    for mode, N, K, M, cfgs in tasks:
+        t = sweep_tensors(mode, N, K, M, fill=False)
+        for cfg in cfgs:
+            sweep_call(mode, t, cfg)()
+        del t
+    torch.cuda.synchronize()
+    return len(tasks)
+
+
+def precompile(pool, jobs) -> bool:
+    """Compile the kernels of jobs {(mode, N, K, M): [cfg, ...]} in the worker processes
+    (Triton compiles one kernel at a time per process; its disk cache is shared), one job
+    per task, the largest first; whether they did. Without a pool (or where a worker
+    fails) the timing process compiles them."""
+    if pool is None:
+        return False
+    tasks = sorted(([(*key, cfgs)] for key, cfgs in jobs.items()), key=lambda t: -len(t[0][4]))
+    try:
+        pool.map(compile_tasks, tasks, chunksize=1)
+    except Exception as e:            # compiling then happens while timing
+        print(f"  (precompiling failed: {type(e).__name__}: {e}; compiling while timing)",
+              flush=True)
+        return False
+    return True
 
 
 def sweep():
-    """Time the fp8 kernel's candidate configs per V3 shape (see the module docstring)."""
-    from timing import graph_time_us
+    """Time the fp8 kernel's candidate configs per V3 shape (see the module docstring):
+    per shape and row count every BLOCK_N with the splits sweep_candidates keeps at 4
+    stages, then 3 and 6 stages for the best; each through fp8_linear.run (a split's
+    reduce launch included). Worker processes compile each round's kernels first."""
+    import multiprocessing
+    import os
+    import time
 
     from lowering.gemm import fp8_linear
-    from lowering.gemm import linear as gemm
-    dev = torch.device("cuda")
-    best = {}
-    for mode, N, K, what in SWEEP_SHAPES:
-        ws = [(torch.randn(N, K, device=dev) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-              for _ in range(2 if mode else 1)]
-        ss = [torch.rand(-(-N // 128), -(-K // 128), device=dev) * 1e-2 for _ in ws]
-        bf = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in ws]
-        for M in (1, 32):
-            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-            y1 = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
-            y2 = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
-            w2, s2 = (ws[1], ss[1]) if mode else (None, None)
-            times = {}
-            for cfg in SWEEP_CANDIDATES:
-                def run(cfg=cfg):
-                    fp8_linear.launch(x, ws[0], ss[0], w2, s2, mode, y1,
-                                      y2 if mode == 1 else None, 128, 128, cfg)
-                times[cfg] = graph_time_us(run)
-            if mode == 0:
-                bf16 = graph_time_us(lambda: gemm.decode_linear_partials(
-                    x, bf[0], gemm.linear_split_k(x, bf[0])))
-            elif mode == 1:
-                bf16 = graph_time_us(lambda: gemm.decode_linear_pair_partials(
-                    x, bf[0], bf[1], gemm.pair_split_k(x, bf[0], bf[1])))
-            else:
-                bf16 = graph_time_us(lambda: torch.ops.mla.decode_gate_up(x, bf[0], bf[1]))
-            cfg = min(times, key=times.get)
-            best[(mode, N, K, M <= 16)] = cfg
-            floor = N * K * len(ws) / HBM_BYTES_PER_S * 1e6
-            print(f"  {what:24s} M={M:2d}: fp8 best {cfg} {times[cfg]:7.1f} us (floor "
-                  f"{floor:6.1f}; config now {fp8_linear.pick_config(mode, N, K, M)} "
-                  f"{times.get(fp8_linear.pick_config(mode, N, K, M), float('nan')):7.1f}), "
-                  f"bf16 op {bf16:7.1f} us: {bf16 / times[cfg]:.2f}x", flush=True)
-    print("\nCONFIGS = {")
+    if not torch.cuda.is_available():
+        raise SystemExit("--sweep times CUDA graphs: it needs a CUDA device")
+    t0 = time.perf_counter()
+    shapes = [(mode, N, K, M, what) for mode, N, K, what in SWEEP_SHAPES for M in (1, 32)]
+    first = {(m, N, K, M): [*sweep_candidates(m, N, K, M), fp8_linear.pick_config(m, N, K, M),
+                            None] for m, N, K, M, _ in shapes}
+    workers = min(8, max(1, (os.cpu_count() or 2) // 2))
+    try:
+        pool = multiprocessing.get_context("spawn").Pool(workers)
+    except Exception as e:
+        print(f"  (no worker processes: {e}; compiling while timing)", flush=True)
+        pool = None
+    try:
+        if precompile(pool, first):
+            print(f"  [{time.perf_counter() - t0:5.1f} s] compiled the first round's kernels "
+                  f"in {workers} processes", flush=True)
+        times = {}
+        for mode, N, K, M, what in shapes:
+            t = sweep_tensors(mode, N, K, M)
+            times[mode, N, K, M] = {cfg: quick_time_us(sweep_call(mode, t, cfg))
+                                    for cfg in first[mode, N, K, M]}
+            del t
+            print(f"  [{time.perf_counter() - t0:5.1f} s] {what} M={M}: "
+                  f"{len(first[mode, N, K, M]) - 1} configs", flush=True)
+        second = {}
+        for key, tm in times.items():
+            top = min((c for c in tm if c is not None), key=tm.get)
+            second[key] = [c for c in ((top[0], top[1], st, top[3]) for st in SWEEP_STAGES)
+                           if c not in tm]
+        precompile(pool, second)
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    best, notes = {}, {}
+    for mode, N, K, M, what in shapes:
+        tm = times[mode, N, K, M]
+        t = sweep_tensors(mode, N, K, M)
+        tm.update({cfg: quick_time_us(sweep_call(mode, t, cfg)) for cfg in second[mode, N, K, M]})
+        del t
+        bf16 = tm.pop(None)
+        now = fp8_linear.pick_config(mode, N, K, M)
+        cfg = min(tm, key=tm.get)
+        best[(mode, N, K, M <= 16)] = cfg
+        notes[(mode, N, K, M <= 16)] = f"{what}, M={M}: {tm[cfg]:.1f} us, bf16 {bf16:.1f}"
+        floor = N * K * (2 if mode else 1) / HBM_BYTES_PER_S * 1e6
+        print(f"  [{time.perf_counter() - t0:5.1f} s, {len(tm)} configs] {what:24s} M={M:2d}: "
+              f"fp8 best {cfg} {tm[cfg]:7.1f} us (floor {floor:6.1f}; config now {now} "
+              f"{tm[now]:7.1f}), bf16 op {bf16:7.1f} us: {bf16 / tm[cfg]:.2f}x", flush=True)
+    print("\nCONFIGS = {   # (mode, N, K, rows <= 16): (BLOCK_N, num_warps, num_stages, SPLIT_K)")
     for key, cfg in best.items():
-        print(f"    {key}: {cfg},")
-    print("}")
+        print(f"    {key}: {cfg},   # {notes[key]}")
+    print("}", flush=True)
 
 
 def main():

@@ -9,8 +9,8 @@ FineGrainedFP8 FP8Linear: weight float8_e4m3fn [N, K], weight_scale_inv fp32
     mla::decode_gate_up_fp8(x, w_gate, s_gate, w_up, s_up, group_n, group_k)
         -> silu(x @ Wg.T) * (x @ Wu.T)                                          one launch
     mla::decode_linear_pair_fp8_partials(x, w1, s1, w2, s2, group_n, group_k)
-        -> fp32 [1, *, N1 + N2] = [x @ W1.T | x @ W2.T] unrounded: the one-partial form of
-           mla::decode_linear_pair_partials that mla::decode_qkv_prologue reads
+        -> fp32 [S, *, N1 + N2], summed over dim 0 [x @ W1.T | x @ W2.T], unrounded: the
+           form of mla::decode_linear_pair_partials that mla::decode_qkv_prologue reads
 
 where W is the dequantized weight. On CUDA, bf16 / fp16, at most MAX_ROWS rows, they run
 fp8_linear_kernel.py: the weight read as fp8 (half a bf16 weight's bytes), each row of x
@@ -22,6 +22,12 @@ HF dequantizes an FP8 checkpoint it cannot run in fp8 (fp32 product, rounded to 
 dtype) and the op runs F.linear / F.silu: what HF's model computes on the CPU, where it
 loads such a checkpoint dequantized. Arguments are checked by the caller (the converted
 layer reads them off HF's modules, checked once by convert()).
+
+Split-K: where a shape's config (CONFIGS, else default_split_k) splits K, the kernel
+writes fp32 partials [S, M, N] over S ranges of whole scale groups and a second small
+launch (reduce_partials) sums them, rounds once to x's dtype and applies the op's
+epilogue (residual add, SiLU(gate) x up), so a short or long-K weight fills the SMs; the
+partials op hands its S partials to the prologue, which sums them itself.
 """
 from __future__ import annotations
 
@@ -32,31 +38,74 @@ import torch.nn.functional as F
 import triton
 
 from lowering import config as mla_config
-from lowering.gemm.fp8_linear_kernel import fp8_linear_kernel
+from lowering.gemm.fp8_linear_kernel import fp8_linear_kernel, fp8_split_reduce_kernel
 from lowering.gemm.linear import max_shared_bytes
 
 MAX_ROWS = 64
 FP8 = torch.float8_e4m3fn
 
-# (mode, N, K, rows <= 16) -> (BLOCK_N, num_warps, num_stages); BLOCK_K is the scale group.
-# DeepSeek-V3's decode shapes, chosen (not yet measured on an H200) so that each grid
-# fills the 132 SMs: narrow tiles for the short weights (q_a + kv_a: 2112 rows, 132
-# programs of 16). `python benchmarks/bench_fp8_weights.py --sweep` times candidates per
-# shape and prints the entries to put here.
-CONFIGS: dict[tuple, tuple[int, int, int]] = {
-    **{(1, 2112, 7168, r): (16, 4, 6) for r in (True, False)},     # q_a + kv_a
-    **{(0, 24576, 1536, r): (64, 4, 4) for r in (True, False)},    # q_b
-    **{(0, 7168, 16384, r): (32, 4, 4) for r in (True, False)},    # o_proj
-    **{(2, 18432, 7168, r): (64, 4, 3) for r in (True, False)},    # dense gate + up
-    **{(0, 7168, 18432, r): (32, 4, 4) for r in (True, False)},    # dense down
-    **{(2, 2048, 7168, r): (16, 4, 6) for r in (True, False)},     # shared expert gate + up
-    **{(0, 7168, 2048, r): (32, 4, 4) for r in (True, False)},     # shared expert down
+# (mode, N, K, rows <= 16) -> (BLOCK_N, num_warps, num_stages, SPLIT_K); BLOCK_K is the
+# scale group, N is N1 + N2 for mode 1 and the gate's rows for mode 2. DeepSeek-V3's
+# decode shapes; `python benchmarks/bench_fp8_weights.py --sweep` times candidates per
+# shape on the GPU and prints the entries to put here. A shape without an entry takes
+# DEFAULT_TILE and default_split_k's split.
+CONFIGS: dict[tuple, tuple[int, int, int, int]] = {
+    **{(1, 2112, 7168, r): (16, 4, 6, 4) for r in (True, False)},     # q_a + kv_a
+    **{(0, 24576, 1536, r): (64, 4, 4, 1) for r in (True, False)},    # q_b
+    **{(0, 7168, 16384, r): (32, 4, 4, 2) for r in (True, False)},    # o_proj
+    **{(2, 18432, 7168, r): (64, 4, 3, 1) for r in (True, False)},    # dense gate + up
+    **{(0, 7168, 18432, r): (32, 4, 4, 2) for r in (True, False)},    # dense down
+    **{(2, 2048, 7168, r): (16, 4, 6, 2) for r in (True, False)},     # shared expert gate + up
+    **{(0, 7168, 2048, r): (32, 4, 4, 1) for r in (True, False)},     # shared expert down
 }
-DEFAULT_CONFIG = (64, 4, 4)
+DEFAULT_TILE = (64, 4, 4)        # (BLOCK_N, num_warps, num_stages)
+SMS = 132                        # the H200's SMs, which default_split_k fills
+PROGRAMS_PER_SM = 4              # default_split_k's target grid: up to this many per SM
+MIN_GROUPS_PER_SPLIT = 4         # default_split_k: scale groups of K per split, at least
+MAX_PARTIAL_BYTES = 16 << 20     # the fp32 partials of one call, at most
 
 
-def pick_config(mode: int, N: int, K: int, M: int) -> tuple[int, int, int]:
-    return CONFIGS.get((mode, N, K, M <= 16), DEFAULT_CONFIG)
+def n_programs(mode: int, N: int, block_n: int, split_k: int) -> int:
+    """Programs along N of a launch for (mode, N) (mode 1: N = N1 + N2, one block of
+    rounding up taken as one; mode 2 split: the gate's and up's rows)."""
+    return triton.cdiv(N, block_n) * (2 if mode == 2 and split_k > 1 else 1)
+
+
+def default_split_k(mode: int, N: int, K: int, block_n: int, group_k: int = 128,
+                    sms: int = SMS) -> int:
+    """The K splits for a shape without a CONFIGS entry: the largest power of two whose
+    grid stays within PROGRAMS_PER_SM programs per SM with at least MIN_GROUPS_PER_SPLIT
+    scale groups per split (1 where the unsplit grid already fills that many). Mode 2
+    splits only where its unsplit grid leaves SMs idle (the split form runs gate and up
+    as separate programs, each quantizing x again)."""
+    if mode == 2 and triton.cdiv(N, block_n) >= sms:
+        return 1
+    groups = triton.cdiv(K, group_k)
+    split = 1
+    while (2 * split * MIN_GROUPS_PER_SPLIT <= groups
+           and n_programs(mode, N, block_n, 2 * split) * 2 * split <= PROGRAMS_PER_SM * sms):
+        split *= 2
+    return split
+
+
+def pick_config(mode: int, N: int, K: int, M: int,
+                group_k: int = 128) -> tuple[int, int, int, int]:
+    """(BLOCK_N, num_warps, num_stages, SPLIT_K) for (mode, N, K) at M rows: CONFIGS, else
+    DEFAULT_TILE and default_split_k. The split the launch takes is split_k_for's."""
+    cfg = CONFIGS.get((mode, N, K, M <= 16))
+    if cfg is None:
+        cfg = (*DEFAULT_TILE, default_split_k(mode, N, K, DEFAULT_TILE[0], group_k))
+    return cfg
+
+
+def split_k_for(config: tuple, mode: int, M: int, N: int, K: int, group_k: int) -> int:
+    """The K splits a launch of config takes for x [M, K] and N output columns (mode 1:
+    N1 + N2; mode 2: the gate's N): the config's fourth entry (1 when absent), at most one
+    per scale group of K and at most what keeps the fp32 partials [SPLIT_K, M, N] (mode 2:
+    [SPLIT_K, M, 2N]) within MAX_PARTIAL_BYTES."""
+    split = config[3] if len(config) > 3 else 1
+    row_bytes = M * N * 4 * (2 if mode == 2 else 1)
+    return max(1, min(split, triton.cdiv(K, group_k), MAX_PARTIAL_BYTES // max(1, row_bytes)))
 
 
 def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, group_n: int, group_k: int,
@@ -118,42 +167,110 @@ def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
 def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
            y2: Optional[torch.Tensor], group_n: int, group_k: int, config: tuple, *,
            residual: Optional[torch.Tensor] = None, y2_col0: int = 0) -> None:
-    """Run fp8_linear_kernel with config (BLOCK_N, num_warps, num_stages): x2 [M, K] (K
-    contiguous), w1/w2 [N, K] fp8 contiguous with their scale_inv; y1/y2 [M, N]. Mode 0
-    may add residual [M, N1] (last dim contiguous) in the epilogue; mode 1 with y2=None
-    and y2_col0 > 0 writes x @ W2.T into y1 from column y2_col0 on."""
+    """Run fp8_linear_kernel with config (BLOCK_N, num_warps, num_stages[, SPLIT_K]): x2
+    [M, K] (K contiguous), w1/w2 [N, K] fp8 contiguous with their scale_inv; y1/y2 [M, N],
+    or with SPLIT_K > 1 (modes 0 and 1) fp32 partials [SPLIT_K, M, N] whose sum over dim 0
+    is the product (run() reduces them). Mode 0 without split-K may add residual [M, N1]
+    (last dim contiguous) in the epilogue; mode 1 with y2=None and y2_col0 > 0 writes
+    x @ W2.T into y1 from column y2_col0 on."""
+    split_k = config[3] if len(config) > 3 else 1
+    if not isinstance(split_k, int) or split_k < 1:
+        raise ValueError(f"config's SPLIT_K must be a positive int, got {split_k!r}")
+    if split_k > 1 and (mode == 2 or residual is not None or y2 is not None
+                        or y1.dim() != 3 or y1.shape[0] != split_k
+                        or y1.dtype != torch.float32):
+        raise ValueError(f"SPLIT_K={split_k} needs mode 0 or 1 without a residual or y2 and "
+                         f"y1 fp32 [{split_k}, M, N] (mode 1: W2's columns from y2_col0); "
+                         f"got mode {mode}, y1 {y1.dtype} {tuple(y1.shape)}")
     if mode == 1 and y2 is None and not 0 < y2_col0 <= y1.shape[-1] - w2.shape[0]:
         raise ValueError(f"mode 1 without y2 needs 0 < y2_col0 and y1 of y2_col0 + "
                          f"{w2.shape[0]} columns; got y2_col0={y2_col0}, y1 {tuple(y1.shape)}")
     M, K = x2.shape
     N1 = w1.shape[0]
     N2 = w2.shape[0] if w2 is not None else 0
-    block_n, warps, stages = config
+    block_n, warps, stages = config[:3]
     block_m = max(16, triton.next_power_of_2(M))
     if x2.is_cuda:       # per stage: an x tile and one weight tile (two in mode 2)
         per_stage = group_k * (block_m * x2.element_size() + block_n * (2 if mode == 2 else 1))
         per_stage *= 2 if mode == 1 else 1          # mode 1 compiles the loop twice
         stages = max(1, min(stages, max_shared_bytes(x2.device.index) // per_stage))
     n1_blocks = triton.cdiv(N1, block_n)
-    grid = (n1_blocks + (triton.cdiv(N2, block_n) if mode == 1 else 0),)
+    grid = (n1_blocks + (triton.cdiv(N2, block_n) if mode == 1 else 0), split_k)
     w2_, s2_ = (w2, s2) if w2 is not None else (w1, s1)
     y2_ = y2 if y2 is not None else y1
     r_ = residual if residual is not None else x2
     torch.library.wrap_triton(fp8_linear_kernel)[grid](
         x2, w1, s1, w2_, s2_, y1, y2_, r_, M, N1, N2, K,
         x2.stride(0), w1.stride(0), s1.stride(0), w2_.stride(0), s2_.stride(0),
-        y1.stride(0), y2_.stride(0), r_.stride(0) if residual is not None else 0, n1_blocks,
+        y1.stride(-2), y2_.stride(-2), r_.stride(0) if residual is not None else 0, n1_blocks,
+        y1.stride(0) if split_k > 1 else 0,
         MODE=mode, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=group_k, GROUP_N=group_n,
         EVEN_K=K % group_k == 0, DOT_F32=not x2.is_cuda, HAS_RES=residual is not None,
-        Y2_COL0=y2_col0 if (mode == 1 and y2 is None) else 0,
+        Y2_COL0=y2_col0 if (mode == 1 and y2 is None) else 0, SPLIT_K=split_k,
         num_warps=warps, num_stages=stages)
+
+
+REDUCE_BLOCK = 256
+
+
+def reduce_partials(parts: torch.Tensor, y1: torch.Tensor, y2: Optional[torch.Tensor] = None,
+                    *, residual: Optional[torch.Tensor] = None, gated: bool = False) -> None:
+    """fp8_split_reduce_kernel: the sum over dim 0 of parts fp32 [S, M, NP] rounded once
+    to y1's dtype into y1 [M, N1] (and columns N1 on into y2 [M, NP - N1]); or plus
+    residual [M, N1] (rounded again); or gated: parts [S, M, 2 N1] hold gate | up and
+    y1 = silu(gate) * up. Every output's and the residual's last dim contiguous. (Unused
+    pointer arguments get parts, never written, rather than an alias of an output.)"""
+    S, M, NP = parts.shape
+    N1 = y1.shape[-1]
+    if gated:
+        epilogue = 2
+    elif residual is not None:
+        epilogue = 1
+    else:
+        epilogue = 3 if y2 is not None else 0
+    if NP != (2 * N1 if gated else N1 + (y2.shape[-1] if y2 is not None else 0)):
+        raise ValueError(f"partials {tuple(parts.shape)} do not match outputs of {N1} columns"
+                         f"{' (gated: gate | up)' if gated else ''}")
+    y2_ = y2 if y2 is not None else parts
+    r_ = residual if residual is not None else parts
+    grid = (M, triton.cdiv(NP if epilogue == 3 else N1, REDUCE_BLOCK))
+    torch.library.wrap_triton(fp8_split_reduce_kernel)[grid](
+        parts, y1, y2_, r_, M, N1, NP, parts.stride(0), parts.stride(1), y1.stride(0),
+        y2_.stride(-2), r_.stride(-2), SPLIT_K=S, EPILOGUE=epilogue, BLOCK=REDUCE_BLOCK,
+        num_warps=2)
+
+
+def run(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
+        y2: Optional[torch.Tensor], group_n: int, group_k: int, config: tuple, *,
+        residual: Optional[torch.Tensor] = None) -> None:
+    """The GEMM of `mode` into y1 (and y2 for mode 1) in their dtype, residual added for
+    mode 0: one launch where split_k_for(config) is 1, else the split kernel into fp32
+    partials (mode 2: gate and up as mode 1's pair) and reduce_partials."""
+    M, K = x2.shape
+    N1 = w1.shape[0]
+    N = N1 + (w2.shape[0] if mode == 1 else 0)
+    split_k = split_k_for(config, mode, M, N, K, group_k)
+    if split_k == 1:
+        launch(x2, w1, s1, w2, s2, mode, y1, y2, group_n, group_k, config[:3],
+               residual=residual)
+        return
+    tile = (*config[:3], split_k)
+    if mode == 2:
+        parts = torch.empty((split_k, M, 2 * N1), dtype=torch.float32, device=x2.device)
+        launch(x2, w1, s1, w2, s2, 1, parts, None, group_n, group_k, tile, y2_col0=N1)
+        reduce_partials(parts, y1, gated=True)                              # [S, M, 2 N1]
+        return
+    parts = torch.empty((split_k, M, N), dtype=torch.float32, device=x2.device)  # [S, M, N]
+    launch(x2, w1, s1, w2, s2, mode, parts, None, group_n, group_k, tile,
+           y2_col0=N1 if mode == 1 else 0)
+    reduce_partials(parts, y1, y2 if mode == 1 else None, residual=residual)
 
 
 def _kernel_config(mode, x, pairs, group_n, group_k):
     if fp8_linear_unmet(x, pairs, group_n, group_k) is not None:
         return None
     N = sum(w.shape[0] for w, _ in pairs) if mode == 1 else pairs[0][0].shape[0]
-    return pick_config(mode, N, x.shape[-1], x.numel() // x.shape[-1])
+    return pick_config(mode, N, x.shape[-1], x.numel() // x.shape[-1], group_k)
 
 
 @torch.library.triton_op("mla::decode_linear_fp8", mutates_args={})
@@ -165,7 +282,7 @@ def decode_linear_fp8(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
         return F.linear(x, dequantize(w, scale_inv, group_n, group_k, x.dtype))
     x2 = _rows(x, K)
     y = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)   # [M, N]
-    launch(x2, w, scale_inv, None, None, 0, y, None, group_n, group_k, cfg)
+    run(x2, w, scale_inv, None, None, 0, y, None, group_n, group_k, cfg)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
@@ -182,7 +299,7 @@ def decode_linear_fp8_residual(x: torch.Tensor, w: torch.Tensor, scale_inv: torc
     x2 = _rows(x, K)
     r2 = _rows(residual, w.shape[0])
     y = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)   # [M, N]
-    launch(x2, w, scale_inv, None, None, 0, y, None, group_n, group_k, cfg, residual=r2)
+    run(x2, w, scale_inv, None, None, 0, y, None, group_n, group_k, cfg, residual=r2)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
@@ -199,7 +316,7 @@ def decode_linear_pair_fp8(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
     M = x2.shape[0]
     y1 = torch.empty((M, w1.shape[0]), dtype=x.dtype, device=x.device)        # [M, N1]
     y2 = torch.empty((M, w2.shape[0]), dtype=x.dtype, device=x.device)        # [M, N2]
-    launch(x2, w1, s1, w2, s2, 1, y1, y2, group_n, group_k, cfg)
+    run(x2, w1, s1, w2, s2, 1, y1, y2, group_n, group_k, cfg)
     lead = x.shape[:-1]
     return y1.view(*lead, w1.shape[0]), y2.view(*lead, w2.shape[0])
 
@@ -215,7 +332,7 @@ def decode_gate_up_fp8(x: torch.Tensor, w_gate: torch.Tensor, s_gate: torch.Tens
         return F.silu(g) * F.linear(x, dequantize(w_up, s_up, group_n, group_k, x.dtype))
     x2 = _rows(x, K)
     y = torch.empty((x2.shape[0], w_gate.shape[0]), dtype=x.dtype, device=x.device)  # [M, N]
-    launch(x2, w_gate, s_gate, w_up, s_up, 2, y, None, group_n, group_k, cfg)
+    run(x2, w_gate, s_gate, w_up, s_up, 2, y, None, group_n, group_k, cfg)
     return y.view(*x.shape[:-1], w_gate.shape[0])
 
 
@@ -223,7 +340,8 @@ def decode_gate_up_fp8(x: torch.Tensor, w_gate: torch.Tensor, s_gate: torch.Tens
 def decode_linear_pair_fp8_partials(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
                                     w2: torch.Tensor, s2: torch.Tensor, group_n: int,
                                     group_k: int) -> torch.Tensor:
-    """fp32 [1, *lead, N1 + N2] = [x @ W1.T | x @ W2.T] (one launch, unrounded), the input
+    """fp32 [S, *lead, N1 + N2] whose sum over dim 0 is [x @ W1.T | x @ W2.T] (one launch,
+    unrounded; S = the config's K splits on the kernel path, else 1), the input
     mla::decode_qkv_prologue sums and rounds: its norms and RoPE then follow the fp8 q_a +
     kv_a GEMM as they follow the 16-bit split-K one."""
     K = x.shape[-1]
@@ -234,6 +352,8 @@ def decode_linear_pair_fp8_partials(x: torch.Tensor, w1: torch.Tensor, s1: torch
                        for w, s in ((w1, s1), (w2, s2))], dim=-1)
         return y.float().unsqueeze(0)
     x2 = _rows(x, K)
-    out = torch.empty((x2.shape[0], N1 + N2), dtype=torch.float32, device=x.device)
-    launch(x2, w1, s1, w2, s2, 1, out, None, group_n, group_k, cfg, y2_col0=N1)
-    return out.view(1, *lead, N1 + N2)
+    S = split_k_for(cfg, 1, x2.shape[0], N1 + N2, K, group_k)
+    out = torch.empty((S, x2.shape[0], N1 + N2), dtype=torch.float32, device=x.device)
+    launch(x2, w1, s1, w2, s2, 1, out, None, group_n, group_k, (*cfg[:3], S),
+           y2_col0=N1)                                                      # [S, M, N1+N2]
+    return out.view(S, *lead, N1 + N2)

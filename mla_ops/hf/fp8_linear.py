@@ -124,7 +124,8 @@ def uses_fp8_ops(*mods) -> bool:
 
 
 def fp8_pair_partials(m1, m2, x: torch.Tensor):
-    """fp32 [1, *lead, N1 + N2] of the fp8 pair (q_a + kv_a) for mla::decode_qkv_prologue,
+    """fp32 partials [S, *lead, N1 + N2] of the fp8 pair (q_a + kv_a), summed over dim 0
+    by mla::decode_qkv_prologue (S: the fp8 kernel config's K splits),
     or None where the fp8 kernel does not serve x (then the caller runs the pair op and
     the modules' norms)."""
     gn, gk = groups(m1)

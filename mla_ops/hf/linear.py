@@ -99,7 +99,8 @@ def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
     op (mla::decode_qkv_prologue) for both norms and the key's RoPE. None where that path
     does not apply (no q_lora, V2's complex RoPE, other norms, or a pair config without
     split-K: then the caller runs the modules). HF's FP8 linears: the fp8 pair kernel's
-    one fp32 partial where it serves x (mla::decode_linear_pair_fp8_partials)."""
+    fp32 partials (its config's K splits, maybe one) where it serves x
+    (mla::decode_linear_pair_fp8_partials)."""
     m1, m2 = attn.q_a_proj, attn.kv_a_proj_with_mqa
     fp8_pair = fp8.uses_fp8_ops(m1, m2)
     if (attn.mla_family != "v3" or attn.q_lora_rank is None
@@ -107,8 +108,8 @@ def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
             or not (hf_rms_norm(attn.q_a_layernorm) and hf_rms_norm(attn.kv_a_layernorm))
             or not isinstance(position_embeddings, (tuple, list))):
         return None
-    if fp8_pair:                         # FP8 weights: one unsplit fp32 partial
-        parts = fp8.fp8_pair_partials(m1, m2, x)                          # [1, B, S, NQ+L+R]
+    if fp8_pair:                         # FP8 weights: the fp8 kernel's split-K partials
+        parts = fp8.fp8_pair_partials(m1, m2, x)                          # [K, B, S, NQ+L+R]
         if parts is None:
             return None
     else:
