@@ -49,14 +49,23 @@ FP8 = torch.float8_e4m3fn
 # decode shapes; `python benchmarks/bench_fp8_weights.py --sweep` times candidates per
 # shape on the GPU and prints the entries to put here. A shape without an entry takes
 # DEFAULT_TILE and default_split_k's split.
+# H200, torch 2.11, triton 3.6 (2026-12-02), the sweep's winners (µs of the op, the
+# reduce included; the bf16 decode GEMM op reading twice the bytes beside it):
 CONFIGS: dict[tuple, tuple[int, int, int, int]] = {
-    **{(1, 2112, 7168, r): (16, 4, 6, 4) for r in (True, False)},     # q_a + kv_a
-    **{(0, 24576, 1536, r): (64, 4, 4, 1) for r in (True, False)},    # q_b
-    **{(0, 7168, 16384, r): (32, 4, 4, 2) for r in (True, False)},    # o_proj
-    **{(2, 18432, 7168, r): (64, 4, 3, 1) for r in (True, False)},    # dense gate + up
-    **{(0, 7168, 18432, r): (32, 4, 4, 2) for r in (True, False)},    # dense down
-    **{(2, 2048, 7168, r): (16, 4, 6, 2) for r in (True, False)},     # shared expert gate + up
-    **{(0, 7168, 2048, r): (32, 4, 4, 1) for r in (True, False)},     # shared expert down
+    (1, 2112, 7168, True): (64, 4, 3, 8),       # q_a + kv_a, M=1: 20.3 us, bf16 26.7
+    (1, 2112, 7168, False): (64, 4, 4, 4),      # q_a + kv_a, M=32: 24.6 us, bf16 32.2
+    (0, 24576, 1536, True): (64, 4, 3, 1),      # q_b, M=1: 22.6 us, bf16 29.3
+    (0, 24576, 1536, False): (128, 4, 3, 1),    # q_b, M=32: 23.3 us, bf16 38.4
+    (0, 7168, 16384, True): (128, 4, 4, 4),     # o_proj, M=1: 52.0 us, bf16 69.9
+    (0, 7168, 16384, False): (128, 4, 4, 4),    # o_proj, M=32: 52.9 us, bf16 68.4
+    (2, 18432, 7168, True): (64, 4, 4, 1),      # dense gate + up, M=1: 131.5 us, bf16 136.0
+    (2, 18432, 7168, False): (64, 4, 3, 1),     # dense gate + up, M=32: 145.8 us, bf16 139.7
+    (0, 7168, 18432, True): (128, 4, 4, 4),     # dense down, M=1: 57.2 us, bf16 76.7
+    (0, 7168, 18432, False): (128, 4, 4, 4),    # dense down, M=32: 58.3 us, bf16 75.4
+    (2, 2048, 7168, True): (128, 4, 3, 8),      # shared expert gate + up, M=1: 21.8 us, bf16 28.1
+    (2, 2048, 7168, False): (128, 4, 3, 8),     # shared expert gate + up, M=32: 22.3 us, bf16 32.9
+    (0, 7168, 2048, True): (128, 4, 3, 4),      # shared expert down, M=1: 14.8 us, bf16 16.3
+    (0, 7168, 2048, False): (128, 4, 3, 4),     # shared expert down, M=32: 15.9 us, bf16 17.3
 }
 DEFAULT_TILE = (64, 4, 4)        # (BLOCK_N, num_warps, num_stages)
 SMS = 132                        # the H200's SMs, which default_split_k fills
@@ -92,7 +101,7 @@ def pick_config(mode: int, N: int, K: int, M: int,
                 group_k: int = 128) -> tuple[int, int, int, int]:
     """(BLOCK_N, num_warps, num_stages, SPLIT_K) for (mode, N, K) at M rows: CONFIGS, else
     DEFAULT_TILE and default_split_k. The split the launch takes is split_k_for's."""
-    cfg = CONFIGS.get((mode, N, K, M <= 16))
+    cfg = CONFIGS.get((mode, N, K, bool(M <= 16)))
     if cfg is None:
         cfg = (*DEFAULT_TILE, default_split_k(mode, N, K, DEFAULT_TILE[0], group_k))
     return cfg
@@ -102,9 +111,11 @@ def split_k_for(config: tuple, mode: int, M: int, N: int, K: int, group_k: int) 
     """The K splits a launch of config takes for x [M, K] and N output columns (mode 1:
     N1 + N2; mode 2: the gate's N): the config's fourth entry (1 when absent), at most one
     per scale group of K and at most what keeps the fp32 partials [SPLIT_K, M, N] (mode 2:
-    [SPLIT_K, M, 2N]) within MAX_PARTIAL_BYTES."""
+    [SPLIT_K, M, 2N]) within MAX_PARTIAL_BYTES at the most rows the kernel serves
+    (MAX_ROWS, not M: the split, a shape of the partials, stays one value when a compiled
+    step's row count is symbolic)."""
     split = config[3] if len(config) > 3 else 1
-    row_bytes = M * N * 4 * (2 if mode == 2 else 1)
+    row_bytes = MAX_ROWS * N * 4 * (2 if mode == 2 else 1)
     return max(1, min(split, triton.cdiv(K, group_k), MAX_PARTIAL_BYTES // max(1, row_bytes)))
 
 
