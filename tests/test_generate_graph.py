@@ -36,9 +36,10 @@ def cpu_graphs(monkeypatch):
 
 def gen(model, ids, mask, new=NEW, **kw):
     kw.setdefault("do_sample", False)
+    kw.setdefault("disable_compile", True)
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, max_new_tokens=new, output_logits=True,
-                              return_dict_in_generate=True, disable_compile=True, **kw)
+                              return_dict_in_generate=True, **kw)
 
 
 def cache_of(out):
@@ -122,6 +123,22 @@ def test_serves_only_one_token_per_row():
     assert not g.serves((), dict(inputs_embeds=torch.ones(2, 1, 8)))
 
 
+def test_auto_compile_yields_to_the_graphs(monkeypatch):
+    """HF's automatic compile of the decode step is skipped where generate() attached its
+    step graphs and no compile_config was given; a compile_config gets HF's answer."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import CompileConfig
+    model = H.convert(pair())
+    base = type(model).__mro__[1]
+    monkeypatch.setattr(base, "_valid_auto_compile_criteria", lambda self, kw, gc: True)
+    cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=32)
+    kw = H.cache_kwargs(model, cache)
+    assert model._valid_auto_compile_criteria(kw, GenerationConfig())       # none attached
+    setattr(cache, GG.ATTR, GG.GenerateGraphs(model, cache, graph=False))
+    assert not model._valid_auto_compile_criteria(kw, GenerationConfig())
+    assert model._valid_auto_compile_criteria(kw, GenerationConfig(compile_config=CompileConfig()))
+
+
 def test_convert_checks_the_setting():
     with pytest.raises(TypeError, match="generate_graph must be a bool"):
         H.convert(pair(), generate_graph="yes")
@@ -157,5 +174,11 @@ def test_cuda_graph_replays_equal_eager_steps(family, q_lora):
     assert torch.equal(got.sequences, exp.sequences)
     for a, b in zip(got.logits, exp.logits):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    again = gen(model, ids, mask, new=24)                           # a second call: new graph
+    # a second call, plain (no disable_compile): HF would compile the step; the call's
+    # graph serves instead (nothing compiled), same tokens
+    import torch._dynamo
+    torch._dynamo.reset()
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    again = gen(model, ids, mask, new=24, disable_compile=None)
     assert torch.equal(again.sequences, exp.sequences)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames

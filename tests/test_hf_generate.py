@@ -223,9 +223,10 @@ def test_example_has_no_deprecation_warnings(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_default_cache_on_cuda_bf16():
-    """On CUDA the default cache has FlashMLA's 64-token page and the model's bf16; HF
-    auto-compiles the decode step for a compileable cache (CUDA graphs): same tokens as
-    with disable_compile=True, and as with the same cache passed by hand."""
+    """On CUDA the default cache has FlashMLA's 64-token page and the model's bf16; with
+    a compile_config HF compiles the decode step (CUDA graphs): the eager step's tokens
+    (disable_compile=True), and the same cache passed by hand gives them too."""
+    from transformers.generation.configuration_utils import CompileConfig
     torch._dynamo.reset()
     _, model = build_pair(tiny_config("v3"), seed=11)
     model = H.convert(model).to("cuda", torch.bfloat16)
@@ -234,7 +235,7 @@ def test_default_cache_on_cuda_bf16():
         eager = run(model, ids, mask, max_new_tokens=24, disable_compile=True)
         cache = cache_of(eager)
         assert (cache.block_size, cache.dtype, cache.device.type) == (64, torch.bfloat16, "cuda")
-        compiled = run(model, ids, mask, max_new_tokens=24)
+        compiled = run(model, ids, mask, max_new_tokens=24, compile_config=CompileConfig())
         assert isinstance(cache_of(compiled), H.PagedMLACache)
         # Compiled and eager bf16 round differently, so a random tiny model's greedy tokens
         # may part after a near-tie: compare the first decode steps' logits (the first one

@@ -33,7 +33,8 @@ without torch's per-launch higher-order-op dispatch (mla_ops/hf/eager.py); compi
 trace HF's forward as before. With convert(generate_graph=True) (the default), generate()'s
 eager decode steps on a CUDA PagedMLACache replay a CUDA graph of the eager step, captured
 at the call's first decode step and dropped when the call returns
-(mla_ops/hf/generate_graph.py).
+(mla_ops/hf/generate_graph.py); a call without compile_config then runs that graph
+rather than HF's automatic compile of the decode step (auto_compile below).
 """
 from __future__ import annotations
 
@@ -44,13 +45,14 @@ import torch
 
 from mla_ops.hf.cache import PagedMLACache
 from mla_ops.hf.eager import direct_launch_forward
-from mla_ops.hf.generate_graph import attach, detach
+from mla_ops.hf.generate_graph import attach, attached, detach
 from mla_ops.layer import MLAAttention
 
 __all__ = ["generation_class", "check_cache_options", "cache_kwargs", "HOOK"]
 
 HOOK = "_prepare_cache_for_generation"
 MASK_HOOK = "create_masks_for_generate"
+AUTO_COMPILE_HOOK = "_valid_auto_compile_criteria"
 HOOK_PARAMS = ("generation_config", "model_kwargs", "generation_mode", "batch_size",
                "max_cache_length")
 SERVED_MODES = ("greedy_search", "sample")
@@ -193,7 +195,28 @@ def build_class(cls):
     return type(cls.__name__, (cls,), {HOOK: prepare_cache, "mla_generation": True,
                                       "generate": generate,
                                       MASK_HOOK: decode_masks(cls), **eager,
+                                      **auto_compile(cls),
                                       "__module__": __name__, "__qualname__": cls.__qualname__})
+
+
+def auto_compile(cls) -> dict:
+    """{AUTO_COMPILE_HOOK: ...}: HF compiles generate()'s decode step by itself for a
+    compileable cache on CUDA (mode "reduce-overhead"; seconds of compiling at the first
+    call and at every new shape). Where generate() attached its step graphs to the cache
+    (convert(generate_graph=True), mla_ops/hf/generate_graph.py) and the call names no
+    compile_config, the eager step's CUDA graph serves instead: the same speed or better
+    (BENCHMARKS.md, "generate() end to end") without the compile. A compile_config asks
+    for HF's compile, and gets it."""
+    if getattr(cls, AUTO_COMPILE_HOOK, None) is None:
+        return {}
+
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config):
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        if generation_config.compile_config is None and attached({"cache": cache}) is not None:
+            return False
+        return getattr(cls, AUTO_COMPILE_HOOK)(self, model_kwargs, generation_config)
+
+    return {AUTO_COMPILE_HOOK: _valid_auto_compile_criteria}
 
 
 def decode_masks(cls):
