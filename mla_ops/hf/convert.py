@@ -155,10 +155,11 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     fp8_decode_query (else that generate() call raises a ValueError saying so). A cache
     passed as cache= / past_key_values= is used as is.
 
-    With generate_graph (the default), generate() run without compile (disable_compile=True,
-    or where HF does not compile) replays its decode steps on a CUDA PagedMLACache from a
-    CUDA graph of the eager step, captured at each call's first decode step: the eager
-    step's kernels and logits without its host time (mla_ops/hf/generate_graph.py).
+    With generate_graph (the default), generate() on a CUDA PagedMLACache replays its
+    decode steps from a CUDA graph of the eager step, captured at each call's first decode
+    step: the eager step's kernels and logits without its host time
+    (mla_ops/hf/generate_graph.py). A call without compile_config takes it in place of
+    HF's automatic compile of the decode step; with compile_config HF compiles the step.
 
     A model loaded from an FP8 checkpoint (HF's FineGrainedFP8: FP8Linear modules with
     weight_scale_inv in block_size blocks, DeepSeek-V3 / R1) keeps its fp8 weights: W_UK_T /
