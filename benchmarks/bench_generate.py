@@ -26,9 +26,8 @@ Modes (--modes), the same weights throughout:
                 generate_graph=True)
   ours-eager-steps   generate() only: as ours-eager with convert(generate_graph=False),
                 every decode step an eager forward
-  ours-default  generate() only: model.generate(ids) with no compile argument: on CUDA
-                HF auto-compiles the decode step for a compileable cache (its CompileConfig
-                defaults: reduce-overhead, not fullgraph)
+  ours-default  generate() only: model.generate(ids) with no compile argument (on CUDA
+                the step graph of ours-eager, in place of HF's automatic compile)
   ours-compile  decode: as hf-compile on the PagedMLACache; generate(): compile_config as
                 hf-compile's on the default PagedMLACache
   ours-graph    decode: mla_ops.hf.DecodeGraph replays; generate(): the prefill as one eager
