@@ -23,14 +23,15 @@ import torch
 from mla_ops.cache import mark_static
 
 
-def index_key_pool(config, num_blocks: int, block_size: int, dtype, device) -> list | None:
-    """Per layer [num_blocks, block_size, index_head_dim] zeros, for a config with a DSA
-    indexer (index_topk and index_head_dim set); None for other configs."""
+def index_key_pool(config, layers: int, num_blocks: int, block_size: int, dtype,
+                   device) -> list | None:
+    """Per MLA layer (`layers` of them) [num_blocks, block_size, index_head_dim] zeros, for a
+    config with a DSA indexer (index_topk and index_head_dim set); None for other configs."""
     dim, topk = getattr(config, "index_head_dim", None), getattr(config, "index_topk", None)
     if not dim or not topk:
         return None
     pool = [torch.zeros(num_blocks, block_size, dim, dtype=dtype, device=device)
-            for _ in range(config.num_hidden_layers)]
+            for _ in range(layers)]
     if not torch.compiler.is_compiling():
         for t in pool:
             mark_static(t)

@@ -13,10 +13,25 @@ what the row names:
                   rope_interleave in its config)
   mistral4        Mistral 4: V3's forward, then the query (all P + R columns) times
                   HF's Llama-4 position scale 1 + beta * log(1 + floor(pos / orig_max))
+  longcat_flash   LongCat-Flash: two MLA blocks per decoder layer (HF's layer_idx 2i and
+                  2i + 1; config.num_hidden_layers is 2 * num_layers); interleaved RoPE
+                  always; the query times mla_scale_q_lora and the normed latent times
+                  mla_scale_kv_lora: both constants, folded into the softmax scale and
+                  the absorbed weights at conversion (latent_scales)
+  kimi_linear     Kimi Linear: MLA with no RoPE at all (the rotary columns pass through)
+                  on its full-attention layers; its KDA (linear attention) layers stay
+                  HF's and keep their state in HF's cache layers inside PagedMLACache
+                  (beside: the attention classes allowed next to the MLA ones)
+  glm_moe_dsa     GLM-5: V3.2's forward; the indexer's RoPE is interleaved (V3.2's is
+                  half-split), and a layer whose config.indexer_types entry is "shared"
+                  has no indexer: it reuses the previous layer's top-k, which the decoder
+                  layers pass along as the attention's third output (shares_topk)
 
 Only the attention is swapped for the families past V3.2: their decoder layers, MLPs,
 MoE blocks and norms run HF's code (mla_ops/hf/layer.py, linear.py and moe.py fuse the
 DeepSeek classes only).
+
+Refused (REFUSED below, with the reason convert() gives): Mistral Large 4.
 """
 from __future__ import annotations
 
@@ -41,6 +56,25 @@ def rope_complex(self, q_rot, k_rot, position_embeddings):
     return self._mla_rope(q_rot, k_rot, position_embeddings.to(q_rot.device))
 
 
+def rope_interleaved(self, q_rot, k_rot, position_embeddings):
+    """Interleaved RoPE whatever the config says (LongCat-Flash has no rope_interleave)."""
+    cos, sin = position_embeddings                                         # [B, S, R]
+    return self._mla_rope_interleave(q_rot, k_rot, cos, sin)
+
+
+def rope_none(self, q_rot, k_rot, position_embeddings):
+    """No RoPE (Kimi Linear's MLA): the rotary columns pass through as projected."""
+    return q_rot, k_rot
+
+
+def longcat_latent_scales(attn) -> tuple[float, float]:
+    """LongCat-Flash's constant factors: (query, normed latent) = (mla_scale_q_lora,
+    mla_scale_kv_lora). The query's (all P + R columns) goes into the softmax scale, the
+    latent's into W_UK_T and W_UV (the latent feeds keys and values only through kv_b_proj;
+    the rotary key k_pe is not scaled)."""
+    return float(attn.mla_scale_q_lora), float(attn.mla_scale_kv_lora)
+
+
 def llama4_query_scale(self, kwargs: dict) -> torch.Tensor:
     """Mistral 4's per-token query scale [B, S] (HF's get_llama_4_attn_scale on the call's
     position_ids, with the config's llama_4_scaling_beta and original_max_position_embeddings)."""
@@ -60,10 +94,14 @@ class Family:
     module: str                  # transformers.models.<module>.modeling_<module>
     attention: str               # the attention class in that module
     rope: Callable               # (attn, q_rot, k_rot, position_embeddings) -> (q_rot, k_rot)
-    rope_fn: str = "apply_rotary_pos_emb"
+    rope_fn: str | None = "apply_rotary_pos_emb"
     rope_interleave_fn: str | None = "apply_rotary_pos_emb_interleave"
     query_scale: Callable | None = None   # (attn, forward kwargs) -> [B, S], or None
+    latent_scales: Callable | None = None  # (attn) -> (query, latent) constants, or None
     sparse: bool = False         # DSA: the V3.2 forward
+    index_rope_fn: str = "apply_rotary_pos_emb"   # the DSA indexer's RoPE
+    shares_topk: bool = False    # DSA layers may reuse the previous layer's top-k
+    beside: tuple = ()           # other attention classes the model may hold (kept HF's)
 
 
 FAMILIES = (
@@ -77,9 +115,26 @@ FAMILIES = (
            rope_interleave_fn=None),
     Family("mistral4", "mistral4", "Mistral4Attention", rope_per_config,
            query_scale=llama4_query_scale),
+    Family("longcat_flash", "longcat_flash", "LongcatFlashMLA", rope_interleaved,
+           rope_fn=None, latent_scales=longcat_latent_scales),
+    Family("kimi_linear", "kimi_linear", "KimiLinearAttention", rope_none, rope_fn=None,
+           rope_interleave_fn=None, beside=("KimiLinearDeltaAttention",)),
+    Family("glm_moe_dsa", "glm_moe_dsa", "GlmMoeDsaAttention", rope_interleaved,
+           rope_fn=None, sparse=True, index_rope_fn="apply_rotary_pos_emb_interleave",
+           shares_topk=True),
 )
 
 FAMILY_NAMES = tuple(f.module for f in FAMILIES)
+
+# MLA families convert() refuses: (HF module, attention class, why)
+REFUSED = (
+    ("mistral_large4", "MistralLarge4TextAttention",
+     "Mistral Large 4's DSA differs from DeepSeek-V3.2's beyond one adapter: layers share "
+     "latent KV across layers (config.kv_sharing_modes 'reuse' / 'store': a layer reads "
+     "another layer's cache), no-RoPE layers change the head split (qk_rope_head_dim 0, "
+     "nope P + R), the query has no LoRA and a per-position softmax scaling, and the "
+     "indexer's query comes from a LayerNorm of the hidden states (not q_resid)"),
+)
 
 
 def hf_classes() -> list:
@@ -102,13 +157,46 @@ def family_of(module) -> Family | None:
     return None
 
 
+def _named_classes(items) -> list:
+    """(item, class) for (module, class name, item) triples the installed transformers has."""
+    out = []
+    for mod, name, item in items:
+        try:
+            m = __import__(f"transformers.models.{mod}.modeling_{mod}", fromlist=[name])
+            out.append((item, getattr(m, name)))
+        except (ImportError, AttributeError):
+            pass
+    return out
+
+
+def refusal_of(module) -> str | None:
+    """Why convert() refuses this attention module (an MLA family it cannot take), or None."""
+    for why, cls in _named_classes((m, c, w) for m, c, w in REFUSED):
+        if isinstance(module, cls):
+            return why
+    return None
+
+
+def beside_of(module) -> Family | None:
+    """The family row whose models may hold this (non-MLA) attention module, or None."""
+    for fam, cls in _named_classes((f.module, c, f) for f in FAMILIES for c in f.beside):
+        if isinstance(module, cls):
+            return fam
+    return None
+
+
 def class_attributes(cls, fam: Family) -> dict:
     """The attributes a converted class of `cls` (an HF attention class of row `fam`) takes
     from the row: HF's own RoPE functions from the class's modeling file, the row's RoPE
     and query scale."""
     mod = sys.modules[cls.__module__]
-    inter = fam.rope_interleave_fn
-    return {"mla_family": fam.tag, "_mla_module": mod,
-            "_mla_rope": staticmethod(getattr(mod, fam.rope_fn)),
-            "_mla_rope_interleave": staticmethod(getattr(mod, inter)) if inter else None,
-            "mla_rope": fam.rope, "mla_query_scale": fam.query_scale}
+
+    def fn(name):
+        return staticmethod(getattr(mod, name)) if name else None
+    attrs = {"mla_family": fam.tag, "_mla_module": mod, "_mla_rope": fn(fam.rope_fn),
+             "_mla_rope_interleave": fn(fam.rope_interleave_fn),
+             "mla_rope": fam.rope, "mla_query_scale": fam.query_scale,
+             "mla_shares_topk": fam.shares_topk}
+    if fam.sparse:
+        attrs["_mla_index_rope"] = fn(fam.index_rope_fn)
+    return attrs
