@@ -66,6 +66,13 @@ TINY = {
                          q_lora_rank=192, first_k_dense_replace=1, index_topk=16,
                          index_head_dim=128, index_n_heads=16,
                          indexer_types=["full", "shared", "full"])),
+    "axk1": ("AXK1Config", "AXK1ForCausalLM",
+             dict(MOE, intermediate_size=512, num_hidden_layers=2, n_routed_experts=8,
+                  q_lora_rank=192, n_group=1, topk_group=1)),
+    "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM",
+                       dict(MOE, intermediate_size=512, num_hidden_layers=4, num_experts=8,
+                            n_group=1, topk_group=1, layer_group_size=2,
+                            first_k_dense_replace=1)),
 }
 
 

@@ -1,8 +1,8 @@
-"""convert() on LongCat-Flash, Kimi Linear and GLM-5 (glm_moe_dsa): converted vs HF's own
-model of that class (fp32, CPU), left-padded batch, 24 new greedy tokens equal and logits
-within 1e-4; what each family's adapter adds (LongCat's constant factors, Kimi Linear's
-hybrid cache, GLM-5's shared top-k) checked to matter; one compiled decode loop fullgraph
-per family. A family whose classes the installed transformers lacks skips with the reason."""
+"""convert() on LongCat-Flash, Kimi Linear, GLM-5 (glm_moe_dsa), A.X K1 and Ling 3
+(bailing_hybrid): converted vs HF's own model of that class (fp32, CPU), left-padded batch,
+24 new greedy tokens equal and logits within 1e-4; what each family's adapter adds
+(LongCat's constant factors, the hybrid cache, GLM-5's shared top-k, Ling 3's output gate)
+checked to matter; one compiled decode loop fullgraph per family with an adapter. A family whose classes the installed transformers lacks skips with the reason."""
 import contextlib
 import copy
 from unittest import mock
@@ -47,6 +47,14 @@ FAMILIES = {
                          q_lora_rank=192, first_k_dense_replace=1, index_topk=8,
                          index_head_dim=128, index_n_heads=16,
                          indexer_types=["full", "shared", "full"])),
+    "axk1": ("AXK1Config", "AXK1ForCausalLM",
+             dict(MOE, intermediate_size=512, num_hidden_layers=2, n_routed_experts=8,
+                  q_lora_rank=192, n_group=1, topk_group=1)),
+    # layers 1 and 3 MLA (every layer_group_size-th), 0 and 2 KDA
+    "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM",
+                       dict(MOE, intermediate_size=512, num_hidden_layers=4, num_experts=8,
+                            n_group=1, topk_group=1, q_lora_rank=None, layer_group_size=2,
+                            first_k_dense_replace=1)),
 }
 
 
@@ -184,6 +192,26 @@ def test_kimi_linear_hybrid_cache():
     assert cache.seq_lens() == [0, 0, 0]
 
 
+def test_bailing_hybrid_output_gate_matters():
+    """Ling 3: the converted MLA layers apply the per-head output gate (without it, logits
+    move); the KDA layers stay HF's, their state in the cache's HF layers."""
+    ref, model = build("bailing_hybrid")
+    H.convert(model)
+    assert [m.layer_idx for m in mla_modules(model)] == [1, 3]
+    ids, mask = left_padded(LENGTHS)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def logits():
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                         past_key_values=paged(model)).logits[mask.bool()]
+    with torch.no_grad():
+        exp = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits[mask.bool()]
+    assert logit_err(logits(), exp) <= TOL
+    with mock.patch.object(type(model.model.layers[1].self_attn), "mla_output_gate", None):
+        assert logit_err(logits(), exp) > 1e-2
+
+
 def test_kimi_linear_default_cache_and_hf_cache():
     """generate() with no cache argument builds the hybrid PagedMLACache; with HF's own
     DynamicCache the converted MLA layers run HF's forward (same tokens as HF)."""
@@ -265,7 +293,8 @@ def test_unsupported_model_error_names_every_family():
                                          num_hidden_layers=1, num_attention_heads=2))
     with pytest.raises(TypeError) as e:
         H.convert(model)
-    assert {"longcat_flash", "kimi_linear", "glm_moe_dsa"} <= set(FAMILY_NAMES)
+    assert {"longcat_flash", "kimi_linear", "glm_moe_dsa", "axk1",
+            "bailing_hybrid"} <= set(FAMILY_NAMES)
     for name in FAMILY_NAMES:
         assert name in str(e.value)
 
@@ -283,7 +312,8 @@ def dense_longcat_experts(self, hidden_states, top_k_index, top_k_weights):
     return (chosen * top_k_weights[..., None]).sum(1).to(hidden_states.dtype)
 
 
-@pytest.mark.parametrize("family", ["longcat_flash", "kimi_linear", "glm_moe_dsa"])
+@pytest.mark.parametrize("family", ["longcat_flash", "kimi_linear", "glm_moe_dsa",
+                                    "bailing_hybrid"])
 def test_compiled_decode_fullgraph(family):
     """A compiled forward, fullgraph: prefill then 6 decode steps, one graph for all decode
     steps, no graph breaks, logits as HF's (LongCat: HF's MoE experts swapped for the
@@ -337,7 +367,8 @@ def test_compiled_decode_fullgraph(family):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", ["longcat_flash", "kimi_linear", "glm_moe_dsa"])
+@pytest.mark.parametrize("family", ["longcat_flash", "kimi_linear", "glm_moe_dsa",
+                                    "bailing_hybrid"])
 def test_generate_matches_hf_cuda(family):
     """On CUDA (the decode kernels the backend picks there): same greedy tokens as HF's model
     and logits within 1e-4, fp32."""
@@ -347,3 +378,14 @@ def test_generate_matches_hf_cuda(family):
     out = generate(model, ids, mask, past_key_values=paged(model, device="cuda"))
     exp = generate(ref, ids, mask)
     assert_matches(out, exp)
+
+
+def test_every_refused_family_has_its_reason():
+    """Each REFUSED row whose class this transformers has is recognised (an instance made
+    without __init__ suffices for isinstance) and gets its own reason."""
+    from mla_ops.hf.families import REFUSED, _named_classes, family_of, refusal_of
+    found = _named_classes((m, c, why) for m, c, why in REFUSED)
+    assert found, "no refused family in this transformers"
+    for why, cls in found:
+        m = cls.__new__(cls)
+        assert refusal_of(m) == why and family_of(m) is None

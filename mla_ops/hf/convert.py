@@ -95,7 +95,10 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     cache.layer_done(self.layer_idx, B, S)
     if step.inv is not None:
         out = out[step.inv]
-    return linear(self.o_proj, out.view(B, S, N * V), residual), None
+    out = out.view(B, S, N * V)
+    if self.mla_output_gate is not None:          # e.g. Ling 3's per-head gate
+        out = self.mla_output_gate(hidden_states, out)
+    return linear(self.o_proj, out, residual), None
 
 
 _PAGED_CLASSES: dict = {}
@@ -117,9 +120,9 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
             cache_options: dict | None = None, tp_group=None):
     """Route every MLA attention layer of `model` through the MLA ops (in place): DeepSeek
     V2 / V3 / V3.2, GLM-4.7-Flash (glm4_moe_lite), Youtu, MiniCPM3, Mistral 4, LongCat-Flash,
-    Kimi Linear (its MLA layers; the KDA layers stay HF's) and GLM-5 (glm_moe_dsa) (the
-    table in mla_ops/hf/families.py; past V3.2 only the attention is swapped, the rest of
-    those models runs HF's code).
+    Kimi Linear and Ling 3 (bailing_hybrid; their MLA layers, the KDA layers stay HF's),
+    GLM-5 (glm_moe_dsa) and A.X K1 (axk1) (the table in mla_ops/hf/families.py; past V3.2
+    only the attention is swapped, the rest of those models runs HF's code).
 
     The attention's own projections run as decode GEMM ops (q_a + kv_a in one launch; see
     mla_ops/hf/linear.py), and with fuse_mlp every dense MLP / shared expert with SiLU runs

@@ -26,12 +26,17 @@ what the row names:
                   half-split), and a layer whose config.indexer_types entry is "shared"
                   has no indexer: it reuses the previous layer's top-k, which the decoder
                   layers pass along as the attention's third output (shares_topk)
+  axk1            A.X K1: V3's forward line for line (Q-LoRA always)
+  bailing_hybrid  Ling 3 (Bailing hybrid): V3's forward with interleaved RoPE always, the
+                  heads' outputs times a per-head gate sigmoid(g_proj(x)) before o_proj
+                  (output_gate); KDA layers beside it kept HF's, as for Kimi Linear
 
 Only the attention is swapped for the families past V3.2: their decoder layers, MLPs,
 MoE blocks and norms run HF's code (mla_ops/hf/layer.py, linear.py and moe.py fuse the
 DeepSeek classes only).
 
-Refused (REFUSED below, with the reason convert() gives): Mistral Large 4.
+Refused (REFUSED below, with the reason convert() gives): Mistral Large 4, A.X K2,
+HY V4, dots3 note and GLM-5 Next.
 """
 from __future__ import annotations
 
@@ -75,6 +80,14 @@ def longcat_latent_scales(attn) -> tuple[float, float]:
     return float(attn.mla_scale_q_lora), float(attn.mla_scale_kv_lora)
 
 
+def head_gate(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Ling 3's output gate: out [B, S, N*V] (the heads' outputs) times sigmoid(g_proj(x)),
+    one gate per head [B, S, N] computed in fp32 and cast back, as HF does."""
+    B, S, _ = x.shape
+    g = torch.sigmoid(self.g_proj(x).float()).to(x.dtype)                  # [B, S, N]
+    return (out.view(B, S, g.shape[-1], -1) * g[..., None]).view(B, S, -1)
+
+
 def llama4_query_scale(self, kwargs: dict) -> torch.Tensor:
     """Mistral 4's per-token query scale [B, S] (HF's get_llama_4_attn_scale on the call's
     position_ids, with the config's llama_4_scaling_beta and original_max_position_embeddings)."""
@@ -98,6 +111,7 @@ class Family:
     rope_interleave_fn: str | None = "apply_rotary_pos_emb_interleave"
     query_scale: Callable | None = None   # (attn, forward kwargs) -> [B, S], or None
     latent_scales: Callable | None = None  # (attn) -> (query, latent) constants, or None
+    output_gate: Callable | None = None   # (attn, x [B,S,H], out [B,S,N*V]) -> [B,S,N*V]
     sparse: bool = False         # DSA: the V3.2 forward
     index_rope_fn: str = "apply_rotary_pos_emb"   # the DSA indexer's RoPE
     shares_topk: bool = False    # DSA layers may reuse the previous layer's top-k
@@ -122,6 +136,9 @@ FAMILIES = (
     Family("glm_moe_dsa", "glm_moe_dsa", "GlmMoeDsaAttention", rope_interleaved,
            rope_fn=None, sparse=True, index_rope_fn="apply_rotary_pos_emb_interleave",
            shares_topk=True),
+    Family("axk1", "axk1", "AXK1Attention", rope_per_config),
+    Family("bailing_hybrid", "bailing_hybrid", "BailingHybridAttention", rope_interleaved,
+           rope_fn=None, output_gate=head_gate, beside=("BailingHybridDeltaAttention",)),
 )
 
 FAMILY_NAMES = tuple(f.module for f in FAMILIES)
@@ -134,6 +151,19 @@ REFUSED = (
      "another layer's cache), no-RoPE layers change the head split (qk_rope_head_dim 0, "
      "nope P + R), the query has no LoRA and a per-position softmax scaling, and the "
      "indexer's query comes from a LayerNorm of the hidden states (not q_resid)"),
+    ("axk2", "AXK2Attention",
+     "A.X K2's query is one fused projection of [q_a_layernorm(q_a) | q_a] into query and a "
+     "per-channel output gate (sigmoid) with no q_b_proj, beside a DSA indexer"),
+    ("hy_v4", "HYV4Attention",
+     "HY V4's attention adds learned attention sinks (s_aux) to the softmax and a per-channel "
+     "sigmoid output gate, and its DSA indexer rotates the last qk_rope_head_dim columns with "
+     "a float32 k_norm (V3.2's: the first ones)"),
+    ("dots3_note", "Dots3NoteTextAttention",
+     "dots3 note's attention norms the rotary key (k_rope_only_layernorm), has sliding-window "
+     "layers and a per-head output gate, and its DSA layers are mixed per layer_types"),
+    ("glm5_next", "Glm5NextTextAttention",
+     "GLM-5 Next's MLA applies no RoPE and its DSA indexer takes no position embeddings, and "
+     "it sits beside linear-attention layers in a multimodal model"),
 )
 
 
@@ -196,6 +226,7 @@ def class_attributes(cls, fam: Family) -> dict:
     attrs = {"mla_family": fam.tag, "_mla_module": mod, "_mla_rope": fn(fam.rope_fn),
              "_mla_rope_interleave": fn(fam.rope_interleave_fn),
              "mla_rope": fam.rope, "mla_query_scale": fam.query_scale,
+             "mla_output_gate": fam.output_gate,
              "mla_shares_topk": fam.shares_topk}
     if fam.sparse:
         attrs["_mla_index_rope"] = fn(fam.index_rope_fn)
