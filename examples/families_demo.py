@@ -69,6 +69,8 @@ TINY = {
     "axk1": ("AXK1Config", "AXK1ForCausalLM",
              dict(MOE, intermediate_size=512, num_hidden_layers=2, n_routed_experts=8,
                   q_lora_rank=192, n_group=1, topk_group=1)),
+    "axk2": ("AXK2Config", "AXK2ForCausalLM",
+             dict(DS, index_topk=16, index_head_dim=128, index_n_heads=16)),
     "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM",
                        dict(MOE, intermediate_size=512, num_hidden_layers=4, num_experts=8,
                             n_group=1, topk_group=1, layer_group_size=2,
@@ -150,6 +152,9 @@ def main(argv=None) -> int:
         ap.error(f"--new must be a positive int, got {args.new}")
     lengths = [int(n) for n in args.lengths.split(",")]
     dtype = getattr(torch, args.dtype)
+    # random tiny models produce subnormal floats, which CPUs compute on many times slower;
+    # flushed to zero (both runs alike) so the times compare the two paths, not that
+    torch.set_flush_denormal(args.device == "cpu")
     ref, model = build(args.family, dtype, args.device)
     ids, mask = left_padded(lengths, MLA["vocab_size"], args.device)
     converted = sum(getattr(m, "mla_converted", False) and hasattr(m, "mla_attn")

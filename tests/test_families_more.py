@@ -1,8 +1,10 @@
-"""convert() on LongCat-Flash, Kimi Linear, GLM-5 (glm_moe_dsa), A.X K1 and Ling 3
+"""convert() on LongCat-Flash, Kimi Linear, GLM-5 (glm_moe_dsa), A.X K1, A.X K2 and Ling 3
 (bailing_hybrid): converted vs HF's own model of that class (fp32, CPU), left-padded batch,
 24 new greedy tokens equal and logits within 1e-4; what each family's adapter adds
-(LongCat's constant factors, the hybrid cache, GLM-5's shared top-k, Ling 3's output gate)
-checked to matter; one compiled decode loop fullgraph per family with an adapter. A family whose classes the installed transformers lacks skips with the reason."""
+(LongCat's constant factors, the hybrid cache, the output gates) checked to matter; one
+compiled decode loop fullgraph per family with an adapter (GLM-5's shared top-k and the
+refusals: test_families_dsa.py). A family whose classes the installed transformers lacks
+skips with the reason."""
 import contextlib
 import copy
 from unittest import mock
@@ -12,93 +14,9 @@ import torch
 import torch._dynamo
 
 import mla_ops.hf as H
-import mla_ops.hf.v32 as v32
+from family_models import (FAMILIES, LENGTHS, NEW, TOL, assert_matches, build,  # noqa: F401
+                           flushed_denormals, generate, mla_modules, paged)
 from hf_models import left_padded, logit_err
-
-TOL = 1e-4
-LENGTHS = [5, 17, 30]          # left-padded, none a multiple of the block size
-NEW = 24
-
-MLA = dict(vocab_size=256, hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
-           kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-           max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-MOE = dict(moe_intermediate_size=128, num_experts_per_tok=2)
-KIMI_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
-
-# name: (config class, causal LM class, config kwargs past MLA)
-FAMILIES = {
-    # two layers of two MLA blocks each: cache layers 0..3; q_lora 192 and L 512 make both
-    # of LongCat's factors sqrt(256 / 192) and sqrt(256 / 512) differ from 1
-    "longcat_flash": ("LongcatFlashConfig", "LongcatFlashForCausalLM",
-                      dict(num_layers=2, q_lora_rank=192, ffn_hidden_size=512,
-                           n_routed_experts=4, zero_expert_num=2, moe_topk=2,
-                           expert_ffn_hidden_size=128)),
-    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM",
-                    dict(MOE, intermediate_size=512, num_hidden_layers=4, num_experts=8,
-                         q_lora_rank=None, layer_types=KIMI_TYPES, linear_head_dim=32,
-                         linear_num_heads=4)),
-    "kimi_linear_q_lora": ("KimiLinearConfig", "KimiLinearForCausalLM",
-                           dict(MOE, intermediate_size=512, num_hidden_layers=4,
-                                num_experts=8, q_lora_rank=192, layer_types=KIMI_TYPES,
-                                linear_head_dim=32, linear_num_heads=4)),
-    # top-k 8, below all but the shortest prompt; layer 1 reuses layer 0's selection
-    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM",
-                    dict(MOE, intermediate_size=512, num_hidden_layers=3, n_routed_experts=8,
-                         q_lora_rank=192, first_k_dense_replace=1, index_topk=8,
-                         index_head_dim=128, index_n_heads=16,
-                         indexer_types=["full", "shared", "full"])),
-    "axk1": ("AXK1Config", "AXK1ForCausalLM",
-             dict(MOE, intermediate_size=512, num_hidden_layers=2, n_routed_experts=8,
-                  q_lora_rank=192, n_group=1, topk_group=1)),
-    # layers 1 and 3 MLA (every layer_group_size-th), 0 and 2 KDA
-    "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM",
-                       dict(MOE, intermediate_size=512, num_hidden_layers=4, num_experts=8,
-                            n_group=1, topk_group=1, q_lora_rank=None, layer_group_size=2,
-                            first_k_dense_replace=1)),
-}
-
-
-def build(family, seed=0):
-    """(HF model, deep copy to convert) of a tiny random config of the family's own class,
-    weights scaled so attention (and DSA's index scores) are peaked."""
-    import transformers
-    cfg_name, lm_name, kw = FAMILIES[family]
-    if not (hasattr(transformers, cfg_name) and hasattr(transformers, lm_name)):
-        pytest.skip(f"transformers {transformers.__version__} has no {lm_name}")
-    cfg = getattr(transformers, cfg_name)(**MLA, **kw)
-    torch.manual_seed(seed)
-    ref = getattr(transformers, lm_name)(cfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if p.dim() >= 2 and "embed" not in name:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-        # a zero pad embedding would tie every DSA index score of a generated pad token
-        ref.model.embed_tokens.weight[cfg.pad_token_id].normal_(0.0, 0.02, generator=g)
-    return ref, copy.deepcopy(ref)
-
-
-def mla_modules(model):
-    return [m for m in model.modules() if getattr(m, "mla_converted", False)
-            and hasattr(m, "mla_attn")]
-
-
-def paged(model, rows=3, length=64, **kw):
-    return H.PagedMLACache(model.config, max_batch_size=rows, max_cache_len=length,
-                           block_size=16, dtype=torch.float32, **kw)
-
-
-def generate(model, ids, mask, **kw):
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True, **kw)
-
-
-def assert_matches(out, exp):
-    errs = [logit_err(a, b) for a, b in zip(out.logits, exp.logits)]
-    assert max(errs) <= TOL, f"max logit error {max(errs):.2e}"
-    assert torch.equal(out.sequences, exp.sequences)
-    assert len(set(out.sequences[:, -NEW:].flatten().tolist())) > 8      # not a degenerate run
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -192,12 +110,13 @@ def test_kimi_linear_hybrid_cache():
     assert cache.seq_lens() == [0, 0, 0]
 
 
-def test_bailing_hybrid_output_gate_matters():
-    """Ling 3: the converted MLA layers apply the per-head output gate (without it, logits
-    move); the KDA layers stay HF's, their state in the cache's HF layers."""
-    ref, model = build("bailing_hybrid")
+@pytest.mark.parametrize("family, first", [("bailing_hybrid", 1), ("axk2", 0)])
+def test_output_gate_matters(family, first):
+    """Ling 3's per-head and A.X K2's per-channel output gates: applied (without them,
+    logits move). Ling 3's KDA layers 0 and 2 stay HF's."""
+    ref, model = build(family)
     H.convert(model)
-    assert [m.layer_idx for m in mla_modules(model)] == [1, 3]
+    assert [m.layer_idx for m in mla_modules(model)][0] == first
     ids, mask = left_padded(LENGTHS)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
 
@@ -208,8 +127,11 @@ def test_bailing_hybrid_output_gate_matters():
     with torch.no_grad():
         exp = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits[mask.bool()]
     assert logit_err(logits(), exp) <= TOL
-    with mock.patch.object(type(model.model.layers[1].self_attn), "mla_output_gate", None):
+    cls = type(model.model.layers[first].self_attn)
+    gate = cls.mla_output_gate
+    with mock.patch.object(cls, "mla_output_gate", lambda self, x, out, g: out):
         assert logit_err(logits(), exp) > 1e-2
+    assert cls.mla_output_gate is gate
 
 
 def test_kimi_linear_default_cache_and_hf_cache():
@@ -223,80 +145,6 @@ def test_kimi_linear_default_cache_and_hf_cache():
     assert_matches(generate(model, ids, mask), exp)
     out = generate(model, ids, mask, past_key_values=DynamicCache(config=model.config))
     assert torch.equal(out.sequences, exp.sequences)
-
-
-def test_glm_moe_dsa_shared_layer_reuses_the_selection():
-    """GLM-5: the "shared" layer runs no indexer and reads the previous layer's slots; the
-    selection matters (HF's model attending to every token decodes otherwise)."""
-    ref, model = build("glm_moe_dsa")
-    H.convert(model)
-    assert model.model.layers[1].self_attn.indexer is None
-    ids, mask = left_padded(LENGTHS)
-    calls, attn_calls = [], []
-    select, attend = v32.select_slots, v32.sparse_attention
-
-    def counted_select(*a, **k):
-        calls.append(1)
-        return select(*a, **k)
-
-    def counted_attend(*a, **k):
-        attn_calls.append(a[-1])
-        return attend(*a, **k)
-    with mock.patch.object(v32, "select_slots", counted_select), \
-            mock.patch.object(v32, "sparse_attention", counted_attend):
-        out = generate(model, ids, mask, past_key_values=paged(model))
-    exp = generate(ref, ids, mask)
-    assert_matches(out, exp)
-    assert len(calls) == 2 * NEW and len(attn_calls) == 3 * NEW      # layers 0, 2 select
-    assert all(attn_calls[i + 1] is attn_calls[i] for i in range(0, 3 * NEW, 3))
-    dense = copy.deepcopy(ref)
-    dense.config.index_topk = 10 ** 6
-    for layer in dense.model.layers:
-        if layer.self_attn.indexer is not None:
-            layer.self_attn.indexer.index_topk = 10 ** 6
-    full = generate(dense, ids, mask)
-    assert max(logit_err(a, b) for a, b in zip(full.logits, exp.logits)) > 100 * TOL
-
-
-def test_glm_moe_dsa_shared_layer_needs_the_previous_selection():
-    ref, model = build("glm_moe_dsa")
-    H.convert(model)
-
-    def drop(module, args, kwargs):
-        kwargs["prev_topk_indices"] = None
-        return args, kwargs
-    model.model.layers[1].self_attn.register_forward_pre_hook(drop, with_kwargs=True)
-    ids, mask = left_padded([20, 12])
-    with torch.no_grad(), pytest.raises(ValueError, match="reuses the previous layer"):
-        model(input_ids=ids, attention_mask=mask, past_key_values=paged(model))
-
-
-def test_mistral_large4_refused_with_the_differences():
-    import transformers
-    if not hasattr(transformers, "MistralLarge4TextModel"):
-        pytest.skip(f"transformers {transformers.__version__} has no MistralLarge4TextModel")
-    cfg = transformers.MistralLarge4TextConfig(
-        **MLA, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=1,
-        n_routed_experts=4, num_experts_per_tok=2, index_head_dim=64, index_n_heads=2)
-    model = transformers.MistralLarge4TextModel(cfg)
-    with pytest.raises(TypeError) as e:
-        H.convert(model)
-    for what in ("MistralLarge4TextAttention", "kv_sharing_modes", "no-RoPE", "indexer"):
-        assert what in str(e.value)
-    assert not H.is_converted(model)
-
-
-def test_unsupported_model_error_names_every_family():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from mla_ops.hf.families import FAMILY_NAMES
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=1, num_attention_heads=2))
-    with pytest.raises(TypeError) as e:
-        H.convert(model)
-    assert {"longcat_flash", "kimi_linear", "glm_moe_dsa", "axk1",
-            "bailing_hybrid"} <= set(FAMILY_NAMES)
-    for name in FAMILY_NAMES:
-        assert name in str(e.value)
 
 
 def dense_longcat_experts(self, hidden_states, top_k_index, top_k_weights):
@@ -368,7 +216,7 @@ def test_compiled_decode_fullgraph(family):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["longcat_flash", "kimi_linear", "glm_moe_dsa",
-                                    "bailing_hybrid"])
+                                    "axk1", "axk2", "bailing_hybrid"])
 def test_generate_matches_hf_cuda(family):
     """On CUDA (the decode kernels the backend picks there): same greedy tokens as HF's model
     and logits within 1e-4, fp32."""
@@ -380,12 +228,3 @@ def test_generate_matches_hf_cuda(family):
     assert_matches(out, exp)
 
 
-def test_every_refused_family_has_its_reason():
-    """Each REFUSED row whose class this transformers has is recognised (an instance made
-    without __init__ suffices for isinstance) and gets its own reason."""
-    from mla_ops.hf.families import REFUSED, _named_classes, family_of, refusal_of
-    found = _named_classes((m, c, why) for m, c, why in REFUSED)
-    assert found, "no refused family in this transformers"
-    for why, cls in found:
-        m = cls.__new__(cls)
-        assert refusal_of(m) == why and family_of(m) is None

@@ -97,7 +97,7 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
         out = out[step.inv]
     out = out.view(B, S, N * V)
     if self.mla_output_gate is not None:          # e.g. Ling 3's per-head gate
-        out = self.mla_output_gate(hidden_states, out)
+        out = self.mla_output_gate(hidden_states, out, None)
     return linear(self.o_proj, out, residual), None
 
 

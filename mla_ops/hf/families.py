@@ -30,13 +30,17 @@ what the row names:
   bailing_hybrid  Ling 3 (Bailing hybrid): V3's forward with interleaved RoPE always, the
                   heads' outputs times a per-head gate sigmoid(g_proj(x)) before o_proj
                   (output_gate); KDA layers beside it kept HF's, as for Kimi Linear
+  axk2            A.X K2: V3.2's forward and indexer, but no q_b_proj: one projection
+                  q_gate_proj([q_a_layernorm(q_a) | q_a]) gives each head's query and a
+                  gate [V] (query), and the heads' outputs are times sigmoid(gate) in fp32
+                  before o_proj (output_gate)
 
 Only the attention is swapped for the families past V3.2: their decoder layers, MLPs,
 MoE blocks and norms run HF's code (mla_ops/hf/layer.py, linear.py and moe.py fuse the
 DeepSeek classes only).
 
-Refused (REFUSED below, with the reason convert() gives): Mistral Large 4, A.X K2,
-HY V4, dots3 note and GLM-5 Next.
+Refused (REFUSED below, with the reason convert() gives): Mistral Large 4, HY V4,
+dots3 note and GLM-5 Next.
 """
 from __future__ import annotations
 
@@ -80,12 +84,28 @@ def longcat_latent_scales(attn) -> tuple[float, float]:
     return float(attn.mla_scale_q_lora), float(attn.mla_scale_kv_lora)
 
 
-def head_gate(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def head_gate(self, x: torch.Tensor, out: torch.Tensor, gate=None) -> torch.Tensor:
     """Ling 3's output gate: out [B, S, N*V] (the heads' outputs) times sigmoid(g_proj(x)),
     one gate per head [B, S, N] computed in fp32 and cast back, as HF does."""
     B, S, _ = x.shape
     g = torch.sigmoid(self.g_proj(x).float()).to(x.dtype)                  # [B, S, N]
     return (out.view(B, S, g.shape[-1], -1) * g[..., None]).view(B, S, -1)
+
+
+def q_gate_query(self, q_a: torch.Tensor, q_resid: torch.Tensor):
+    """A.X K2's query: q_gate_proj([q_resid | q_a]) [B, S, N, P+R+V], split per head into
+    the query [B, S, N*(P+R)] and the output gate [B, S, N*V]."""
+    B, S, _ = q_a.shape
+    N, PR, V = self.num_heads, self.qk_head_dim, self.v_head_dim
+    qg = self.q_gate_proj(torch.cat([q_resid, q_a], dim=-1)).view(B, S, N, PR + V)
+    q, gate = torch.split(qg, [PR, V], dim=-1)
+    return q.reshape(B, S, N * PR), gate.reshape(B, S, N * V)
+
+
+def channel_gate(self, x: torch.Tensor, out: torch.Tensor, gate) -> torch.Tensor:
+    """A.X K2's output gate: out [B, S, N*V] times sigmoid(gate [B, S, N*V]) in fp32, cast
+    back to out's dtype, as HF does."""
+    return (out * torch.sigmoid(gate.float())).to(out.dtype)
 
 
 def llama4_query_scale(self, kwargs: dict) -> torch.Tensor:
@@ -111,11 +131,18 @@ class Family:
     rope_interleave_fn: str | None = "apply_rotary_pos_emb_interleave"
     query_scale: Callable | None = None   # (attn, forward kwargs) -> [B, S], or None
     latent_scales: Callable | None = None  # (attn) -> (query, latent) constants, or None
-    output_gate: Callable | None = None   # (attn, x [B,S,H], out [B,S,N*V]) -> [B,S,N*V]
+    # (attn, x [B,S,H], out [B,S,N*V], the query's gate or None) -> [B,S,N*V]
+    output_gate: Callable | None = None
+    # sparse forward: (attn, q_a, q_resid [B,S,q_lora]) -> (q [B,S,N*(P+R)], gate or None)
+    query: Callable | None = None
     sparse: bool = False         # DSA: the V3.2 forward
     index_rope_fn: str = "apply_rotary_pos_emb"   # the DSA indexer's RoPE
     shares_topk: bool = False    # DSA layers may reuse the previous layer's top-k
     beside: tuple = ()           # other attention classes the model may hold (kept HF's)
+
+    def __post_init__(self):
+        if self.query is not None and not self.sparse:
+            raise ValueError(f"family {self.tag}: a query hook is read by the sparse forward only")
 
 
 FAMILIES = (
@@ -139,6 +166,8 @@ FAMILIES = (
     Family("axk1", "axk1", "AXK1Attention", rope_per_config),
     Family("bailing_hybrid", "bailing_hybrid", "BailingHybridAttention", rope_interleaved,
            rope_fn=None, output_gate=head_gate, beside=("BailingHybridDeltaAttention",)),
+    Family("axk2", "axk2", "AXK2Attention", rope_interleaved, sparse=True,
+           query=q_gate_query, output_gate=channel_gate),
 )
 
 FAMILY_NAMES = tuple(f.module for f in FAMILIES)
@@ -151,9 +180,6 @@ REFUSED = (
      "another layer's cache), no-RoPE layers change the head split (qk_rope_head_dim 0, "
      "nope P + R), the query has no LoRA and a per-position softmax scaling, and the "
      "indexer's query comes from a LayerNorm of the hidden states (not q_resid)"),
-    ("axk2", "AXK2Attention",
-     "A.X K2's query is one fused projection of [q_a_layernorm(q_a) | q_a] into query and a "
-     "per-channel output gate (sigmoid) with no q_b_proj, beside a DSA indexer"),
     ("hy_v4", "HYV4Attention",
      "HY V4's attention adds learned attention sinks (s_aux) to the softmax and a per-channel "
      "sigmoid output gate, and its DSA indexer rotates the last qk_rope_head_dim columns with "
@@ -162,8 +188,9 @@ REFUSED = (
      "dots3 note's attention norms the rotary key (k_rope_only_layernorm), has sliding-window "
      "layers and a per-head output gate, and its DSA layers are mixed per layer_types"),
     ("glm5_next", "Glm5NextTextAttention",
-     "GLM-5 Next's MLA applies no RoPE and its DSA indexer takes no position embeddings, and "
-     "it sits beside linear-attention layers in a multimodal model"),
+     "GLM-5 Next's DSA indexer scores pools of index_kpool keys (gated pooling with learned "
+     "offsets) and expands the chosen pools (and the tail) to tokens, where V3.2's scores "
+     "every token; its MLA applies no RoPE, beside linear-attention layers"),
 )
 
 
@@ -226,7 +253,7 @@ def class_attributes(cls, fam: Family) -> dict:
     attrs = {"mla_family": fam.tag, "_mla_module": mod, "_mla_rope": fn(fam.rope_fn),
              "_mla_rope_interleave": fn(fam.rope_interleave_fn),
              "mla_rope": fam.rope, "mla_query_scale": fam.query_scale,
-             "mla_output_gate": fam.output_gate,
+             "mla_output_gate": fam.output_gate, "mla_query": fam.query,
              "mla_shares_topk": fam.shares_topk}
     if fam.sparse:
         attrs["_mla_index_rope"] = fn(fam.index_rope_fn)

@@ -19,6 +19,9 @@ every other key. Here, on a PagedMLACache:
 
 The projections are HF's own modules (q_a + kv_a as one decode GEMM op, as for V3).
 
+A.X K2 (axk2): the row's query gives the query and an output gate from one projection,
+its output_gate applies that gate before o_proj.
+
 GLM-5 (glm_moe_dsa; the family row's index_rope_fn and shares_topk): the indexer's RoPE is
 interleaved, and a layer without an indexer (config.indexer_types "shared") reads the
 previous layer's selection, which HF's decoder layers hand on as the attention's third
@@ -85,7 +88,12 @@ def v32_forward(self, hidden_states, position_embeddings=None, attention_mask=No
     cos, sin = position_embeddings                                           # [B, S, R]
     q_a, kv = linear_pair(self.q_a_proj, self.kv_a_proj_with_mqa, hidden_states)
     q_resid = self.q_a_layernorm(q_a)                                        # [B, S, q_lora]
-    q = linear(self.q_b_proj, q_resid).view(B, S, N, P + R)                  # [B, S, N, P+R]
+    gate = None
+    if self.mla_query is None:
+        q = linear(self.q_b_proj, q_resid)
+    else:                                         # A.X K2: the query and an output gate
+        q, gate = self.mla_query(q_a, q_resid)
+    q = q.view(B, S, N, P + R)                                               # [B, S, N, P+R]
     kv_c, k_rot = torch.split(kv, [L, R], dim=-1)                            # kv [B, S, L+R]
     kv_c = self.kv_a_layernorm(kv_c)                                         # [B, S, L]
     q_rot, k_rot = self._mla_rope_interleave(q[..., P:].transpose(1, 2),
@@ -123,5 +131,8 @@ def v32_forward(self, hidden_states, position_embeddings=None, attention_mask=No
     cache.layer_done(self.layer_idx, B, S)
     if step.inv is not None:
         out = out[step.inv]
-    out = linear(self.o_proj, out.view(B, S, -1), residual)
+    out = out.view(B, S, -1)
+    if self.mla_output_gate is not None:
+        out = self.mla_output_gate(hidden_states, out, gate)
+    out = linear(self.o_proj, out, residual)
     return (out, None, slots) if self.mla_shares_topk else (out, None)
