@@ -52,6 +52,15 @@ def test_longcat_two_blocks_per_layer_own_cache_layers():
         assert not torch.allclose(rows[i], rows[i + 1])
 
 
+def test_longcat_other_attention_in_the_list_refused():
+    """A non-MLA module among a layer's attention blocks is named, and nothing converted."""
+    _, model = build("longcat_flash")
+    model.model.layers[1].self_attn[1] = torch.nn.Identity()
+    with pytest.raises(TypeError, match=r"all MLA.*layers\.1\.self_attn\.1 \(Identity\)"):
+        H.convert(model)
+    assert not H.is_converted(model)
+
+
 def test_longcat_latent_scales_matter():
     """Without LongCat's mla_scale_q_lora / mla_scale_kv_lora folded in, logits move."""
     ref, model = build("longcat_flash")

@@ -26,6 +26,13 @@ __all__ = ["convert", "is_converted"]
 # ------------------------------------------------------------------------- attention
 
 
+def _attention_slot(name: str) -> bool:
+    """A decoder layer's attention module: ...self_attn, or ...self_attn.<i> where the layer
+    holds a list of them (LongCat-Flash: two MLA blocks per layer)."""
+    head, _, last = name.rpartition(".")
+    return name.endswith("self_attn") or (last.isdigit() and head.endswith("self_attn"))
+
+
 def is_converted(model) -> bool:
     return any(getattr(m, "mla_converted", False) for m in model.modules())
 
@@ -192,8 +199,8 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
                             f"{refusal_of(m)}")
         elif beside_of(m) is not None:
             beside.append((name, m, beside_of(m)))
-        elif name.endswith("self_attn") and not isinstance(m, torch.nn.ModuleList):
-            others.append(f"{name} ({type(m).__name__})")     # (LongCat: a list of two MLAs)
+        elif _attention_slot(name) and not isinstance(m, torch.nn.ModuleList):
+            others.append(f"{name} ({type(m).__name__})")
     tags = {fam.tag for _, _, fam in attns}
     others += [f"{name} ({type(m).__name__})" for name, m, fam in beside if fam.tag not in tags]
     if not attns:
