@@ -20,6 +20,8 @@ def test_glm_moe_dsa_shared_layer_reuses_the_selection():
     ref, model = build("glm_moe_dsa")
     H.convert(model)
     assert model.model.layers[1].self_attn.indexer is None
+    keys = paged(model).index_keys                # no indexer keys kept for the shared layer
+    assert keys[1] is None and keys[0].shape == keys[2].shape == (12, 16, 128)
     ids, mask = left_padded(LENGTHS)
     calls, attn_calls = [], []
     select, attend = v32.select_slots, v32.sparse_attention

@@ -105,7 +105,8 @@ class _PagedLayer(CacheLayerMixin):
 
 
 class PagedMLACache(Cache):
-    """A transformers Cache backed by mla_ops.PagedLatentCache (one 576-wide row per token per layer).
+    """A transformers Cache backed by mla_ops.PagedLatentCache (one 576-wide row per token per
+    MLA layer).
 
     max_batch_size rows of at most max_cache_len tokens each (counted with left padding,
     as HF's position bookkeeping does). num_blocks defaults to the worst case
@@ -153,7 +154,7 @@ class PagedMLACache(Cache):
         self.kv_cache_dtype = self.pool.kind                     # "auto" | "fp8"
         # DeepSeek Sparse Attention (config.index_topk): the indexer's keys per layer,
         # [num_blocks, block_size, index_head_dim], same slots as the latent rows; else None
-        self.index_keys = index_key_pool(config, len(self.mla_layers), num_blocks, block_size,
+        self.index_keys = index_key_pool(config, self.mla_layers, num_blocks, block_size,
                                          dtype, self.pool.kv[0].device)
         self.dtype = dtype
         self.device = self.pool.kv[0].device
@@ -211,7 +212,8 @@ class PagedMLACache(Cache):
         return self.pool.kv[self._entry(layer_idx)]
 
     def index_key(self, layer_idx: int) -> torch.Tensor:
-        """[num_blocks, block_size, index_head_dim] DSA indexer keys of one model layer."""
+        """[num_blocks, block_size, index_head_dim] DSA indexer keys of one model layer (None
+        for a layer that reuses the previous layer's selection)."""
         return self.index_keys[self._entry(layer_idx)]
 
     def _entry(self, layer_idx: int) -> int:
