@@ -1,10 +1,10 @@
 """convert() on LongCat-Flash, Kimi Linear, GLM-5 (glm_moe_dsa), A.X K1, A.X K2 and Ling 3
 (bailing_hybrid): converted vs HF's own model of that class (fp32, CPU), left-padded batch,
 24 new greedy tokens equal and logits within 1e-4; what each family's adapter adds
-(LongCat's constant factors, the hybrid cache, the output gates) checked to matter; one
-compiled decode loop fullgraph per family with an adapter (GLM-5's shared top-k and the
-refusals: test_families_dsa.py). A family whose classes the installed transformers lacks
-skips with the reason."""
+(LongCat's constant factors, the hybrid cache, the output gates) checked to matter; a
+compiled decode loop fullgraph for LongCat-Flash, Kimi Linear and GLM-5, DecodeGraph for
+Ling 3 (GLM-5's shared top-k and the refusals: test_families_dsa.py). A family whose
+classes the installed transformers lacks skips with the reason."""
 import contextlib
 import copy
 from unittest import mock
@@ -169,8 +169,7 @@ def dense_longcat_experts(self, hidden_states, top_k_index, top_k_weights):
     return (chosen * top_k_weights[..., None]).sum(1).to(hidden_states.dtype)
 
 
-@pytest.mark.parametrize("family", ["longcat_flash", "kimi_linear", "glm_moe_dsa",
-                                    "bailing_hybrid"])
+@pytest.mark.parametrize("family", ["longcat_flash", "kimi_linear", "glm_moe_dsa"])
 def test_compiled_decode_fullgraph(family):
     """A compiled forward, fullgraph: prefill then 6 decode steps, one graph for all decode
     steps, no graph breaks, logits as HF's (LongCat: HF's MoE experts swapped for the
@@ -237,3 +236,29 @@ def test_generate_matches_hf_cuda(family):
     assert_matches(out, exp)
 
 
+
+
+def test_hybrid_decode_graph_matches_hf():
+    """Ling 3 (KDA layers beside MLA) through DecodeGraph (its step compiled fullgraph): the
+    greedy tokens are HF's. On CUDA the capture's warm-up steps are undone too, the KDA
+    layers' state included (PagedMLACache.snapshot / restore)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ref, model = build("bailing_hybrid", seed=2)
+    ref, model = ref.to(dev), H.convert(model).to(dev)
+    ids, mask = (t.to(dev) for t in left_padded([9, 4], seed=5))
+    with torch.no_grad():
+        exp = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    cache = paged(model, rows=2, length=48, device=dev)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                          past_key_values=cache).logits[:, -1].argmax(-1)      # [B]
+            runner = H.DecodeGraph(model, cache, warmup=2,
+                                   backend="inductor" if dev == "cuda" else "aot_eager")
+            got = torch.cat([first[:, None], runner.greedy(first, 7)], 1)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, exp[:, ids.shape[1]:])
+    assert cache.seq_lens() == [9 + 7, 4 + 7]
