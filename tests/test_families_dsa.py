@@ -94,7 +94,7 @@ def test_every_refused_family_has_its_reason():
     """Each REFUSED row whose class this transformers has is recognised (an instance made
     without __init__ suffices for isinstance) and gets its own reason."""
     from mla_ops.hf.families import REFUSED, _named_classes, family_of, refusal_of
-    found = _named_classes((m, c, why) for m, c, why in REFUSED)
+    found = _named_classes(REFUSED)
     assert found, "no refused family in this transformers"
     for why, cls in found:
         m = cls.__new__(cls)

@@ -44,6 +44,7 @@ dots3 note and GLM-5 Next.
 """
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -226,9 +227,19 @@ def _named_classes(items) -> list:
     return out
 
 
+@functools.cache
+def _refused_classes() -> list:
+    return _named_classes(REFUSED)
+
+
+@functools.cache
+def _beside_classes() -> list:
+    return _named_classes((f.module, c, f) for f in FAMILIES for c in f.beside)
+
+
 def refusal_of(module) -> str | None:
     """Why convert() refuses this attention module (an MLA family it cannot take), or None."""
-    for why, cls in _named_classes((m, c, w) for m, c, w in REFUSED):
+    for why, cls in _refused_classes():
         if isinstance(module, cls):
             return why
     return None
@@ -236,7 +247,7 @@ def refusal_of(module) -> str | None:
 
 def beside_of(module) -> Family | None:
     """The family row whose models may hold this (non-MLA) attention module, or None."""
-    for fam, cls in _named_classes((f.module, c, f) for f in FAMILIES for c in f.beside):
+    for fam, cls in _beside_classes():
         if isinstance(module, cls):
             return fam
     return None
