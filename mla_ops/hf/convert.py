@@ -128,7 +128,8 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     """Route every MLA attention layer of `model` through the MLA ops (in place): DeepSeek
     V2 / V3 / V3.2, GLM-4.7-Flash (glm4_moe_lite), Youtu, MiniCPM3, Mistral 4, LongCat-Flash,
     Kimi Linear and Ling 3 (bailing_hybrid; their MLA layers, the KDA layers stay HF's),
-    GLM-5 (glm_moe_dsa) and A.X K1 (axk1) (the table in mla_ops/hf/families.py; past V3.2
+    GLM-5 (glm_moe_dsa), A.X K1 and A.X K2 (axk1, axk2) (the table in
+    mla_ops/hf/families.py, which also names the MLA families refused and why; past V3.2
     only the attention is swapped, the rest of those models runs HF's code).
 
     The attention's own projections run as decode GEMM ops (q_a + kv_a in one launch; see

@@ -1,5 +1,6 @@
 """The MLA families convert() takes: one row each (HF's modeling module, attention class,
-RoPE, any extra query scale, which forward), and the helpers that read the table.
+RoPE, which forward, and the row's small adapters: a query scale, constant factors, a query
+or output-gate hook), and the helpers that read the table.
 
 Each row's attention computes what DeepseekV3Attention computes, up to config values and
 what the row names:
@@ -32,8 +33,8 @@ what the row names:
                   (output_gate); KDA layers beside it kept HF's, as for Kimi Linear
   axk2            A.X K2: V3.2's forward and indexer, but no q_b_proj: one projection
                   q_gate_proj([q_a_layernorm(q_a) | q_a]) gives each head's query and a
-                  gate [V] (query), and the heads' outputs are times sigmoid(gate) in fp32
-                  before o_proj (output_gate)
+                  gate [V] (query), and the heads' outputs are multiplied by
+                  sigmoid(gate) in fp32 before o_proj (output_gate)
 
 Only the attention is swapped for the families past V3.2: their decoder layers, MLPs,
 MoE blocks and norms run HF's code (mla_ops/hf/layer.py, linear.py and moe.py fuse the
@@ -255,8 +256,8 @@ def beside_of(module) -> Family | None:
 
 def class_attributes(cls, fam: Family) -> dict:
     """The attributes a converted class of `cls` (an HF attention class of row `fam`) takes
-    from the row: HF's own RoPE functions from the class's modeling file, the row's RoPE
-    and query scale."""
+    from the row: HF's own RoPE functions from the class's modeling file, the row's RoPE,
+    query scale, query and output gate hooks, and whether it hands on its top-k."""
     mod = sys.modules[cls.__module__]
 
     def fn(name):
