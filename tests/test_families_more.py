@@ -238,6 +238,34 @@ def test_generate_matches_hf_cuda(family):
 
 
 
+def test_kimi_k25_multimodal_wrapper():
+    """Kimi K2.5 (a vision tower beside a DeepSeek-V3 language model): convert() swaps the
+    language model's MLA layers (the deepseek_v3 row), the vision attention stays HF's, and
+    text generate() runs on its default PagedMLACache with HF's tokens."""
+    import transformers
+    if not hasattr(transformers, "Kimi_K25ForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no Kimi_K25")
+    from hf_models import tiny_config
+    vision = dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128,
+                  num_attention_heads=2)
+    cfg = transformers.Kimi_K25Config(text_config=tiny_config("v3").to_dict(),
+                                      vision_config=vision, pad_token_id=0)
+    torch.manual_seed(0)
+    ref = transformers.Kimi_K25ForConditionalGeneration(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if p.dim() >= 2 and "embed" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    model = H.convert(copy.deepcopy(ref))
+    assert {m.mla_family for m in mla_modules(model)} == {"v3"} and len(mla_modules(model)) == 2
+    ids, mask = left_padded(LENGTHS)
+    out = generate(model, ids, mask)
+    cache = out.cache if "cache" in out else out.past_key_values    # (transformers < 5.24)
+    assert isinstance(cache, H.PagedMLACache)
+    assert_matches(out, generate(ref, ids, mask))
+
+
 def test_hybrid_decode_graph_matches_hf():
     """Ling 3 (KDA layers beside MLA) through DecodeGraph (its step compiled fullgraph): the
     greedy tokens are HF's. On CUDA the capture's warm-up steps are undone too, the KDA

@@ -5,7 +5,8 @@ or output-gate hook), and the helpers that read the table.
 Each row's attention computes what DeepseekV3Attention computes, up to config values and
 what the row names:
 
-  deepseek_v3     V3 (also Kimi K2): RoPE interleaved or not (config.rope_interleave)
+  deepseek_v3     V3 (also Kimi K2, and Kimi K2.5's language model beside its vision
+                  tower): RoPE interleaved or not (config.rope_interleave)
   deepseek_v2     V2: complex RoPE (apply_rotary_emb on freqs_cis)
   deepseek_v32    V3.2: V3's MLA + DSA (its own forward: mla_ops/hf/v32.py)
   glm4_moe_lite   GLM-4.7-Flash: V3's forward line for line
