@@ -41,8 +41,8 @@ Only the attention is swapped for the families past V3.2: their decoder layers, 
 MoE blocks and norms run HF's code (mla_ops/hf/layer.py, linear.py and moe.py fuse the
 DeepSeek classes only).
 
-Refused (REFUSED below, with the reason convert() gives): Mistral Large 4, HY V4,
-dots3 note and GLM-5 Next.
+Refused (REFUSED below, with the reason convert() gives): Mistral Large 4, HY V4 (and
+HY V4 VL), dots3 note and GLM-5 Next.
 """
 from __future__ import annotations
 
@@ -187,6 +187,9 @@ REFUSED = (
      "HY V4's attention adds learned attention sinks (s_aux) to the softmax and a per-channel "
      "sigmoid output gate, and its DSA indexer rotates the last qk_rope_head_dim columns with "
      "a float32 k_norm (V3.2's: the first ones)"),
+    ("hy_v4_vl", "HYV4VLAttention",
+     "HY V4 VL's language model has HY V4's attention (learned attention sinks, a sigmoid "
+     "output gate, an indexer rotating the last rotary columns)"),
     ("dots3_note", "Dots3NoteTextAttention",
      "dots3 note's attention norms the rotary key (k_rope_only_layernorm), has sliding-window "
      "layers and a per-head output gate, and its DSA layers are mixed per layer_types"),
