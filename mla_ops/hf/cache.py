@@ -21,6 +21,13 @@ decode step's plan and its commit are one kernel each; other steps and devices r
 as torch ops). Decode-step shapes depend only on B, so a fixed batch compiles once and
 replays in a CUDA graph.
 
+Hybrid models (Kimi Linear: KDA linear-attention layers beside MLA ones, config.layer_types
+"linear_attention" / "full_attention"): the paged pool holds the MLA layers only (kv(layer_idx)
+maps a model layer to its pool entry), and each linear-attention layer index holds HF's own
+LinearAttentionLayer, so HF's KDA layers read and write their conv / recurrent state
+through the Cache API as they do on HF's caches. The step's plan is computed by the first
+MLA layer and committed by the last.
+
 Eager steps check on the host that they fit before writing (CacheFullError / ValueError).
 A decode step does so without a device sync: the first eager decode step after any other
 change of the state reads how many decode steps of B rows still fit (one read), and later
@@ -29,7 +36,7 @@ ones count down on the host (room_for_decode).
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
 import lowering
 
@@ -39,6 +46,29 @@ from mla_ops.hf.dsa import index_key_pool
 from mla_ops.hf.step import Step
 
 # ----------------------------------------------------------------------------- cache
+
+LINEAR_LAYER_TYPES = ("linear_attention", "conv")     # state-only layers: HF's cache layers
+
+
+def layer_kinds(config) -> list:
+    """Per model layer: True where it holds latents (MLA), False for a linear-attention
+    layer (config.layer_types entry in LINEAR_LAYER_TYPES); a config without layer_types
+    is all MLA. Other layer kinds with a state of their own are refused."""
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [True] * n
+    types = list(types)[:n]
+    bad = sorted({t for t in types if t in ("hybrid", "hybrid_sliding")})
+    if bad or len(types) != n:
+        raise ValueError(f"PagedMLACache serves MLA layers beside linear-attention ones; "
+                         f"config.layer_types has {bad or len(types)} (expected "
+                         f"{n} entries, none of hybrid / hybrid_sliding)")
+    kinds = [t not in LINEAR_LAYER_TYPES for t in types]
+    if not any(kinds):
+        raise ValueError("PagedMLACache needs at least one MLA layer; config.layer_types "
+                         "holds linear-attention layers only")
+    return kinds
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -75,7 +105,8 @@ class _PagedLayer(CacheLayerMixin):
 
 
 class PagedMLACache(Cache):
-    """A transformers Cache backed by mla_ops.PagedLatentCache (one 576-wide row per token per layer).
+    """A transformers Cache backed by mla_ops.PagedLatentCache (one 576-wide row per token per
+    MLA layer).
 
     max_batch_size rows of at most max_cache_len tokens each (counted with left padding,
     as HF's position bookkeeping does). num_blocks defaults to the worst case
@@ -112,15 +143,19 @@ class PagedMLACache(Cache):
         self.max_blocks = -(-max_cache_len // block_size)      # block-table width M
         if num_blocks is None:
             num_blocks = max_batch_size * self.max_blocks
-        self.pool = PagedLatentCache(config.num_hidden_layers, num_blocks, block_size,
+        kinds = layer_kinds(config)
+        self.mla_layers = tuple(i for i, k in enumerate(kinds) if k)    # model layer indices
+        # model layer index -> its pool entry (-1: a linear-attention layer)
+        self.pool_index = [self.mla_layers.index(i) if k else -1 for i, k in enumerate(kinds)]
+        self.pool = PagedLatentCache(len(self.mla_layers), num_blocks, block_size,
                                      kv_lora_rank=config.kv_lora_rank,
                                      qk_rope_head_dim=config.qk_rope_head_dim, dtype=dtype,
                                      kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, device=device)
         self.kv_cache_dtype = self.pool.kind                     # "auto" | "fp8"
         # DeepSeek Sparse Attention (config.index_topk): the indexer's keys per layer,
         # [num_blocks, block_size, index_head_dim], same slots as the latent rows; else None
-        self.index_keys = index_key_pool(config, num_blocks, block_size, dtype,
-                                         self.pool.kv[0].device)
+        self.index_keys = index_key_pool(config, self.mla_layers, num_blocks, block_size,
+                                         dtype, self.pool.kv[0].device)
         self.dtype = dtype
         self.device = self.pool.kv[0].device
         dev, Bm, M = self.device, max_batch_size, self.max_blocks
@@ -155,7 +190,9 @@ class PagedMLACache(Cache):
         if not torch.compiler.is_compiling():   # the pool's tensors are marked by PagedLatentCache
             for t in (self.block_table, self.lens, self.num_used, self.seen):
                 mark_static(t)
-        super().__init__(layers=[_PagedLayer(self) for _ in range(config.num_hidden_layers)])
+        layers = [_PagedLayer(self) if k else LinearAttentionLayer(
+            number_of_states=getattr(config, "number_of_conv_states", 1)) for k in kinds]
+        super().__init__(layers=layers)
 
     # -- introspection ---------------------------------------------------------------
     @property
@@ -171,8 +208,28 @@ class PagedMLACache(Cache):
         return self.pool.k_scale
 
     def kv(self, layer_idx: int) -> torch.Tensor:
-        """[num_blocks, block_size, L + R] storage of one layer."""
-        return self.pool.kv[layer_idx]
+        """[num_blocks, block_size, L + R] storage of one (MLA) model layer."""
+        return self.pool.kv[self._entry(layer_idx)]
+
+    def index_key(self, layer_idx: int) -> torch.Tensor:
+        """[num_blocks, block_size, index_head_dim] DSA indexer keys of one model layer (None
+        for a layer that reuses the previous layer's selection)."""
+        return self.index_keys[self._entry(layer_idx)]
+
+    def _entry(self, layer_idx: int) -> int:
+        i = self.pool_index[layer_idx]
+        if i < 0:
+            raise ValueError(f"layer {layer_idx} is a linear-attention layer: it holds no latents")
+        return i
+
+    def linear_states(self) -> list:
+        """The linear-attention layers' conv / recurrent state tensors (those initialized)."""
+        out = []
+        for layer in self.layers:
+            if isinstance(layer, LinearAttentionLayer):
+                for d in (layer.conv_states, layer.recurrent_states):
+                    out += [d[k] for k in sorted(d) if d[k] is not None]
+        return out
 
     def bytes_per_token_per_layer(self) -> int:
         return self.pool.bytes_per_token_per_layer()
@@ -217,13 +274,14 @@ class PagedMLACache(Cache):
         return (self.block_table, self.lens, self.num_used, self.seen)
 
     def snapshot(self) -> list:
-        """Copies of the bookkeeping (block table, lengths, counters; not the KV rows)."""
-        return [t.clone() for t in self.state()]
+        """Copies of the bookkeeping (block table, lengths, counters; not the KV rows) and
+        of the linear-attention layers' states (a hybrid model's)."""
+        return [t.clone() for t in (*self.state(), *self.linear_states())]
 
     def restore(self, saved) -> None:
         """Put back a snapshot() in place: tokens written since are forgotten (their rows
         lie past the restored lengths), blocks taken since are free again."""
-        state = self.state()
+        state = (*self.state(), *self.linear_states())
         if (not isinstance(saved, (list, tuple)) or len(saved) != len(state)
                 or any(not isinstance(v, torch.Tensor) or v.shape != t.shape or v.dtype != t.dtype
                        for t, v in zip(state, saved))):
@@ -240,6 +298,9 @@ class PagedMLACache(Cache):
         self.lens.zero_()
         self.num_used.zero_()
         self.seen.zero_()
+        for layer in self.layers:
+            if isinstance(layer, LinearAttentionLayer):
+                layer.reset()                 # zeroed in place, no previous state
         self._step = None
         self.version += 1
 
@@ -262,7 +323,8 @@ class PagedMLACache(Cache):
         graph (the attribute is None again when the step ends, so nothing escapes).
         """
         compiling = torch.compiler.is_compiling()
-        if layer_idx == 0 or self._step is None:
+        first = layer_idx == self.mla_layers[0]
+        if first or self._step is None:
             if B > self.max_batch_size:
                 raise ValueError(f"batch of {B} sequences exceeds the cache's max_batch_size="
                                  f"{self.max_batch_size}; build PagedMLACache with a larger one")
@@ -277,7 +339,7 @@ class PagedMLACache(Cache):
                                  f"pass device= to PagedMLACache")
             valid = None if S == 1 else step_ops.valid_tokens(attention_mask, B, S, self.seen)
             served = self._flashmla_fp8q_backends if fp8_query else self._flashmla_backends
-            check = not compiling and layer_idx == 0
+            check = not compiling and first
             if check and S == 1 and self.room_for_decode(B):
                 check = False                   # known to fit: no host read this step
             self._step = step_ops.plan(self, B, S, valid,                  # valid: [B, S]
@@ -308,7 +370,7 @@ class PagedMLACache(Cache):
         keep those values in buffers of their own, rounding differently from a graph
         without it (DecodeGraph's step against generate()'s).
         """
-        if layer_idx == len(self.layers) - 1 and self._step is not None:
+        if layer_idx == self.mla_layers[-1] and self._step is not None:
             self.commit(self._step, B, S)
 
     def commit(self, step: Step, B: int, S: int) -> None:

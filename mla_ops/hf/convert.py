@@ -7,7 +7,8 @@ import torch
 
 from mla_ops.cache import CacheFullError  # noqa: F401  (raised by PagedMLACache and DecodeGraph)
 from mla_ops.hf.fallback import paged_or_hf
-from mla_ops.hf.families import FAMILY_NAMES, class_attributes, family_of
+from mla_ops.hf.families import (FAMILY_NAMES, beside_of, class_attributes, family_of,
+                                 refusal_of)
 from mla_ops.hf.fp8_linear import check_model, dequantized_weight, is_block_fp8
 from mla_ops.hf.generate import check_cache_options, generation_class
 from mla_ops.hf.layer import convert_layers
@@ -23,6 +24,13 @@ __all__ = ["convert", "is_converted"]
 
 
 # ------------------------------------------------------------------------- attention
+
+
+def _attention_slot(name: str) -> bool:
+    """A decoder layer's attention module: ...self_attn, or ...self_attn.<i> where the layer
+    holds a list of them (LongCat-Flash: two MLA blocks per layer)."""
+    head, _, last = name.rpartition(".")
+    return name.endswith("self_attn") or (last.isdigit() and head.endswith("self_attn"))
 
 
 def is_converted(model) -> bool:
@@ -89,12 +97,15 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     if step.perm is not None:            # (a step with pads: never one with decode_q)
         q, kv_row = q[step.perm], kv_row[step.perm]
     kv_c, k_pe = kv_row[:, :L], kv_row[:, None, L:]                          # [T, L], [T, 1, R]
-    out = mla(q, kv_c, k_pe, cache.pool.kv[self.layer_idx], cache.k_scale, step.meta,
+    out = mla(q, kv_c, k_pe, cache.kv(self.layer_idx), cache.k_scale, step.meta,
               kv_cache_dtype=cache.kv_cache_dtype, decode_q=decode_q)       # [T, N*V]
     cache.layer_done(self.layer_idx, B, S)
     if step.inv is not None:
         out = out[step.inv]
-    return linear(self.o_proj, out.view(B, S, N * V), residual), None
+    out = out.view(B, S, N * V)
+    if self.mla_output_gate is not None:          # e.g. Ling 3's per-head gate
+        out = self.mla_output_gate(hidden_states, out, None)
+    return linear(self.o_proj, out, residual), None
 
 
 _PAGED_CLASSES: dict = {}
@@ -115,9 +126,11 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
             decode_head: bool = True, fuse_norms: bool = True, fuse_experts: bool = True,
             cache_options: dict | None = None, generate_graph: bool = True, tp_group=None):
     """Route every MLA attention layer of `model` through the MLA ops (in place): DeepSeek
-    V2 / V3 / V3.2, GLM-4.7-Flash (glm4_moe_lite), Youtu, MiniCPM3 and Mistral 4 (the table
-    in mla_ops/hf/families.py; past V3.2 only the attention is swapped, the rest of those
-    models runs HF's code).
+    V2 / V3 / V3.2, GLM-4.7-Flash (glm4_moe_lite), Youtu, MiniCPM3, Mistral 4, LongCat-Flash,
+    Kimi Linear and Ling 3 (bailing_hybrid; their MLA layers, the KDA layers stay HF's),
+    GLM-5 (glm_moe_dsa), A.X K1 and A.X K2 (axk1, axk2) (the table in
+    mla_ops/hf/families.py, which also names the MLA families refused and why; past V3.2
+    only the attention is swapped, the rest of those models runs HF's code).
 
     The attention's own projections run as decode GEMM ops (q_a + kv_a in one launch; see
     mla_ops/hf/linear.py), and with fuse_mlp every dense MLP / shared expert with SiLU runs
@@ -183,13 +196,20 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
         raise TypeError(f"convert() takes a torch.nn.Module, got {type(model).__name__}")
     if tp_group is not None or tp_plan_group(model) is not None:   # checked; DTensors gathered
         tp_group = prepare_shard(model, tp_group)
-    attns, others = [], []
+    attns, others, beside = [], [], []
     for name, m in model.named_modules():
         fam = family_of(m)
         if fam is not None:
             attns.append((name, m, fam))
-        elif name.endswith("self_attn"):
+        elif refusal_of(m) is not None:
+            raise TypeError(f"convert() does not take {type(m).__name__} ({name}): "
+                            f"{refusal_of(m)}")
+        elif beside_of(m) is not None:
+            beside.append((name, m, beside_of(m)))
+        elif _attention_slot(name) and not isinstance(m, torch.nn.ModuleList):
             others.append(f"{name} ({type(m).__name__})")
+    tags = {fam.tag for _, _, fam in attns}
+    others += [f"{name} ({type(m).__name__})" for name, m, fam in beside if fam.tag not in tags]
     if not attns:
         raise TypeError(f"convert() needs a model of a supported family "
                         f"({', '.join(FAMILY_NAMES)}) with multi-head latent attention; "
@@ -222,10 +242,15 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
         dt = m.kv_a_layernorm.weight.dtype if scale_inv is not None else w.dtype   # activations
         if is_block_fp8(m.kv_b_proj):       # dequantized once, as HF dequantizes
             w, scale_inv = dequantized_weight(m.kv_b_proj, dt), None
-        mla = MLAAttention(N, P, R, V, L, float(m.scaling), workspace_rows=workspace_rows,
-                           backend=backend)
+        # constant query / latent factors of the family (LongCat-Flash), folded here
+        q_f, kv_f = fam.latent_scales(m) if fam.latent_scales is not None else (1.0, 1.0)
+        mla = MLAAttention(N, P, R, V, L, float(m.scaling) * q_f,
+                           workspace_rows=workspace_rows, backend=backend)
         with torch.no_grad():
             mla.absorb(w, weight_scale_inv=scale_inv, dtype=dt)
+            if kv_f != 1.0:          # keys' nope part and values both read the latent
+                mla.W_UK_T.mul_(kv_f)
+                mla.W_UV.mul_(kv_f)
             if fp8_decode_query is not None:
                 mla.enable_fp8_decode_query(fp8_decode_query)
         plans.append((m, mla, fam))

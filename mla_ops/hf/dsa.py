@@ -23,17 +23,23 @@ import torch
 from mla_ops.cache import mark_static
 
 
-def index_key_pool(config, num_blocks: int, block_size: int, dtype, device) -> list | None:
-    """Per layer [num_blocks, block_size, index_head_dim] zeros, for a config with a DSA
-    indexer (index_topk and index_head_dim set); None for other configs."""
+def index_key_pool(config, layers, num_blocks: int, block_size: int, dtype,
+                   device) -> list | None:
+    """Per MLA layer (model layer indices `layers`) [num_blocks, block_size, index_head_dim]
+    zeros, for a config with a DSA indexer (index_topk and index_head_dim set); None for
+    other configs. A layer without an indexer of its own (config.indexer_types "shared":
+    GLM-5) gets None."""
     dim, topk = getattr(config, "index_head_dim", None), getattr(config, "index_topk", None)
     if not dim or not topk:
         return None
-    pool = [torch.zeros(num_blocks, block_size, dim, dtype=dtype, device=device)
-            for _ in range(config.num_hidden_layers)]
+    kinds = getattr(config, "indexer_types", None) or ["full"] * config.num_hidden_layers
+    pool = [None if kinds[i] == "shared" else
+            torch.zeros(num_blocks, block_size, dim, dtype=dtype, device=device)
+            for i in layers]
     if not torch.compiler.is_compiling():
         for t in pool:
-            mark_static(t)
+            if t is not None:
+                mark_static(t)
     return pool
 
 

@@ -8,7 +8,7 @@ from mla_ops.hf.cache import PagedMLACache
 def paged_or_hf(self, hidden_states, position_embeddings, attention_mask, past_key_values,
                 kwargs: dict):
     """(mla_residual, cache, None) when this call's cache is a PagedMLACache; else
-    (None, None, HF's (output, weights)) with the residual of a converted decoder layer
+    (None, None, HF's (output, weights, ...)) with the residual of a converted decoder layer
     added. transformers < 5.24 passes the cache as past_key_values, later versions as
     cache. Pops mla_residual from kwargs."""
     residual = kwargs.pop("mla_residual", None)
@@ -17,7 +17,8 @@ def paged_or_hf(self, hidden_states, position_embeddings, attention_mask, past_k
         return residual, cache, None
     if past_key_values is not None:
         kwargs["past_key_values"] = past_key_values
-    out, weights = self.hf_forward(hidden_states=hidden_states,
-                                   position_embeddings=position_embeddings,
-                                   attention_mask=attention_mask, **kwargs)
-    return None, None, ((out if residual is None else residual + out), weights)
+    if position_embeddings is not None:       # (Kimi Linear's MLA takes none)
+        kwargs["position_embeddings"] = position_embeddings
+    out, *rest = self.hf_forward(hidden_states=hidden_states, attention_mask=attention_mask,
+                                 **kwargs)          # (GLM-5's: a third output, its top-k)
+    return None, None, ((out if residual is None else residual + out), *rest)

@@ -18,6 +18,16 @@ every other key. Here, on a PagedMLACache:
     to one graph and captures in DecodeGraph.
 
 The projections are HF's own modules (q_a + kv_a as one decode GEMM op, as for V3).
+
+A.X K2 (axk2): the row's query gives the query and an output gate from one projection,
+its output_gate applies that gate before o_proj.
+
+GLM-5 (glm_moe_dsa; the family row's index_rope_fn and shares_topk): the indexer's RoPE is
+interleaved, and a layer without an indexer (config.indexer_types "shared") reads the
+previous layer's selection, which HF's decoder layers hand on as the attention's third
+output (prev_topk_indices). Here that output is the step's slot lists [T, K] (every layer
+reads the same block table, so a slot list holds for the next layer as is), None where
+the step runs dense.
 """
 from __future__ import annotations
 
@@ -69,33 +79,50 @@ def v32_forward(self, hidden_states, position_embeddings=None, attention_mask=No
     B, S, _ = hidden_states.shape
     N, P, R, L = mla.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
     T = B * S
-    sparse = selects(cache, S, self.indexer.index_topk)      # the same for every layer
+    indexer = self.indexer                          # None: a GLM-5 "shared" layer
+    topk = indexer.index_topk if indexer is not None else self.config.index_topk
+    sparse = selects(cache, S, topk)                # the same for every layer
     # (a sparse step reads no FlashMLA schedule: the plan then computes none)
     step = cache.prepare(self.layer_idx, B, S, attention_mask, hidden_states.dtype,
                          hidden_states.device, backend="triton" if sparse else mla.backend)
     cos, sin = position_embeddings                                           # [B, S, R]
     q_a, kv = linear_pair(self.q_a_proj, self.kv_a_proj_with_mqa, hidden_states)
     q_resid = self.q_a_layernorm(q_a)                                        # [B, S, q_lora]
-    q = linear(self.q_b_proj, q_resid).view(B, S, N, P + R)                  # [B, S, N, P+R]
+    gate = None
+    if self.mla_query is None:
+        q = linear(self.q_b_proj, q_resid)
+    else:                                         # A.X K2: the query and an output gate
+        q, gate = self.mla_query(q_a, q_resid)
+    q = q.view(B, S, N, P + R)                                               # [B, S, N, P+R]
     kv_c, k_rot = torch.split(kv, [L, R], dim=-1)                            # kv [B, S, L+R]
     kv_c = self.kv_a_layernorm(kv_c)                                         # [B, S, L]
     q_rot, k_rot = self._mla_rope_interleave(q[..., P:].transpose(1, 2),
                                              k_rot.reshape(B, 1, S, R), cos, sin)
     q[..., P:] = q_rot.transpose(1, 2)
     kv_row = torch.cat((kv_c.reshape(T, L), k_rot.reshape(T, R)), dim=-1)    # [T, L+R]
-    iq, ik, iw = indexer_qkw(self.indexer, hidden_states, q_resid, cos, sin, self._mla_rope)
-    q, ik, iq, iw = (q.reshape(T, N, P + R), ik.reshape(T, -1),
-                     iq.reshape(T, *iq.shape[2:]), iw.reshape(T, -1))
-    if step.perm is not None:                                     # real tokens of a row first
-        q, kv_row, ik, iq, iw = (t[step.perm] for t in (q, kv_row, ik, iq, iw))
-    meta = step.meta
+    q = q.reshape(T, N, P + R)
+    meta, kv_cache, slots = step.meta, cache.kv(self.layer_idx), None
+    if indexer is not None:
+        iq, ik, iw = indexer_qkw(indexer, hidden_states, q_resid, cos, sin, self._mla_index_rope)
+        ik, iq, iw = ik.reshape(T, -1), iq.reshape(T, *iq.shape[2:]), iw.reshape(T, -1)
+        if step.perm is not None:                                 # real tokens of a row first
+            q, kv_row, ik, iq, iw = (t[step.perm] for t in (q, kv_row, ik, iq, iw))
+        pool = cache.index_key(self.layer_idx)
+        write_index_keys(pool, ik, meta.slot_mapping, cache.k_scale)
+        if sparse:
+            slots = select_slots(iq.view(B, S, *iq.shape[1:]), iw.view(B, S, -1), pool,
+                                 meta.block_table, meta.seq_lens, step.lens_new,
+                                 topk, indexer.softmax_scale)                   # [T, K]
+    else:
+        if step.perm is not None:
+            q, kv_row = q[step.perm], kv_row[step.perm]
+        slots = kwargs.get("prev_topk_indices") if sparse else None
+        if sparse and slots is None:
+            raise ValueError(f"layer {self.layer_idx} reuses the previous layer's top-k "
+                             f"(config.indexer_types 'shared') but got none: the layer "
+                             f"before it must be a converted attention on the same cache")
     kv_c, k_pe = kv_row[:, :L], kv_row[:, None, L:]                          # [T, L], [T, 1, R]
-    pool, kv_cache = cache.index_keys[self.layer_idx], cache.pool.kv[self.layer_idx]
-    write_index_keys(pool, ik, meta.slot_mapping, cache.k_scale)
     if sparse:
-        slots = select_slots(iq.view(B, S, *iq.shape[1:]), iw.view(B, S, -1), pool,
-                             meta.block_table, meta.seq_lens, step.lens_new,
-                             self.indexer.index_topk, self.indexer.softmax_scale)  # [T, K]
         out = sparse_attention(mla, q, kv_c, k_pe, kv_cache, cache.k_scale,
                                cache.kv_cache_dtype, meta.slot_mapping, slots)
     else:
@@ -104,4 +131,8 @@ def v32_forward(self, hidden_states, position_embeddings=None, attention_mask=No
     cache.layer_done(self.layer_idx, B, S)
     if step.inv is not None:
         out = out[step.inv]
-    return linear(self.o_proj, out.view(B, S, -1), residual), None
+    out = out.view(B, S, -1)
+    if self.mla_output_gate is not None:
+        out = self.mla_output_gate(hidden_states, out, gate)
+    out = linear(self.o_proj, out, residual)
+    return (out, None, slots) if self.mla_shares_topk else (out, None)
