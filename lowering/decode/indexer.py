@@ -13,8 +13,9 @@ block table; its products of 16-bit values are exact in fp32, so it differs from
 fp32 torch reference (indexer_scores_reference) only in summation order.
 
 indexer_unmet(q, w, pool) -> None where the kernel serves the call, else why not. The
-public function checks its arguments; the op (torch.library.triton_op: Inductor sees the
-kernel, CUDA graphs capture it, no host syncs) takes checked ones.
+public function checks its arguments; the op (a custom op: one opaque node for
+torch.compile, fullgraph, graph-capturable: no host syncs) takes checked ones, which is
+how select_slots calls it.
 """
 from __future__ import annotations
 
@@ -78,22 +79,27 @@ def indexer_scores_launch(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
     return out
 
 
-indexer_scores_op = torch.library.triton_op("mla::indexer_scores",
-                                            mutates_args={})(indexer_scores_launch)
-
 try:      # torch's switch between wrap_triton's traced op and a direct launch
     from torch._library.triton import set_wrap_triton_enabled
 except ImportError:
     set_wrap_triton_enabled = None
 
 
-def launch(q, w, pool, block_table, limit, scale: float) -> torch.Tensor:
-    """The op while torch.compile traces; eagerly the kernel launched directly (no
-    higher-order op dispatch per call)."""
-    if torch.compiler.is_compiling() or set_wrap_triton_enabled is None:
-        return indexer_scores_op(q, w, pool, block_table, limit, scale)
-    with set_wrap_triton_enabled(False):
+@torch.library.custom_op("mla::indexer_scores", mutates_args=())
+def indexer_scores_op(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
+                      block_table: torch.Tensor, limit: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Checked arguments (indexer_scores checks them): index [B, S, M * bs] fp32."""
+    if set_wrap_triton_enabled is None:
         return indexer_scores_launch(q, w, pool, block_table, limit, scale)
+    with set_wrap_triton_enabled(False):             # inside the op: launch directly
+        return indexer_scores_launch(q, w, pool, block_table, limit, scale)
+
+
+@indexer_scores_op.register_fake
+def _(q, w, pool, block_table, limit, scale):
+    B, S = q.shape[:2]
+    return q.new_empty((B, S, block_table.shape[1] * pool.shape[1]), dtype=torch.float32)
 
 
 def indexer_scores_reference(q, w, pool, block_table, limit, scale: float) -> torch.Tensor:
@@ -157,4 +163,4 @@ def check_indexer_args(q, w, pool, block_table, limit, scale) -> None:
 def indexer_scores(q, w, pool, block_table, limit, scale: float) -> torch.Tensor:
     """Public entry (see the module docstring): checks once, then the kernel."""
     check_indexer_args(q, w, pool, block_table, limit, scale)
-    return launch(q, w, pool, block_table, limit, float(scale))
+    return indexer_scores_op(q, w, pool, block_table, limit, float(scale))

@@ -13,8 +13,8 @@ copy), each tile once for the program's tokens:
 
     k    = pool rows of the tile           [BLOCK_N, DP]   (16-bit, masked past Di)
     s    = q_rows @ k^T                    [TOKENS * HP, BLOCK_N]   fp32 accumulation
-    s    = relu(s * scale)
-    idx  = sum over the HP heads of w * s  [TOKENS, BLOCK_N]
+    s    = relu(s * scale) * w_rows
+    idx  = s summed over each token's rows [TOKENS, BLOCK_N]
 
 The rows of q_rows are (token, head) pairs, HP heads a token (Hi padded to a power of two
 of at least 16: a zero query row and a zero weight add nothing). Tiles past the largest
@@ -58,12 +58,12 @@ def indexer_scores_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
 
+    w_rows = tl.load(w_ptr + (b * S + row_tok) * HI + row_head,
+                     mask=row_ok, other=0.0)                    # [TOKENS * HP] fp32
     tok = s0 + tl.arange(0, TOKENS)                             # [TOKENS]
     tok_ok = tok < S
-    heads = tl.arange(0, HP)                                    # [HP]
-    w = tl.load(w_ptr + (b * S + tok)[:, None] * HI + heads[None, :],
-                mask=tok_ok[:, None] & (heads < HI)[None, :], other=0.0)  # [TOKENS, HP]
-    lim = tl.load(limit_ptr + b * S + tok, mask=tok_ok, other=-1).to(tl.int64)  # [TOKENS]
+    lim = tl.load(limit_ptr + b * S + tok, mask=tok_ok, other=-1)           # [TOKENS]
+    lim = tl.minimum(tl.maximum(lim, -1), N).to(tl.int32)
     lim_max = tl.max(lim, axis=0)
     out_row = (b * S + tok).to(tl.int64) * N                    # [TOKENS]
 
@@ -86,11 +86,14 @@ def indexer_scores_kernel(
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k))                              # [TOKENS * HP, BLOCK_N] fp32
         s = tl.maximum(s * scale, 0.0)
+        s = s * w_rows[:, None]                                   # weighted, padded rows 0
         if TOKENS == 1:
-            idx = tl.sum(s * tl.reshape(w, (HP, 1)), axis=0)[None, :]     # [1, BLOCK_N]
-        else:
-            s3 = tl.reshape(s, (TOKENS, HP, BLOCK_N))
-            idx = tl.sum(s3 * w[:, :, None], axis=1)            # [TOKENS, BLOCK_N]
+            idx = tl.sum(s, axis=0)[None, :]                    # [1, BLOCK_N]
+        else:                                                   # each token's HP rows
+            idx = tl.zeros((TOKENS, BLOCK_N), tl.float32)
+            for t in tl.static_range(TOKENS):
+                part = tl.sum(tl.where((row_tok == s0 + t)[:, None], s, 0.0), axis=0)
+                idx = tl.where((tok == s0 + t)[:, None], part[None, :], idx)
         seen = has_key[None, :] & (j[None, :] <= lim[:, None])  # [TOKENS, BLOCK_N]
         idx = tl.where(seen, idx, float("-inf"))
         tl.store(out_ptr + out_row[:, None] + j[None, :], idx,

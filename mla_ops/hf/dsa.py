@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from lowering.decode.indexer import indexer_scores_reference, indexer_unmet, launch
+from lowering.decode.indexer import indexer_scores_op, indexer_scores_reference, indexer_unmet
 from mla_ops.cache import mark_static
 
 
@@ -101,7 +101,7 @@ def select_slots(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
     bs = pool.shape[1]
     n = block_table.shape[1] * bs                                           # key positions
     route = indexer_route(q, w, pool, backend)
-    scores = launch if route == "triton" else indexer_scores_reference
+    scores = indexer_scores_op if route == "triton" else indexer_scores_reference
     table = block_table.long()                                              # [B, M]
     pos = seq_lens.long()[:, None] - S + torch.arange(S, device=q.device)   # [B, S]
     limit = torch.minimum(pos, lens_new.long()[:, None] - 1)                # [B, S]
