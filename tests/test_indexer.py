@@ -76,13 +76,15 @@ def test_kernel_matches_float64(Hi, Di, dtype, S):
 
 
 def test_several_tiles_per_program_and_limit_int32(monkeypatch):
-    """Programs of 3 tiles (some wholly past a limit, so written -inf unread) and int32
-    limits; the torch reference of the module gives the same numbers."""
+    """Programs of 3 tiles (some wholly past a limit, so written -inf unread), int32
+    limits, a block table that is a column slice; the module's torch reference gives
+    the same numbers."""
     monkeypatch.setitem(ix.CONFIGS, "cpu", dict(ix.CONFIGS["cpu"], MAX_TILES=3))
     q, w, pool, table, limit, scale = make_case(6, 32, torch.bfloat16, 2, seed=3, M=7)
     shape = ix.launch_shape(4, 2, 6, 7 * 16, ix.CONFIGS["cpu"], ix.CPU_SM_COUNT)
     assert shape["TILES"] == 3 and shape["grid"][0] == 3
-    got = indexer_scores(q, w, pool, table, limit.int(), scale)
+    wide = torch.cat([table, torch.full_like(table, 10 ** 6)], dim=1)     # [B, 2M]
+    got = indexer_scores(q, w, pool, wide[:, :7], limit.int(), scale)
     exp = scores64(q, w, pool, table, limit, scale)
     assert_close(got, exp, q, w, pool, scale)
     ref = indexer_scores_reference(q, w, pool, table, limit, scale)
@@ -126,7 +128,11 @@ def distinct_case(g, B, S, Hi, Di, bs, M, nb, dtype):
     return q.to(dtype), w, pool.to(dtype), table
 
 
-def test_select_slots_kernel_picks_the_torch_slots():
+@pytest.mark.parametrize("chunked", [False, True])
+def test_select_slots_kernel_picks_the_torch_slots(chunked, monkeypatch):
+    import mla_ops.hf.dsa as dsa
+    if chunked:                                   # one query token per chunk of scores
+        monkeypatch.setattr(dsa, "SCORE_ELEMENTS", 1)
     g = torch.Generator().manual_seed(11)
     B, S, Hi, Di, bs, M, nb, topk = 3, 2, 8, 32, 16, 5, 24, 20
     q, w, pool, table = distinct_case(g, B, S, Hi, Di, bs, M, nb, torch.bfloat16)

@@ -66,6 +66,7 @@ def indexer_scores_launch(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
     nb, bs, _ = pool.shape
     n = block_table.shape[1] * bs
     q, w, limit = q.contiguous(), w.contiguous(), limit.contiguous()
+    block_table = block_table.contiguous()                                  # [B, M], rows dense
     on_gpu = q.device.type == "cuda"
     cfg = CONFIGS["gpu" if on_gpu else "cpu"]
     shape = launch_shape(B, S, Hi, n, cfg, sm_count(q.device) if on_gpu else CPU_SM_COUNT)
