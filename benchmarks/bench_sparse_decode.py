@@ -13,11 +13,15 @@ Rows per shape (µs: median of CUDA-graph replays, benchmarks/timing.py):
                       Triton kernel over pages of one token
   sparse[kernel only] the same kernel on pre-sorted slot lists (the op minus its sort)
   indexer (torch)     mla_ops.hf.dsa.select_slots for one token per request with 64
-                      indexer heads of 128 (DeepSeek-V3.2's): the O(S) part of DSA, here
-                      in torch ops (gather, scores, top-k), not a fused kernel
-Each row gives the bytes its attention reads (cache rows; slot lists for sparse) and the
-achieved GB/s. The point of DSA: past top-k the sparse rows stay flat in S while dense
-grows linearly.
+                      indexer heads of 128 (DeepSeek-V3.2's): the O(S) part of DSA, in
+                      torch ops (gather, scores, top-k)
+  indexer (ours)      the same with the scores from mla::indexer_scores (a Triton kernel
+                      reading each index key once through the block table), then top-k;
+                      "same" is the fraction of its slots the torch row also selects
+  indexer[kernel only] mla::indexer_scores alone (no top-k)
+Each row gives the bytes it reads (cache rows; slot lists for sparse; the index keys for
+the indexer) and the achieved GB/s. The point of DSA: past top-k the sparse rows stay flat
+in S while dense grows linearly.
 """
 from __future__ import annotations
 
@@ -61,7 +65,7 @@ def bench_shape(B, H, S, topk, indexer, log, device="cuda", timer=None):
     row_bytes = (L + R) * 2
     rows = []
 
-    def record(name, fn, nbytes, ref_out=None):
+    def record(name, fn, nbytes, ref_out=None, same=None):
         try:
             out = fn()
             us = timer(fn)
@@ -69,13 +73,16 @@ def bench_shape(B, H, S, topk, indexer, log, device="cuda", timer=None):
             log(f"  {name:22s} FAILED {type(exc).__name__}: {str(exc)[:160]}")
             return
         err = None
+        if same is not None:
+            same = same(out[0])
         if ref_out is not None:
             o = out[0].reshape(ref_out.shape).float()
             err = ((o - ref_out.float()).norm() / ref_out.float().norm()).item()
         row = dict(B=B, H=H, S=S, topk=topk, impl=name, us=us, bytes=nbytes,
-                   gbps=nbytes / us * 1e-3, rel_err=err)
+                   gbps=nbytes / us * 1e-3, rel_err=err, same=same)
         log(f"  {name:22s} {us:9.1f} us {nbytes / 1e6:9.1f} MB {row['gbps']:7.0f} GB/s"
-            + (f"  err {err:.1e}" if err is not None else ""))
+            + (f"  err {err:.1e}" if err is not None else "")
+            + (f"  same {same:.4f}" if same is not None else ""))
         rows.append(row)
 
     dense_bytes = B * S * row_bytes
@@ -103,9 +110,20 @@ def bench_shape(B, H, S, topk, indexer, log, device="cuda", timer=None):
         iq = torch.randn(B, 1, 64, 128, device=device, generator=g).to(torch.bfloat16)
         iw = torch.randn(B, 1, 64, device=device, generator=g)
         pool = torch.randn(kv.shape[0], PAGE, 128, device=device, generator=g).to(torch.bfloat16)
-        record("indexer (torch)", lambda: (select_slots(iq, iw, pool, bt, lens, lens, topk,
-                                                        128 ** -0.5),),
-               B * S * 128 * 2)
+        args = (iq, iw, pool, bt, lens, lens, topk, 128 ** -0.5)
+        key_bytes = B * S * 128 * 2
+        record("indexer (torch)", lambda: (select_slots(*args, backend="torch"),), key_bytes)
+        ref_slots = select_slots(*args, backend="torch").long()               # [B, k]
+        row_off = torch.arange(B, device=device)[:, None] * pool.shape[0] * PAGE
+
+        def same(slots):             # the fraction of the torch path's slots selected
+            return torch.isin(slots.long() + row_off, ref_slots + row_off).float().mean().item()
+        record("indexer (ours)", lambda: (select_slots(*args, backend="triton"),), key_bytes,
+               same=same)
+        from lowering.decode.indexer import indexer_scores_op
+        limit = (lens.long() - 1)[:, None]                                   # [B, 1]
+        record("indexer[kernel only]", lambda: (indexer_scores_op(
+            iq, iw, pool, bt, limit, 128 ** -0.5),), key_bytes)
     return rows
 
 

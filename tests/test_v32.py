@@ -396,7 +396,9 @@ def test_sparse_decode_benchmark_runs_on_cpu():
     rows = bench.bench_shape(2, 16, 256, 48, True, lambda msg: None, device="cpu",
                              timer=lambda fn: 1.0)
     by = {r["impl"]: r for r in rows}
-    assert set(by) == {"dense triton", "sparse", "sparse[kernel only]", "indexer (torch)"}
+    assert set(by) == {"dense triton", "sparse", "sparse[kernel only]", "indexer (torch)",
+                       "indexer (ours)", "indexer[kernel only]"}
+    assert by["indexer (ours)"]["same"] >= 0.99
     assert by["sparse"]["rel_err"] <= 2e-2 and by["sparse[kernel only]"]["rel_err"] <= 2e-2
     assert by["sparse"]["bytes"] == 2 * 48 * (576 * 2 + 4)
     assert by["dense triton"]["bytes"] == 2 * 256 * 576 * 2

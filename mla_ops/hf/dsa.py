@@ -15,11 +15,15 @@ paged rows of the row's sequence: positions past a token's prefix (or not yet wr
 score -inf and are not selected; a selected position becomes its cache slot
 (block_table[b, j // block_size] * block_size + j % block_size), -1 where fewer than k
 tokens qualify. The slot lists feed mla::sparse_decode (lowering/decode/sparse.py).
+On CUDA with 16-bit keys the scores come from a Triton kernel that reads each key once
+straight through the block table (mla::indexer_scores, lowering/decode/indexer.py);
+elsewhere from the same math in torch ops over the gathered keys.
 """
 from __future__ import annotations
 
 import torch
 
+from lowering.decode.indexer import indexer_scores_op, indexer_scores_reference, indexer_unmet
 from mla_ops.cache import mark_static
 
 
@@ -68,39 +72,53 @@ def write_index_keys(pool: torch.Tensor, k: torch.Tensor, slots: torch.Tensor,
     return torch.ops.mla.kv_cache_update(k[:, :h], k[:, h:], pool, slots, "auto", k_scale)
 
 
-# Per-head scores [B, c, Hi, n] of at most this many fp32 values at once: a step's query
-# tokens are scored in chunks of c (HF scores all S at once: [B, S, Hi, T]).
+# Scores of at most this many fp32 values at once: a step's query tokens are scored in
+# chunks of c (HF scores all S at once: [B, S, Hi, T]); the torch path holds the per-head
+# scores [B, c, Hi, n], the kernel the summed ones [B, c, n].
 SCORE_ELEMENTS = 1 << 28
+INDEXER_BACKENDS = ("auto", "triton", "torch")
+
+
+def indexer_route(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, backend: str) -> str:
+    """"triton" (lowering/decode/indexer.py's kernel) or "torch" for select_slots: "auto"
+    takes the kernel on CUDA where it serves; "triton" must serve (CPU: the interpreter)."""
+    if backend not in INDEXER_BACKENDS:
+        raise ValueError(f"backend must be one of {INDEXER_BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return backend
+    why = indexer_unmet(q, w, pool)
+    if backend == "triton" and why is not None:
+        raise ValueError(f"backend='triton' cannot serve this call: {why}")
+    return "triton" if why is None and (backend == "triton" or q.is_cuda) else "torch"
 
 
 def select_slots(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, lens_new: torch.Tensor,
-                 topk: int, scale: float) -> torch.Tensor:
+                 topk: int, scale: float, backend: str = "auto") -> torch.Tensor:
     """The indexer's top-k cache slots [B * S, K] int32 (-1: none), K = min(topk, M * bs).
 
     q [B, S, Hi, Di] (token i of row b at position seq_lens[b] - S + i, the step's
     layout), w [B, S, Hi] fp32, pool [num_blocks, bs, Di] holding the step's keys already,
-    block_table [B, M] int32, seq_lens [B] (this step's tokens included, trailing pads
-    too), lens_new [B] real tokens per row after the step (keys past it were not written).
+    block_table [B, M] int32 (-1: no block, its positions never selected), seq_lens [B]
+    (this step's tokens included, trailing pads too), lens_new [B] real tokens per row
+    after the step (keys past it were not written). backend: see indexer_route.
     """
     B, S, Hi, Di = q.shape
-    nb, bs, _ = pool.shape
-    M = block_table.shape[1]
-    n = M * bs                                                              # key positions
-    table = block_table.long().clamp(0, nb - 1)                             # [B, M]
-    keys = pool[table].reshape(B, n, Di).transpose(-1, -2).float().unsqueeze(1)  # [B,1,Di,n]
+    bs = pool.shape[1]
+    n = block_table.shape[1] * bs                                           # key positions
+    route = indexer_route(q, w, pool, backend)
+    scores = indexer_scores_op if route == "triton" else indexer_scores_reference
+    table = block_table.long()                                              # [B, M]
     pos = seq_lens.long()[:, None] - S + torch.arange(S, device=q.device)   # [B, S]
     limit = torch.minimum(pos, lens_new.long()[:, None] - 1)                # [B, S]
-    j = torch.arange(n, device=q.device)
     k = min(topk, n)
-    c = max(1, min(S, SCORE_ELEMENTS // max(1, B * Hi * n)))                # tokens a chunk
+    per_token = B * n * (1 if route == "triton" else Hi)
+    c = max(1, min(S, SCORE_ELEMENTS // max(1, per_token)))                 # tokens a chunk
     out = []
     for i in range(0, S, c):
-        # HF: relu(q . k * scale), then the heads summed with weights
-        scores = torch.relu(torch.matmul(q[:, i:i + c].float(), keys) * scale)  # [B,c,Hi,n]
-        index = torch.matmul(w[:, i:i + c].unsqueeze(-2), scores).squeeze(-2)   # [B, c, n]
-        visible = j[None, None] <= limit[:, i:i + c, None]                      # [B, c, n]
-        index = torch.where(visible, index, float("-inf"))
+        # HF: relu(q . k * scale), the heads summed with weights; -inf past the prefix
+        index = scores(q[:, i:i + c], w[:, i:i + c], pool, block_table,
+                       limit[:, i:i + c], scale)                                # [B, c, n]
         best, at = index.topk(k, dim=-1)                                        # [B, c, k]
         slot = table.gather(1, (at // bs).reshape(B, -1)).reshape(at.shape) * bs + at % bs
         out.append(torch.where(best > float("-inf"), slot, -1))
