@@ -15,9 +15,10 @@ paged rows of the row's sequence: positions past a token's prefix (or not yet wr
 score -inf and are not selected; a selected position becomes its cache slot
 (block_table[b, j // block_size] * block_size + j % block_size), -1 where fewer than k
 tokens qualify. The slot lists feed mla::sparse_decode (lowering/decode/sparse.py).
-On CUDA with 16-bit keys the scores come from a Triton kernel that reads each key once
-straight through the block table (mla::indexer_scores, lowering/decode/indexer.py);
-elsewhere from the same math in torch ops over the gathered keys.
+The scores come from the same math in torch ops over the gathered keys, or, with
+select_slots(backend="triton"), from a Triton kernel that reads each key once straight
+through the block table (mla::indexer_scores, lowering/decode/indexer.py; the default
+route once its GPU tests have run).
 """
 from __future__ import annotations
 
@@ -80,16 +81,19 @@ INDEXER_BACKENDS = ("auto", "triton", "torch")
 
 
 def indexer_route(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, backend: str) -> str:
-    """"triton" (lowering/decode/indexer.py's kernel) or "torch" for select_slots: "auto"
-    takes the kernel on CUDA where it serves; "triton" must serve (CPU: the interpreter)."""
+    """"triton" (lowering/decode/indexer.py's kernel) or "torch" for select_slots;
+    "triton" must serve (CPU: the interpreter). "auto" is "torch" for now: the kernel is
+    tested under the interpreter and built for SM90, but its GPU tests
+    (tests/test_indexer.py -m gpu) have not run on a GPU yet; once they pass, "auto"
+    takes it on CUDA where indexer_unmet is None."""
     if backend not in INDEXER_BACKENDS:
         raise ValueError(f"backend must be one of {INDEXER_BACKENDS}, got {backend!r}")
-    if backend == "torch":
-        return backend
+    if backend != "triton":
+        return "torch"
     why = indexer_unmet(q, w, pool)
-    if backend == "triton" and why is not None:
+    if why is not None:
         raise ValueError(f"backend='triton' cannot serve this call: {why}")
-    return "triton" if why is None and (backend == "triton" or q.is_cuda) else "torch"
+    return "triton"
 
 
 def select_slots(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
