@@ -182,3 +182,24 @@ def test_cuda_graph_replays_equal_eager_steps(family, q_lora):
     again = gen(model, ids, mask, new=24, disable_compile=None)
     assert torch.equal(again.sequences, exp.sequences)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+
+
+@pytest.mark.parametrize("family", ["kimi_linear", "glm_moe_dsa", "bailing_hybrid",
+                                    "longcat_flash"])
+def test_step_runner_serves_other_families(cpu_graphs, family):
+    """The step graphs' runner (here without a graph: the CPU) serves every decode step of
+    the hybrid (KDA state beside the paged cache), DSA and two-blocks-per-layer families
+    with HF's tokens and logits."""
+    from family_models import LENGTHS as FL, NEW as FN, assert_matches, build
+    from family_models import generate as fgen
+    torch.set_flush_denormal(True)          # (tiny random models make subnormals: slow CPU)
+    try:
+        ref, model = build(family)
+        H.convert(model)
+        ids, mask = left_padded(FL)
+        exp = fgen(ref, ids, mask)
+        got = fgen(model, ids, mask, disable_compile=True)
+    finally:
+        torch.set_flush_denormal(False)
+    assert cpu_graphs == [True] * (FN - 1)
+    assert_matches(got, exp)
