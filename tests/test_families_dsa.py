@@ -99,3 +99,18 @@ def test_every_refused_family_has_its_reason():
     for why, cls in found:
         m = cls.__new__(cls)
         assert refusal_of(m) == why and family_of(m) is None
+
+
+def test_an_attention_laid_out_otherwise_is_refused_before_any_change():
+    """A family's module without the layout the converted forward reads (another
+    transformers version's, here a V3 attention without q_b_proj) is refused with what is
+    missing, and the model is left as it was."""
+    from hf_models import build_pair, tiny_config
+    _, model = build_pair(tiny_config("v3"))
+    attn = model.model.layers[1].self_attn
+    del attn.q_b_proj
+    classes = [type(m) for m in model.modules()]
+    with pytest.raises(TypeError, match=r"model.layers.1.self_attn .*has no q_b_proj.*upgrade"):
+        H.convert(model)
+    assert [type(m) for m in model.modules()] == classes
+    assert not H.is_converted(model)

@@ -8,7 +8,7 @@ import torch
 from mla_ops.cache import CacheFullError  # noqa: F401  (raised by PagedMLACache and DecodeGraph)
 from mla_ops.hf.fallback import paged_or_hf
 from mla_ops.hf.families import (FAMILY_NAMES, beside_of, class_attributes, family_of,
-                                 refusal_of)
+                                 layout_unmet, refusal_of)
 from mla_ops.hf.fp8_linear import check_model, dequantized_weight, is_block_fp8
 from mla_ops.hf.generate import check_cache_options, generation_class
 from mla_ops.hf.layer import convert_layers
@@ -225,6 +225,13 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     for name, m, fam in attns:
         if getattr(m, "mla_converted", False):
             continue
+        why = layout_unmet(m, fam)
+        if why is not None:
+            import transformers
+            raise TypeError(f"{name} ({type(m).__name__}) {why}: this transformers "
+                            f"({transformers.__version__}) lays the {fam.module} attention out "
+                            f"otherwise than the one convert() follows (transformers 5.24); "
+                            f"upgrade transformers")
         if m.layer_idx in seen:
             raise ValueError(f"two attention modules share layer_idx {m.layer_idx}")
         seen.add(m.layer_idx)

@@ -274,3 +274,23 @@ def class_attributes(cls, fam: Family) -> dict:
     if fam.sparse:
         attrs["_mla_index_rope"] = fn(fam.index_rope_fn)
     return attrs
+
+
+MLA_PARTS = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+
+
+def layout_unmet(attn, fam: Family) -> str | None:
+    """Why an HF attention module of row `fam` lacks the MLA layout the converted forward
+    reads (V3's: q_lora_rank with q_proj, or q_a_proj / q_a_layernorm and q_b_proj unless
+    the row's query hook builds the query; the kv_a, kv_b and o projections), or None.
+    Another transformers version may lay a family out differently (Ling 3 in 5.23: no
+    q_lora_rank)."""
+    missing = [p for p in MLA_PARTS if not hasattr(attn, p)]
+    if not hasattr(attn, "q_lora_rank"):
+        missing.append("q_lora_rank")
+    elif attn.q_lora_rank is None:
+        missing += [p for p in ("q_proj",) if not hasattr(attn, p)]
+    else:
+        parts = ("q_a_proj", "q_a_layernorm") + (("q_b_proj",) if fam.query is None else ())
+        missing += [p for p in parts if not hasattr(attn, p)]
+    return f"has no {', '.join(missing)}" if missing else None
