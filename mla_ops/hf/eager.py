@@ -24,6 +24,8 @@ import functools
 
 import torch
 
+from mla_ops.hf.generate_graph import attached
+
 try:
     from torch._library.triton import set_wrap_triton_enabled
 except ImportError:                                    # torch without the switch
@@ -40,7 +42,6 @@ def direct_launch_forward(cls):
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             return hf_forward(self, *args, **kwargs)
-        from mla_ops.hf.generate_graph import attached
         graphs = attached(kwargs)
         if graphs is not None and graphs.serves(args, kwargs):
             out = graphs.step(kwargs)

@@ -53,6 +53,7 @@ class GenerateGraphs:
         self.graph = cache.device.type == "cuda" if graph is None else graph
         self.runners: dict = {}                 # B -> DecodeGraph
         self.off: str | None = None             # why the steps run eagerly, once decided
+        self.output, self.cache_field = output_class()
         self.busy = False                       # inside the runner's own forward calls
 
     def serves(self, args: tuple, kwargs: dict) -> bool:
@@ -77,13 +78,12 @@ class GenerateGraphs:
             runner = self._capture(B)
             if runner is None:
                 return None
-        cls, field = output_class()
         self.busy = True                 # (without a graph the runner calls the forward)
         try:
             logits = runner(ids)                                           # [B, 1, V]
         finally:
             self.busy = False
-        return cls(logits=logits, **{field: self.cache})
+        return self.output(logits=logits, **{self.cache_field: self.cache})
 
     def _capture(self, B: int):
         from mla_ops.hf.graph import DecodeGraph          # (graph.py imports convert.py)
