@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+import torch._dynamo
 
 import mla_ops.hf as H
 from hf_models import build_pair, left_padded, tiny_config
@@ -176,7 +177,6 @@ def test_cuda_graph_replays_equal_eager_steps(family, q_lora):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     # a second call, plain (no disable_compile): HF would compile the step; the call's
     # graph serves instead (nothing compiled), same tokens
-    import torch._dynamo
     torch._dynamo.reset()
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     again = gen(model, ids, mask, new=24, disable_compile=None)

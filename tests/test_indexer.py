@@ -248,12 +248,14 @@ def test_gpu_kernel_matches_float64_at_deepseek_shapes(S):
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_select_slots_and_graph_capture():
-    """select_slots with the kernel on CUDA picks the torch path's slots on rows without a
-    near-tie; the op replays in a CUDA graph and compiles with Inductor."""
+    """select_slots on CUDA (the kernel: its default route there) picks the torch path's
+    slots on rows without a near-tie; the op replays in a CUDA graph and compiles with Inductor."""
     q, w, pool, table, limit, scale = gpu_case(3, 2, seed=1)
     q[..., 0, 0], pool[..., 0], w = 4.0, 4.0, w.abs() + 0.1              # few zero scores
     lens = torch.tensor([8192, 6400, 4001], device="cuda")
-    got = select_slots(q, w, pool, table, lens, lens, 2048, scale, backend="triton")
+    from mla_ops.hf.dsa import indexer_route
+    assert indexer_route(q, w, pool, "auto") == "triton"                 # the CUDA default
+    got = select_slots(q, w, pool, table, lens, lens, 2048, scale)
     exp = select_slots(q, w, pool, table, lens, lens, 2048, scale, backend="torch")
     pos = lens[:, None] - 2 + torch.arange(2, device="cuda")
     ref = gpu_scores64(q, w, pool, table, pos, scale).flatten(0, 1)          # [6, n]

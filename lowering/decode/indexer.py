@@ -30,9 +30,10 @@ from lowering.decode.registry import sm_count
 # key: "gpu" | "cpu" (the interpreter). BLOCK_N key positions a tile, the most tiles a
 # program (MAX_TILES), programs aimed at per SM (fewer tiles a program while the grid is
 # smaller), query rows (tokens x padded heads) a program at most, warps, stages.
+# "gpu": python benchmarks/bench_indexer.py on an H200 (BENCHMARKS.md), one query token.
 CONFIGS = {
-    "gpu": dict(BLOCK_N=64, MAX_TILES=16, programs_per_sm=4, max_rows=128,
-                num_warps=4, num_stages=3),
+    "gpu": dict(BLOCK_N=64, MAX_TILES=8, programs_per_sm=4, max_rows=128,
+                num_warps=4, num_stages=2),
     "cpu": dict(BLOCK_N=16, MAX_TILES=2, programs_per_sm=1, max_rows=64,
                 num_warps=4, num_stages=1),
 }

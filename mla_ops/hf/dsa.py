@@ -15,10 +15,9 @@ paged rows of the row's sequence: positions past a token's prefix (or not yet wr
 score -inf and are not selected; a selected position becomes its cache slot
 (block_table[b, j // block_size] * block_size + j % block_size), -1 where fewer than k
 tokens qualify. The slot lists feed mla::sparse_decode (lowering/decode/sparse.py).
-The scores come from the same math in torch ops over the gathered keys, or, with
-select_slots(backend="triton"), from a Triton kernel that reads each key once straight
-through the block table (mla::indexer_scores, lowering/decode/indexer.py; the default
-route once its GPU tests have run).
+The scores come from the same math in torch ops over the gathered keys, or from
+a Triton kernel that reads each key once straight through the block table
+(mla::indexer_scores, lowering/decode/indexer.py): select_slots' default route on CUDA.
 """
 from __future__ import annotations
 
@@ -81,16 +80,17 @@ INDEXER_BACKENDS = ("auto", "triton", "torch")
 
 
 def indexer_route(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, backend: str) -> str:
-    """"triton" (lowering/decode/indexer.py's kernel) or "torch" for select_slots;
-    "triton" must serve (CPU: the interpreter). "auto" is "torch" for now: the kernel is
-    tested under the interpreter and built for SM90, but its GPU tests
-    (tests/test_indexer.py -m gpu) have not run on a GPU yet; once they pass, "auto"
-    takes it on CUDA where indexer_unmet is None."""
+    """"triton" (lowering/decode/indexer.py's kernel) or "torch" for select_slots.
+    "triton" must serve (CPU: the interpreter); "auto" takes the kernel on CUDA where
+    indexer_unmet is None (it picks the torch path's slots except at near-ties, where the
+    summation order may decide), the torch path elsewhere."""
     if backend not in INDEXER_BACKENDS:
         raise ValueError(f"backend must be one of {INDEXER_BACKENDS}, got {backend!r}")
-    if backend != "triton":
+    if backend == "torch":
         return "torch"
     why = indexer_unmet(q, w, pool)
+    if backend == "auto":
+        return "triton" if q.device.type == "cuda" and why is None else "torch"
     if why is not None:
         raise ValueError(f"backend='triton' cannot serve this call: {why}")
     return "triton"
