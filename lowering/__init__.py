@@ -10,9 +10,9 @@ The public decode entry points are re-exported here.
 """
 from lowering.decode.entry import (BACKENDS, FP8Q_BACKENDS, BackendUnavailable,  # noqa: F401
                                    backend_choices, bound_decode_inputs, decode_schedule,
-                                   mla_decode, mla_decode_fp8q, record_choice, select_backend,
-                                   uses_flashmla)
+                                   flashmla_pays, mla_decode, mla_decode_fp8q, record_choice,
+                                   select_backend, uses_flashmla)
 
 __all__ = ["mla_decode", "mla_decode_fp8q", "BACKENDS", "FP8Q_BACKENDS", "BackendUnavailable",
-           "select_backend", "backend_choices", "decode_schedule", "uses_flashmla",
+           "select_backend", "backend_choices", "decode_schedule", "uses_flashmla", "flashmla_pays",
            "bound_decode_inputs"]

@@ -125,7 +125,7 @@ def test_generate_cuda_graphs_long():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
-def test_generate_bf16_cuda_graphs_flashmla_first_call_compiled():
+def test_generate_bf16_cuda_graphs_flashmla_first_call_compiled(flashmla_at_every_size):
     """bf16 on an SM90 GPU picks FlashMLA; its first call happens inside the compiled,
     CUDA-graphed decode step (no eager warm-up), which must work and match eager."""
     import lowering

@@ -188,7 +188,7 @@ def _flashmla_prefilled():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="FlashMLA needs a GPU")
-def test_flashmla_schedule_computed_once_per_step():
+def test_flashmla_schedule_computed_once_per_step(flashmla_at_every_size):
     """bf16 cache with block 64 on an SM90 GPU with flash_mla: a decode step runs FlashMLA's
     scheduler kernel once (the step plan's), not once per layer, and gives the same logits
     bit for bit as the step where every layer schedules itself."""
@@ -214,7 +214,8 @@ def test_flashmla_schedule_computed_once_per_step():
 
 
 @pytest.mark.parametrize("fp8_query", [False, True])
-def test_plan_bounds_the_flashmla_decode_inputs_once(fp8_query, monkeypatch):
+def test_plan_bounds_the_flashmla_decode_inputs_once(fp8_query, monkeypatch,
+                                                    flashmla_at_every_size):
     """With FlashMLA serving the layers, the step plan hands them a block table and lengths
     already clamped into the cache (so no call launches clamp kernels under capture),
     while the cache keeps its own table (-1 for no block); the schedule is of the kind
@@ -243,8 +244,42 @@ def test_plan_bounds_the_flashmla_decode_inputs_once(fp8_query, monkeypatch):
     assert torch.equal(cache.block_table[:2], table)      # committed unclamped
 
 
+def test_auto_leaves_small_few_head_steps_to_triton(monkeypatch):
+    """Below 64 heads, backend="auto" hands a decode step to FlashMLA only past
+    SMALL_DECODE_POSITIONS positions (batch x table width): a tiny 4-head cache's step
+    plans no FlashMLA schedule under "auto", one under "flashmla" or with the threshold
+    lowered; the registry's auto route agrees on the same shapes."""
+    import lowering
+    from lowering.decode import registry
+    assert lowering.flashmla_pays(128, 1, 64) and lowering.flashmla_pays(16, 8, 4096)
+    assert not lowering.flashmla_pays(16, 1, 4096) and not lowering.flashmla_pays(16, 4, 4096)
+    _, model, cache, ids, mask, first = prefilled([9, 3], max_cache_len=48, block_size=8, seed=6)
+    seen = []
+    monkeypatch.setattr(lowering, "decode_schedule",
+                        lambda kv, bt, lens, num_heads, **kw: seen.append(bt.shape) or ("s",))
+    cache._flashmla_backends = frozenset({"auto", "flashmla"})
+    plans = {}
+    for backend, threshold in (("auto", None), ("flashmla", None), ("auto", 0)):
+        if threshold is not None:
+            monkeypatch.setattr(registry, "SMALL_DECODE_POSITIONS", threshold)
+        cache._step = None
+        step = cache.prepare(0, 2, 1, None, cache.dtype, cache.device, backend=backend)
+        plans[backend, threshold] = step.meta.decode_schedule is not None
+    assert plans == {("auto", None): False, ("flashmla", None): True, ("auto", 0): True}
+    assert seen == [(2, cache.max_blocks)] * 2
+    q = torch.empty(2, 1, 4, 576, dtype=torch.bfloat16)
+    call = registry.DecodeCall(q, torch.empty(6, 8, 576, dtype=torch.bfloat16),
+                               torch.zeros(2, 6, dtype=torch.int32), None, 1.0, True, "auto",
+                               None, 512)
+    monkeypatch.setattr(registry, "SMALL_DECODE_POSITIONS", 16384)
+    monkeypatch.setattr(registry, "hopper_unmet", lambda q, what: None)     # as on an H100
+    monkeypatch.setattr(registry, "_flashmla_check", lambda: lambda call: None)
+    assert "triton kernel is faster" in registry._flashmla_unmet(call, True)
+    assert registry._flashmla_unmet(call, False) is None                    # asked by name
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="FlashMLA needs a GPU")
-def test_captured_flashmla_step_launches_no_clamp_kernels():
+def test_captured_flashmla_step_launches_no_clamp_kernels(flashmla_at_every_size):
     """Captured with FlashMLA, the step's decode calls read the plan's bounded inputs: no
     eager clamp kernels in the replay, one scheduler kernel (on its side stream), and the
     eager step's logits (bf16 tolerance: Inductor fuses the norms differently)."""

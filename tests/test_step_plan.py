@@ -133,7 +133,7 @@ def test_step_layout_names_the_fields_once():
 
 @gpu
 @pytest.mark.parametrize("backend", ["auto", "reference"])
-def test_compiled_decode_steps_plan_as_torch_ops(backend):
+def test_compiled_decode_steps_plan_as_torch_ops(backend, flashmla_at_every_size):
     """Twelve compiled decode steps on CUDA (the plan and commit kernels; crossing block
     boundaries, one row reaching max_cache_len at the last step): the plan each step hands
     the layers and the state after it equal those of the same steps on a CPU twin (the

@@ -40,5 +40,5 @@ lowering.config.validate (MLA_VALIDATE=1), as they cost a device->host sync.
 """
 from lowering.decode.entry import (BACKENDS, FP8Q_BACKENDS, BackendUnavailable,  # noqa: F401
                                    backend_choices, bound_decode_inputs, decode_schedule,
-                                   mla_decode, mla_decode_fp8q, record_choice, select_backend,
-                                   uses_flashmla)
+                                   flashmla_pays, mla_decode, mla_decode_fp8q, record_choice,
+                                   select_backend, uses_flashmla)

@@ -13,11 +13,11 @@ import torch
 from lowering.checks import (canonical_kv_cache_dtype, check_decode_args, check_decode_values,
                              check_fp8q_args, check_table_and_lengths, wants_value_checks)
 from lowering.decode.registry import (BACKENDS, FP8Q_BACKENDS, TABLE, BackendUnavailable,
-                                      DecodeCall, choose_route, route_for)
+                                      DecodeCall, choose_route, flashmla_pays, route_for)
 
 __all__ = ["mla_decode", "mla_decode_fp8q", "BACKENDS", "FP8Q_BACKENDS", "BackendUnavailable",
            "DecodeCall", "select_backend", "backend_choices", "decode_schedule",
-           "uses_flashmla", "bound_decode_inputs", "run_decode", "record_choice"]
+           "uses_flashmla", "flashmla_pays", "bound_decode_inputs", "run_decode", "record_choice"]
 
 # route name -> number of eager decode calls it served (read by the inspection tool).
 backend_choices: Counter = Counter()
@@ -58,12 +58,13 @@ def run_decode(call: DecodeCall, query: str = "bf16", backend: str = "auto"):
 
 
 def select_backend(q, kv_cache, *, kv_cache_dtype="auto", backend="auto",
-                   head_dim_v=None) -> str:
+                   head_dim_v=None, block_table=None) -> str:
     """Name of the mla_decode backend that would serve a call with this q and cache
-    (raises BackendUnavailable if none can)."""
+    (raises BackendUnavailable if none can). block_table: the call's, whose width enters
+    the choice below 64 heads (flashmla_pays); without it that rule is left out."""
     kind = canonical_kv_cache_dtype(kv_cache_dtype)
     head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
-    call = DecodeCall(q, kv_cache, None, None, 1.0, True, kind, None, head_dim_v)
+    call = DecodeCall(q, kv_cache, block_table, None, 1.0, True, kind, None, head_dim_v)
     return choose_route(call, "bf16", backend).backend
 
 
@@ -72,7 +73,9 @@ def uses_flashmla(device, q_dtype, num_heads: int, width: int, block_size: int,
     """Whether a decode call with these properties (q [B, s_q, num_heads, width] of q_dtype
     over a cache of block_size rows of width) would run on the flashmla backend: for an
     fp8 q (float8_e4m3fn, an mla_decode_fp8q call over an fp8 cache), whether FlashMLA's
-    fp8 kernel would run when handed decode_schedule(..., fp8q=True).
+    fp8 kernel would run when handed decode_schedule(..., fp8q=True). Below 64 heads
+    backend="auto" gives a bf16 call to FlashMLA only where flashmla_pays(num_heads, B,
+    max_len) of the call's shapes also holds (plain arithmetic: ask it per step).
 
     Plain Python (imports, device queries): call it outside compiled code and keep the
     answer, e.g. when a cache is built.

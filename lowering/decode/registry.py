@@ -161,8 +161,30 @@ def _gluon_fp8q_check():
     return gluon_fp8q_unmet
 
 
+# Below 64 heads FlashMLA's tile still holds 64 query rows, and its scheduler and combine
+# kernels cost 10-25 µs a step. At 16 heads on an H200 (BENCHMARKS.md, "16-head decode")
+# the Triton kernel was as fast or faster up to this many cached positions a call
+# (batch x block-table width: 15.6 vs 23.2 µs at 1 x 4096, 18.4 vs 18.3 at 8 x 2048,
+# FlashMLA's schedule not counted), and slower past it (25.6 vs 22.3 at 32 x 1024).
+SMALL_DECODE_POSITIONS = 16384
+
+
+def flashmla_pays(num_heads: int, batch: int, max_len: int) -> bool:
+    """Whether backend="auto" gives a bf16 decode call of these shapes to FlashMLA (where
+    FlashMLA serves it): from 64 heads always, below only past SMALL_DECODE_POSITIONS
+    positions (batch x max_len, max_len = block-table width x block size)."""
+    return num_heads >= 64 or batch * max_len > SMALL_DECODE_POSITIONS
+
+
 def _flashmla_unmet(call, auto):
-    return _hopper_route_unmet(call, auto, "FlashMLA's dense decode", _flashmla_check)
+    reason = _hopper_route_unmet(call, auto, "FlashMLA's dense decode", _flashmla_check)
+    if reason is None and auto and call.block_table is not None:
+        B, H = call.q.shape[0], call.q.shape[2]
+        n = call.block_table.shape[1] * call.kv_cache.shape[1]
+        if not flashmla_pays(H, B, n):
+            return (f"at {H} heads and {B} x {n} cached positions the triton kernel is "
+                    f"faster (lowering.decode.registry.flashmla_pays)")
+    return reason
 
 
 def _gluon_unmet(call, auto):

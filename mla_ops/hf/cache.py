@@ -339,12 +339,16 @@ class PagedMLACache(Cache):
                                  f"pass device= to PagedMLACache")
             valid = None if S == 1 else step_ops.valid_tokens(attention_mask, B, S, self.seen)
             served = self._flashmla_fp8q_backends if fp8_query else self._flashmla_backends
+            # "auto" below 64 heads: FlashMLA only for calls of many positions (shapes only)
+            flashmla = S == 1 and backend in served and (
+                fp8_query or backend != "auto"
+                or lowering.flashmla_pays(self.num_heads, B, self.max_blocks * self.block_size))
             check = not compiling and first
             if check and S == 1 and self.room_for_decode(B):
                 check = False                   # known to fit: no host read this step
             self._step = step_ops.plan(self, B, S, valid,                  # valid: [B, S]
                                        check=check,
-                                       flashmla=S == 1 and backend in served, fp8q=fp8_query)
+                                       flashmla=flashmla, fp8q=fp8_query)
         return self._step
 
     def room_for_decode(self, B: int) -> bool:
