@@ -276,6 +276,10 @@ def test_auto_leaves_small_few_head_steps_to_triton(monkeypatch):
     monkeypatch.setattr(registry, "_flashmla_check", lambda: lambda call: None)
     assert "triton kernel is faster" in registry._flashmla_unmet(call, True)
     assert registry._flashmla_unmet(call, False) is None                    # asked by name
+    big = call._replace(block_table=torch.zeros(2, 4096, dtype=torch.int32))  # 2 x 32768
+    assert registry._flashmla_unmet(big, True) is None
+    # an eager call's remembered choice is per size class too
+    assert registry.call_class(call, "bf16", "auto") != registry.call_class(big, "bf16", "auto")
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="FlashMLA needs a GPU")

@@ -297,13 +297,16 @@ _chosen: dict = {}
 
 
 def call_class(call: DecodeCall, query: str, backend: str) -> tuple:
-    """What a route's unmet() reads of a call: devices, dtypes, widths, settings."""
+    """What a route's unmet() reads of a call: devices, dtypes, widths, settings, and
+    the answer of flashmla_pays for its batch and table width."""
     q, kv = call.q, call.kv_cache
     device = q.device
+    pays = (None if call.block_table is None else
+            flashmla_pays(q.shape[2], q.shape[0], call.block_table.shape[1] * kv.shape[1]))
     return (query, backend, device, q.dtype, kv.dtype, call.kind, q.shape[2], q.shape[3],
             kv.shape[1], call.head_dim_v, call.out_dtype, call.schedule is None,
             call.q_scale is None, config.batch_invariant,
-            device.type == "cuda" or _interpreting())
+            device.type == "cuda" or _interpreting(), pays)
 
 
 def route_for(call: DecodeCall, query: str, backend: str) -> Route:
