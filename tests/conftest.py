@@ -1,4 +1,5 @@
 import os
+import re
 
 import torch
 
@@ -17,3 +18,18 @@ def flashmla_at_every_size(monkeypatch):
     the Triton kernel)."""
     from lowering.decode import registry
     monkeypatch.setattr(registry, "SMALL_DECODE_POSITIONS", 0)
+
+
+# Tests that need a GPU: marked `gpu` explicitly, or skipped without CUDA by a skipif whose
+# reason says so; `pytest -m gpu tests` runs just those on a GPU machine (the whole suite
+# there also runs the CPU tests and the tests that take either device).
+_NEEDS_GPU = re.compile(r"\bneeds? (a |two )?(CUDA|GPU)|runs on CUDA")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            continue
+        if any(_NEEDS_GPU.search(str(m.kwargs.get("reason", "")))
+               for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.gpu)
