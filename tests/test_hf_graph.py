@@ -278,6 +278,8 @@ def test_auto_leaves_small_few_head_steps_to_triton(monkeypatch):
     assert registry._flashmla_unmet(call, False) is None                    # asked by name
     big = call._replace(block_table=torch.zeros(2, 4096, dtype=torch.int32))  # 2 x 32768
     assert registry._flashmla_unmet(big, True) is None
+    with pytest.raises(ValueError, match="block_table must have 2 dims"):
+        lowering.select_backend(q, call.kv_cache, block_table=torch.zeros(6, dtype=torch.int32))
     # an eager call's remembered choice is per size class too
     assert registry.call_class(call, "bf16", "auto") != registry.call_class(big, "bf16", "auto")
 

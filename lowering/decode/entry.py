@@ -11,7 +11,8 @@ from collections import Counter
 import torch
 
 from lowering.checks import (canonical_kv_cache_dtype, check_decode_args, check_decode_values,
-                             check_fp8q_args, check_table_and_lengths, wants_value_checks)
+                             check_fp8q_args, check_table_and_lengths, check_tensor,
+                             wants_value_checks)
 from lowering.decode.registry import (BACKENDS, FP8Q_BACKENDS, TABLE, BackendUnavailable,
                                       DecodeCall, choose_route, flashmla_pays, route_for)
 
@@ -62,6 +63,8 @@ def select_backend(q, kv_cache, *, kv_cache_dtype="auto", backend="auto",
     """Name of the mla_decode backend that would serve a call with this q and cache
     (raises BackendUnavailable if none can). block_table: the call's, whose width enters
     the choice below 64 heads (flashmla_pays); without it that rule is left out."""
+    if block_table is not None:
+        check_tensor("block_table", block_table, ndim=2)
     kind = canonical_kv_cache_dtype(kv_cache_dtype)
     head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
     call = DecodeCall(q, kv_cache, block_table, None, 1.0, True, kind, None, head_dim_v)

@@ -176,14 +176,22 @@ def flashmla_pays(num_heads: int, batch: int, max_len: int) -> bool:
     return num_heads >= 64 or batch * max_len > SMALL_DECODE_POSITIONS
 
 
+def _pays(call) -> Optional[bool]:
+    """flashmla_pays of a call's heads, batch and table width (None: no block table)."""
+    if call.block_table is None:
+        return None
+    return flashmla_pays(call.q.shape[2], call.q.shape[0],
+                         call.block_table.shape[1] * call.kv_cache.shape[1])
+
+
 def _flashmla_unmet(call, auto):
     reason = _hopper_route_unmet(call, auto, "FlashMLA's dense decode", _flashmla_check)
-    if reason is None and auto and call.block_table is not None:
+    pays = _pays(call) if reason is None and auto else None
+    if pays is not None and not pays:          # (a traced SymBool is not `False`)
         B, H = call.q.shape[0], call.q.shape[2]
         n = call.block_table.shape[1] * call.kv_cache.shape[1]
-        if not flashmla_pays(H, B, n):
-            return (f"at {H} heads and {B} x {n} cached positions the triton kernel is "
-                    f"faster (lowering.decode.registry.flashmla_pays)")
+        return (f"at {H} heads and {B} x {n} cached positions the triton kernel is "
+                f"faster (lowering.decode.registry.flashmla_pays)")
     return reason
 
 
@@ -301,12 +309,10 @@ def call_class(call: DecodeCall, query: str, backend: str) -> tuple:
     the answer of flashmla_pays for its batch and table width."""
     q, kv = call.q, call.kv_cache
     device = q.device
-    pays = (None if call.block_table is None else
-            flashmla_pays(q.shape[2], q.shape[0], call.block_table.shape[1] * kv.shape[1]))
     return (query, backend, device, q.dtype, kv.dtype, call.kind, q.shape[2], q.shape[3],
             kv.shape[1], call.head_dim_v, call.out_dtype, call.schedule is None,
             call.q_scale is None, config.batch_invariant,
-            device.type == "cuda" or _interpreting(), pays)
+            device.type == "cuda" or _interpreting(), _pays(call))
 
 
 def route_for(call: DecodeCall, query: str, backend: str) -> Route:
