@@ -150,6 +150,101 @@ def test_q_rope_torch_path_equals_hf(interleave):
     assert torch.equal(y[..., P:], q_hf.transpose(1, 2))
 
 
+def _complex_angles(T, H, g):
+    """V2's freqs_cis rows as (cos, sin) [T, H] fp32: angles pos * theta^(-2j / R), scaled."""
+    pos = torch.randint(0, 5000, (T, 1), generator=g).double()
+    freqs = pos / 10000 ** (torch.arange(H, dtype=torch.float64) / H)
+    return (freqs.cos() * 1.1).float(), (freqs.sin() * 1.1).float()
+
+
+def _rope_complex64(x, cos, sin):
+    """float64 V2 RoPE of x [..., R]: pair j = (x[2j], x[2j+1]) times cos_j + i sin_j, in place."""
+    c, s = cos.double(), sin.double()
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
+
+
+# split, tokens, heads, P, R, L: one token and one split, a head count not a power of two
+# and more heads than one program takes, R / 2 not a power of two, V2-Lite's widths
+V2_CASES = [
+    (1, 1, 2, 20, 12, 40),
+    (3, 5, 19, 24, 10, 48),
+    (2, 3, 3, 16, 6, 20),
+    (4, 32, 16, 128, 64, 512),
+]
+
+
+@pytest.mark.parametrize("S,T,N,P,R,L", V2_CASES)
+def test_v2_kernel_vs_fp64(S, T, N, P, R, L):
+    g = torch.Generator().manual_seed(S * 100 + T + N)
+    dt, tol = (torch.bfloat16, 2e-2) if DEV == "cuda" else (torch.float32, 1e-5)
+    NQ = N * (P + R)
+    part = torch.randn(S, T, NQ + L + R, generator=g, dtype=torch.float64) * 3
+    w_kv = (1 + 0.5 * torch.randn(L, generator=g, dtype=torch.float64)).to(dt)
+    cos, sin = _complex_angles(T, R // 2, g)
+    x = part.sum(0)
+    q = x[:, :NQ].reshape(T, N, P + R)
+    kv, k = x[:, NQ:NQ + L], x[:, NQ + L:]
+    ref_q = torch.cat([q[..., :P], _rope_complex64(q[..., P:], cos[:, None], sin[:, None])], -1)
+    ref_kv = kv / torch.sqrt((kv * kv).mean(-1, keepdim=True) + 1e-6) * w_kv.double()
+    ref_k = _rope_complex64(k, cos, sin)
+    q_out = torch.empty(T, NQ, dtype=dt, device=DEV)
+    kv_out = torch.empty(T, L + R, dtype=dt, device=DEV)
+    prologue.launch_v2(part.float().to(DEV), w_kv.to(DEV), cos.to(DEV), sin.to(DEV), 1e-6, N,
+                       q_out, kv_out)
+    q_out = q_out.view(T, N, P + R)
+    assert _rel(q_out[..., :P], ref_q[..., :P]) < tol
+    assert _rel(q_out[..., P:], ref_q[..., P:]) < tol
+    assert _rel(kv_out[:, :L], ref_kv) < tol
+    assert _rel(kv_out[:, L:], ref_k) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_v2_torch_path_equals_hf(dtype):
+    """Off the kernel (CPU) mla::decode_q_kv_rope computes what HF's DeepSeek-V2 attention
+    does to q_proj's and kv_a's outputs (its RMSNorm module, apply_rotary_emb on freqs_cis),
+    bit for bit."""
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
+    g = torch.Generator().manual_seed(3)
+    S, B, N, P, R, L = 3, 4, 5, 16, 8, 24
+    NQ = N * (P + R)
+    part = (torch.randn(S, B, 1, NQ + L + R, generator=g) * 3).float()       # [S, B, 1, W]
+    cos, sin = _complex_angles(B, R // 2, g)
+    freqs = torch.complex(cos, sin)[:, None]                                  # [B, 1, R/2]
+    nkv = m.DeepseekV2RMSNorm(L, eps=1e-6)
+    with torch.no_grad():
+        nkv.weight.copy_(1 + 0.5 * torch.randn(L, generator=g))
+    nkv = nkv.to(dtype)
+    q, kv_row = torch.ops.mla.decode_q_kv_rope(part, nkv.weight, freqs.real, freqs.imag,
+                                               1e-6, N)
+    x = part.sum(0).to(dtype)                                                 # [B, 1, W]
+    q_hf = x[..., :NQ].view(B, 1, N, P + R).transpose(1, 2)                   # [B, N, 1, P+R]
+    k_hf = x[..., NQ + L:].view(B, 1, 1, R)
+    q_pe, k_pe = m.apply_rotary_emb(q_hf[..., P:], k_hf, freqs)
+    assert q.shape == (B, 1, N, P + R) and kv_row.shape == (B, 1, L + R)
+    assert torch.equal(q[..., :P], q_hf.transpose(1, 2)[..., :P])
+    assert torch.equal(q[..., P:], q_pe.transpose(1, 2))
+    with torch.no_grad():
+        assert torch.equal(kv_row[..., :L], nkv(x[..., NQ:NQ + L]))
+    assert torch.equal(kv_row[..., L:], k_pe.reshape(B, 1, R))
+
+
+def test_v2_bad_input_is_named():
+    op = torch.ops.mla.decode_q_kv_rope
+    part, w_kv, cs = torch.randn(2, 3, 2 * 12 + 8 + 4), torch.ones(8), torch.ones(3, 2)
+    op(part, w_kv, cs, cs, 1e-6, 2)                                           # fits
+    with pytest.raises(TypeError, match="part"):
+        op(part.bfloat16(), w_kv, cs, cs, 1e-6, 2)
+    with pytest.raises(ValueError, match="num_heads"):
+        op(part, w_kv, cs, cs, 1e-6, 5)
+    with pytest.raises(ValueError, match="sin"):
+        op(part, w_kv, cs, torch.ones(2, 2), 1e-6, 2)
+    with pytest.raises(ValueError, match="w_kv"):
+        op(part, torch.ones(8, 1), cs, cs, 1e-6, 2)
+    with pytest.raises(TypeError, match="cos must be a floating"):
+        op(part, w_kv, cs.long(), cs, 1e-6, 2)
+
+
 def test_bad_input_is_named():
     part = torch.randn(2, 3, 10 + 8 + 4)
     w_q, w_kv, cs = torch.ones(10), torch.ones(8), torch.ones(3, 4)
@@ -176,19 +271,27 @@ def test_bad_input_is_named():
         op(part, w_q, w_kv, cs.long(), cs, 1e-6, 1e-6, True)
 
 
-def _v3_attention_model():
+def _v3_attention_model(family="v3"):
     """A one-layer DeepseekV3ForCausalLM with DeepSeek-V3's attention shapes (hidden 7168,
     128 heads, q_lora 1536), a small dense MLP and vocabulary, bf16 on CUDA, weights
-    N(0, 1 / fan_in) so activations stay O(1)."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-    cfg = DeepseekV3Config(vocab_size=256, hidden_size=7168, intermediate_size=256,
-                           num_hidden_layers=1, num_attention_heads=128, num_key_value_heads=128,
-                           q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
-                           qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=1,
-                           rope_interleave=True, max_position_embeddings=8192)
+    N(0, 1 / fan_in) so activations stay O(1). family "v2-lite": a DeepseekV2ForCausalLM
+    with DeepSeek-V2-Lite's attention (hidden 2048, 16 heads, no q_lora) instead."""
+    from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
+                              DeepseekV3ForCausalLM)
+    common = dict(vocab_size=256, intermediate_size=256, num_hidden_layers=1,
+                  kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                  first_k_dense_replace=1, max_position_embeddings=8192)
+    if family == "v2-lite":
+        cfg = DeepseekV2Config(hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
+                               q_lora_rank=None, **common)
+        cls = DeepseekV2ForCausalLM
+    else:
+        cfg = DeepseekV3Config(hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
+                               q_lora_rank=1536, rope_interleave=True, **common)
+        cls = DeepseekV3ForCausalLM
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).eval()
+        model = cls(cfg).to(torch.bfloat16).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2 and "embed" not in name:
@@ -241,24 +344,59 @@ def test_v3_attention_prologue_matches_hf_modules(rows):
 
 
 @gpu
-def test_v3_shaped_decode_graph_logits_match_hf():
-    """End to end at V3's attention shapes: a prefill (24 rows, fused too) and captured
-    DecodeGraph steps (with the absorbed query in one op), teacher-forced, against the
-    unconverted model with a DynamicCache."""
+@pytest.mark.parametrize("rows", [1, 32])
+def test_v2_lite_attention_prologue_matches_hf_modules(rows):
+    """At DeepSeek-V2-Lite's attention shapes (no q_lora) the converted layer takes the V2
+    prologue (q_proj + kv_a partials, then mla::decode_q_kv_rope) and matches HF's modules
+    and apply_rotary_emb on the same hidden states."""
+    import mla_ops.hf
+    from mla_ops.hf.linear import q_kv_rope_prologue
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
+    model = mla_ops.hf.convert(_v3_attention_model("v2-lite"))
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(rows, 1, 2048, device="cuda", dtype=torch.bfloat16)
+    pos = torch.randint(0, 8000, (rows, 1), device="cuda")
+    freqs = model.model.rotary_emb(x, pos)                                # [rows, 1, 32]
+    with torch.no_grad():
+        fused = q_kv_rope_prologue(attn, x, freqs)
+        assert fused is not None, "V2-Lite shapes should take the fused prologue"
+        q, kv_row = fused
+        q_hf = attn.q_proj(x).view(rows, 1, 16, 192).transpose(1, 2)
+        kv = attn.kv_a_proj_with_mqa(x)
+        k = kv[..., 512:].reshape(rows, 1, 1, 64)
+        q_pe, k_pe = m.apply_rotary_emb(q_hf[..., 128:], k, freqs)
+        ref_kv = torch.cat([attn.kv_a_layernorm(kv[..., :512]), k_pe.reshape(rows, 1, 64)], -1)
+    assert q.shape == (rows, 1, 16, 192) and kv_row.shape == ref_kv.shape
+    assert _rel(q[..., :128], q_hf.transpose(1, 2)[..., :128].double().cpu()) < 2e-2
+    assert _rel(q[..., 128:], q_pe.transpose(1, 2).double().cpu()) < 2e-2
+    assert _rel(kv_row[..., :512], ref_kv[..., :512].double().cpu()) < 2e-2
+    assert _rel(kv_row[..., 512:], ref_kv[..., 512:].double().cpu()) < 2e-2
+
+
+@gpu
+@pytest.mark.parametrize("family", ["v3", "v2-lite"])
+def test_v3_shaped_decode_graph_logits_match_hf(family):
+    """End to end at V3's (V2-Lite's) attention shapes: a prefill (24 rows, fused too) and
+    captured DecodeGraph steps (V3: with the absorbed query in one op), teacher-forced,
+    against the unconverted model with a DynamicCache."""
     import copy
     import mla_ops.hf as H
     from hf_models import logit_err
-    from mla_ops.hf.linear import absorbed_decode_query, qkv_a_prologue
+    from mla_ops.hf.linear import absorbed_decode_query, q_kv_rope_prologue, qkv_a_prologue
     from transformers import DynamicCache
-    ref = _v3_attention_model()
+    ref = _v3_attention_model(family)
     model = H.convert(copy.deepcopy(ref))
     B, S0 = 4, 6
-    x = torch.zeros(B, 1, 7168, device="cuda", dtype=torch.bfloat16)
+    attn = model.model.layers[0].self_attn
+    x = torch.zeros(B, 1, ref.config.hidden_size, device="cuda", dtype=torch.bfloat16)
     pe = model.model.rotary_emb(x, torch.zeros(B, 1, dtype=torch.long, device="cuda"))
     with torch.no_grad():
-        fused = qkv_a_prologue(model.model.layers[0].self_attn, x, pe)
-        assert fused is not None
-        assert absorbed_decode_query(model.model.layers[0].self_attn, fused[0], pe) is not None
+        if family == "v3":
+            fused = qkv_a_prologue(attn, x, pe)
+            assert fused is not None
+            assert absorbed_decode_query(attn, fused[0], pe) is not None
+        else:
+            assert q_kv_rope_prologue(attn, x, pe) is not None
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(3, 256, (B, S0), generator=g).cuda()
     pos = torch.arange(S0, device="cuda").expand(B, S0)

@@ -1,5 +1,5 @@
-"""The attention prologue of a decode step as a graph op, after the q_a + kv_a GEMM's
-split-K partials:
+"""The attention prologue of a decode step as graph ops, after the GEMM's split-K partials.
+DeepSeek-V3 (after q_a + kv_a):
 
     mla::decode_qkv_prologue(part [S, *lead, NQ + L + R] fp32, w_q [NQ], w_kv [L],
                              cos [*lead, R], sin [*lead, R], eps_q, eps_kv, interleave)
@@ -8,7 +8,17 @@ split-K partials:
     q_out  = RMSNorm(sum(part)[..., :NQ]) * w_q                            (q_a_layernorm)
     kv_row = [RMSNorm(sum(part)[..., NQ:NQ+L]) * w_kv | RoPE(sum(part)[..., NQ+L:])]
 
-On CUDA one Triton launch (at most MAX_ROWS tokens; roundings in prologue_kernel.py);
+DeepSeek-V2 without q_lora (after q_proj + kv_a; RoPE on the complex pairs of V2's
+freqs_cis, whose real and imaginary parts are cos / sin):
+
+    mla::decode_q_kv_rope(part [S, *lead, NQ + L + R] fp32, w_kv [L], cos [*lead, R / 2],
+                          sin [*lead, R / 2], eps_kv, num_heads)
+        -> (q [*lead, NH, NQ / NH], kv_row [*lead, L + R])   in w_kv's dtype
+
+    q      = sum(part)[..., :NQ] as NH heads, each with RoPE on its last R columns
+    kv_row = [RMSNorm(sum(part)[..., NQ:NQ+L]) * w_kv | RoPE(sum(part)[..., NQ+L:])]
+
+On CUDA one Triton launch each (at most MAX_ROWS tokens; roundings in prologue_kernel.py);
 elsewhere HF's own steps in torch ops, bit for bit what its modules and RoPE functions
 compute. Defined with torch.library.triton_op, so Inductor sees the kernel in the graph.
 The query's RoPE after q_b is q_rope.py's op; q_b, RoPE and absorption in one launch
@@ -46,9 +56,12 @@ def _check(part, w_q, w_kv, cos, sin):
     return NQ, L, R
 
 
+HEADS = 16          # V2 query heads per program of the prologue kernel
+
+
 def launch(part, w_q, w_kv, cos, sin, eps_q, eps_kv, interleave, q_out, kv_out):
-    """Run qkv_prologue_kernel: part [S, T, NQ + L + R] fp32 contiguous, cos / sin [T, R]
-    (last dim contiguous), q_out [T, NQ], kv_out [T, L + R] contiguous."""
+    """Run qkv_prologue_kernel for V3: part [S, T, NQ + L + R] fp32 contiguous, cos / sin
+    [T, R] (last dim contiguous), q_out [T, NQ], kv_out [T, L + R] contiguous."""
     S, T, _ = part.shape
     NQ, L = w_q.shape[0], w_kv.shape[0]
     R = part.shape[-1] - NQ - L
@@ -58,7 +71,23 @@ def launch(part, w_q, w_kv, cos, sin, eps_q, eps_kv, interleave, q_out, kv_out):
         part.stride(0), cos.stride(0), eps_q, eps_kv,
         SPLIT=S, NQ=NQ, L=L, R=R, BLOCK_Q=triton.next_power_of_2(NQ),
         BLOCK_L=triton.next_power_of_2(L), BLOCK_H=triton.next_power_of_2(R // 2),
-        INTERLEAVE=interleave, num_warps=4)
+        ROPE=1 if interleave else 0, Q_ROPE=False, NH=1, HEADS=1, BLOCK_P=1, num_warps=4)
+
+
+def launch_v2(part, w_kv, cos, sin, eps_kv, num_heads, q_out, kv_out):
+    """Run qkv_prologue_kernel for V2: part [S, T, NQ + L + R] fp32 contiguous, cos / sin
+    [T, >= R / 2] (last dim contiguous), q_out [T, NQ], kv_out [T, L + R] contiguous."""
+    S, T, W = part.shape
+    NQ, L = q_out.shape[-1], w_kv.shape[0]
+    R = W - NQ - L
+    heads = min(HEADS, triton.next_power_of_2(num_heads))
+    kernel = torch.library.wrap_triton(qkv_prologue_kernel)
+    kernel[(T, 1 + triton.cdiv(num_heads, heads))](
+        part, w_kv, w_kv, cos, sin, q_out, kv_out,
+        part.stride(0), cos.stride(0), 0.0, eps_kv,
+        SPLIT=S, NQ=NQ, L=L, R=R, BLOCK_Q=1, BLOCK_L=triton.next_power_of_2(L),
+        BLOCK_H=triton.next_power_of_2(R // 2), ROPE=2, Q_ROPE=True, NH=num_heads,
+        HEADS=heads, BLOCK_P=triton.next_power_of_2(NQ // num_heads - R), num_warps=4)
 
 
 @torch.library.triton_op("mla::decode_qkv_prologue", mutates_args={})
@@ -80,3 +109,58 @@ def decode_qkv_prologue(part: torch.Tensor, w_q: torch.Tensor, w_kv: torch.Tenso
     kv_out = torch.empty((T, L + R), dtype=w_q.dtype, device=part.device)
     launch(p, w_q, w_kv, c, s, float(eps_q), float(eps_kv), bool(interleave), q_out, kv_out)
     return q_out.view(*lead, NQ), kv_out.view(*lead, L + R)
+
+
+def rope_complex_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V2's RoPE (HF's apply_rotary_emb) of x [..., R] by the angles whose cos / sin
+    [..., R / 2] (broadcastable) are its freqs_cis: the complex product in fp32, rounded once."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * torch.complex(cos.float(), sin.float())).flatten(-2).type_as(x)
+
+
+def _check_v2(part, w_kv, cos, sin, num_heads):
+    check_angles(cos, sin)
+    if part.dim() < 2 or part.dtype != torch.float32:
+        raise TypeError(f"part must be fp32 [split, *lead, NQ + L + R] partial sums, got "
+                        f"{part.dtype} {tuple(part.shape)}")
+    if w_kv.dim() != 1 or w_kv.device != part.device or not w_kv.is_floating_point():
+        raise ValueError(f"w_kv must be a 1-D floating tensor on {part.device}, got "
+                         f"{w_kv.dtype} {tuple(w_kv.shape)} on {w_kv.device}")
+    H = cos.shape[-1] if cos.dim() else 0
+    L, R = w_kv.shape[0], 2 * H
+    NQ = part.shape[-1] - L - R
+    if not isinstance(num_heads, int) or num_heads < 1 or H < 1 or NQ <= 0 \
+            or NQ % num_heads or NQ // num_heads <= R:
+        raise ValueError(f"part's last dim {part.shape[-1]} must be num_heads={num_heads} "
+                         f"heads of P + R columns (R = 2 x cos's last dim {H}, P > 0) + L={L}"
+                         f" + R")
+    want = (*part.shape[1:-1], H)
+    for name, c in (("cos", cos), ("sin", sin)):
+        if tuple(c.shape) != want or c.device != part.device:
+            raise ValueError(f"{name} must be {want} on {part.device} (one row of angles per "
+                             f"token), got {tuple(c.shape)} on {c.device}")
+    return NQ, L, R
+
+
+@torch.library.triton_op("mla::decode_q_kv_rope", mutates_args={})
+def decode_q_kv_rope(part: torch.Tensor, w_kv: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, eps_kv: float,
+                     num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    NQ, L, R = _check_v2(part, w_kv, cos, sin, num_heads)
+    lead, dt = part.shape[1:-1], w_kv.dtype
+    T = part[0].numel() // part.shape[-1]
+    if decode_rows_unmet(part.device, dt, T) is not None:
+        x = part.sum(0).to(dt)                                            # [*lead, NQ+L+R]
+        q, kv, k = x.split([NQ, L, R], dim=-1)
+        q = q.reshape(*lead, num_heads, NQ // num_heads)
+        c, s = cos[..., None, :], sin[..., None, :]                       # [*lead, 1, R/2]
+        q = torch.cat([q[..., :-R], rope_complex_torch(q[..., -R:], c, s)], dim=-1)
+        kv_row = torch.cat([rms_norm_torch(kv, w_kv, eps_kv), rope_complex_torch(k, cos, sin)],
+                           dim=-1)
+        return q, kv_row
+    p = part.reshape(part.shape[0], -1, part.shape[-1]).contiguous()      # [S, T, NQ+L+R]
+    c, s = (a.reshape(T, R // 2).float().contiguous() for a in (cos, sin))  # fp32, as V2's
+    q_out = torch.empty((T, NQ), dtype=dt, device=part.device)
+    kv_out = torch.empty((T, L + R), dtype=dt, device=part.device)
+    launch_v2(p, w_kv, c, s, float(eps_kv), num_heads, q_out, kv_out)
+    return q_out.view(*lead, num_heads, NQ // num_heads), kv_out.view(*lead, L + R)

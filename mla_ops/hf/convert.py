@@ -14,7 +14,7 @@ from mla_ops.hf.generate import check_cache_options, generation_class
 from mla_ops.hf.layer import convert_layers
 from mla_ops.hf.linear import (absorbed_decode_query, convertible_head, decode_head_class,
                                fusable_mlp, fused_mlp_class, linear, linear_pair,
-                               qkv_a_prologue)
+                               q_kv_rope_prologue, qkv_a_prologue)
 from mla_ops.hf.moe import convert_moe
 from mla_ops.hf.v32 import v32_forward
 from mla_ops.hf.tensor_parallel import prepare_shard, shard, tp_plan_group
@@ -60,10 +60,16 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     # decode (CUDA, split-K GEMM): both norms and the key's RoPE in one op after the GEMM;
     # for decode rows then q_b, the query's RoPE and its absorption in another
     # (a family with a query scale never takes it: it scales q below)
-    fused = (qkv_a_prologue(self, hidden_states, position_embeddings)
-             if self.mla_query_scale is None else None)
+    fused = v2_fused = None
+    if self.mla_query_scale is None:
+        fused = qkv_a_prologue(self, hidden_states, position_embeddings)
+        if fused is None:     # V2 without q_lora: the key norm and both RoPEs in one op
+            v2_fused = q_kv_rope_prologue(self, hidden_states, position_embeddings)
     q = decode_q = None
-    if fused is not None:
+    if v2_fused is not None:
+        q, kv_row = v2_fused                                  # [B, S, N, P+R], [B, S, L+R]
+        kv_row = kv_row.reshape(T, L + R)
+    elif fused is not None:
         q_a, kv_row = fused                                   # [B, S, q_lora], [B, S, L+R]
         kv_row = kv_row.reshape(T, L + R)
         if step.meta.num_decode_tokens == T:                  # (then step.perm is None)

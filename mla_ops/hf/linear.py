@@ -1,6 +1,7 @@
 """A converted layer's weight GEMMs through the decode GEMM ops (lowering/gemm/linear.py), and
-the attention prologue after the q_a + kv_a GEMM through lowering/fused/prologue.py's op (for
-decode rows the query's q_b, RoPE and absorption as lowering/fused/q_absorb.py's).
+the attention prologue after the q_a + kv_a GEMM (V2 without q_lora: q_proj + kv_a)
+through lowering/fused/prologue.py's ops (for V3's decode rows the query's q_b, RoPE and
+absorption as lowering/fused/q_absorb.py's).
 
 A decode step reads each weight once for a few rows, so the layer's GEMMs are weight
 copies: q_a_proj + kv_a_proj_with_mqa share their input and run as one launch, gate_proj +
@@ -20,6 +21,7 @@ import torch.nn as nn
 from lowering import config as mla_config
 from lowering.fused import prologue  # noqa: F401  (registers mla::decode_qkv_prologue)
 from lowering.fused import q_rope  # noqa: F401  (registers mla::decode_q_rope)
+from lowering.fused.decode_rows import decode_rows_unmet
 from lowering.fused.q_absorb import q_absorb_unmet  # and mla::decode_q_absorb(_fp8)
 from lowering.gemm import linear as gemm  # registers the mla::decode_* GEMM ops
 from mla_ops.hf import fp8_linear as fp8
@@ -123,6 +125,29 @@ def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
     return torch.ops.mla.decode_qkv_prologue(
         parts, nq.weight, nkv.weight, cos, sin, float(nq.variance_epsilon),
         float(nkv.variance_epsilon), bool(attn.config.rope_interleave))
+
+
+def q_kv_rope_prologue(attn, x: torch.Tensor, position_embeddings):
+    """(q with RoPE [B, S, N, P + R], [kv_a_layernorm(kv_c) | RoPE(k_pe)] [B, S, L + R]) of a
+    DeepSeek-V2 attention without q_lora for the decode rows x [B, S, H]: the q_proj +
+    kv_a GEMM's fp32 partials (its config's K splits, maybe one), then one op
+    (mla::decode_q_kv_rope) for the key norm and both RoPEs on V2's complex pairs. None
+    where that path does not apply (another family, q_lora, a GEMM or rows the decode
+    kernels do not serve: then the caller runs the modules)."""
+    m1, m2 = attn.q_proj if attn.q_lora_rank is None else None, attn.kv_a_proj_with_mqa
+    if (attn.mla_family != "v2" or m1 is None or not use_ops(m1, m2)
+            or not hf_rms_norm(attn.kv_a_layernorm)
+            or not (isinstance(position_embeddings, torch.Tensor)
+                    and position_embeddings.is_complex())
+            or gemm.linear_unmet(x, m1.weight, m2.weight) is not None
+            or decode_rows_unmet(x.device, x.dtype, x.numel() // x.shape[-1]) is not None):
+        return None
+    split_k = gemm.pair_split_k(x, m1.weight, m2.weight)
+    parts = torch.ops.mla.decode_linear_pair_partials(x, m1.weight, m2.weight, split_k)
+    freqs = position_embeddings.to(x.device)                              # [B, S, R/2] complex
+    nkv = attn.kv_a_layernorm
+    return torch.ops.mla.decode_q_kv_rope(parts, nkv.weight, freqs.real, freqs.imag,
+                                          float(nkv.variance_epsilon), attn.mla_attn.num_heads)
 
 
 def absorbed_decode_query(attn, q_a: torch.Tensor, position_embeddings):
