@@ -9,7 +9,8 @@ mode the converted model uses (q_a + kv_a in one launch, gate + up with SiLU x u
 launch), best of CONFIGS, each checked against cuBLAS first. Prints the best configs as
 the `lowering.gemm.linear.CONFIGS` entries they are.
 
-    python benchmarks/bench_layer_gemms.py          # H200: V3 dims, M = 1 and 32
+    python benchmarks/bench_layer_gemms.py                   # H200: V3 dims, M = 1 and 32
+    python benchmarks/bench_layer_gemms.py --model v2-lite   # V2-Lite's dims
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from timing import (announce_ceiling, best_config, gemm_header, gemm_row,
 from lowering.gemm import linear
 
 # (name, mode, out_features (w1, w2), in_features) of V3's attention + dense MLP weights
-GEMMS = [
+V3_GEMMS = [
     ("q_a_proj + kv_a_proj_with_mqa", 1, (1536, 576), 7168),
     ("q_b_proj", 0, (128 * 192,), 1536),
     ("o_proj", 0, (7168,), 128 * 128),
@@ -32,6 +33,18 @@ GEMMS = [
     ("lm_head, V3 vocabulary (once per step)", 0, (129280,), 7168),
     ("lm_head, 2048-token vocabulary (the HF benchmark's)", 0, (2048,), 7168),
 ]
+# DeepSeek-V2-Lite: no q_lora (q_proj + kv_a in one launch), 16 heads, hidden 2048, dense
+# intermediate 10944, shared experts 2 x 1408
+V2_LITE_GEMMS = [
+    ("q_proj + kv_a_proj_with_mqa", 1, (16 * 192, 576), 2048),
+    ("o_proj", 0, (2048,), 16 * 128),
+    ("gate_proj, up_proj (+ SiLU x up), dense layer", 2, (10944, 10944), 2048),
+    ("down_proj, dense layer", 0, (2048,), 10944),
+    ("shared experts gate + up (+ SiLU x up)", 2, (2816, 2816), 2048),
+    ("shared experts down", 0, (2048,), 2816),
+    ("lm_head, 2048-token vocabulary (the HF benchmark's)", 0, (2048,), 2048),
+]
+MODELS = {"v3": V3_GEMMS, "v2-lite": V2_LITE_GEMMS}
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) swept
 SWEEP = [
@@ -98,7 +111,9 @@ def best_triton(mode, x, ws, ref, timer=None, show=False):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,32")
-    ap.add_argument("--gemms", default=None, help="indices into GEMMS to time, e.g. 0,2 (default: all)")
+    ap.add_argument("--model", default="v3", choices=sorted(MODELS), help="whose weight shapes")
+    ap.add_argument("--gemms", default=None,
+                    help="indices into the model's GEMMs to time, e.g. 0,2 (default: all)")
     add_timer_args(ap)
     args = ap.parse_args()
     timer = chosen_timer(args)
@@ -108,7 +123,8 @@ def main():
     for M in (int(m) for m in args.rows.split(",")):
         gemm_header(f"M = {M}", "weight MB", "Triton")
         tot_c = tot_t = tot_b = 0.0
-        chosen = GEMMS if args.gemms is None else [GEMMS[int(i)] for i in args.gemms.split(",")]
+        gemms = MODELS[args.model]
+        chosen = gemms if args.gemms is None else [gemms[int(i)] for i in args.gemms.split(",")]
         for name, mode, ns, k in chosen:
             ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for n in ns]
             x = torch.randn(M, k, device=dev, dtype=torch.bfloat16)

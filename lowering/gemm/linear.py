@@ -57,6 +57,21 @@ CONFIGS: dict[tuple, Optional[tuple[int, ...]]] = {
     (0, 129280, 7168, False): (64, 128, 4, 2),   # 32 rows:        434.4 µs (467.4)
     (0, 2048, 7168, True): (64, 128, 4, 4, 4),   # 1 row, split-K  15.1 µs (18.0)
     (0, 2048, 7168, False): (64, 128, 4, 4, 4),  # 32 rows, split-K 15.5 µs (18.5)
+    # DeepSeek-V2-Lite (hidden 2048, 16 heads, no q_lora), 1 row (32 rows within 5 %);
+    # benchmarks/bench_layer_gemms.py --model v2-lite --timer kernel, H200, 2026-12-02
+    (1, 3648, 2048, True): (64, 128, 4, 4, 2),   # q_proj + kv_a   6.9 µs (cuBLAS 14.5)
+    (0, 2048, 2048, True): (64, 128, 4, 4, 4),   # o_proj, head    5.0 µs (6.4)
+    (2, 10944, 2048, True): (64, 128, 4, 3),     # gate + up       30.7 µs (35.5)
+    (0, 2048, 10944, True): (64, 128, 4, 4, 4),  # down_proj       17.1 µs (19.7)
+    (2, 2816, 2048, True): (32, 256, 4, 4),      # shared gate+up  10.9 µs (15.2)
+    (0, 2048, 2816, True): (64, 128, 4, 4, 4),   # shared down     6.0 µs (8.1)
+    (1, 3648, 2048, False): (64, 128, 4, 4, 2),  # 32 rows         7.3 µs (14.2)
+    (0, 2048, 2048, False): (64, 128, 4, 4, 4),  #                 5.1 µs (6.6)
+    (2, 10944, 2048, False): (128, 128, 8, 3),   #                 31.6 µs (35.8; swept as 4
+    #                                             stages, which fit_stages trims to these 3)
+    (0, 2048, 10944, False): (64, 128, 4, 4, 4), #                 17.6 µs (19.1)
+    (2, 2816, 2048, False): (32, 256, 4, 4),     #                 11.6 µs (16.0; swept as 6, run as 4)
+    (0, 2048, 2816, False): (64, 128, 4, 4, 4),  #                 6.2 µs (8.5)
 }
 DEFAULT_CONFIG = (32, 256, 4, 4)
 
