@@ -75,10 +75,14 @@ def test_triton_matches_fp64(monkeypatch, B, s_q, H, page, lens, splits):
     check(out, lse, ref, ref_lse)
 
 
-@pytest.mark.parametrize("split_block", [4, 16])
-def test_merge_split_blocks_match_fp64(monkeypatch, split_block):
-    # The merge reads the splits in blocks: several blocks, the last one partial.
+@pytest.mark.parametrize("split_block,part_l", [(4, 64), (16, 64), (4, 16), (16, 32)])
+def test_merge_split_blocks_match_fp64(monkeypatch, split_block, part_l):
+    # The merge reads the splits in blocks: several blocks, the last one partial; with
+    # part_l < L each row is merged by L / part_l programs of part_l value columns.
     monkeypatch.setattr(td, "MERGE_SPLIT_BLOCK", split_block)
+    monkeypatch.setattr(td, "MERGE_PART_L", part_l)
+    assert td.merge_block_l(2, 4, 64, False) == min(part_l, 64)
+    assert td.merge_block_l(2, 4, 64, True) == 64          # batch-invariant: whole rows
     use_splits(monkeypatch, 11, 2)
     L, R = 64, 16
     q, kv, bt, cl = make_case(2, 2, 2, L, R, 16, [200, 3], DEV, seed=11)

@@ -163,6 +163,7 @@ def _launch(pick, q, kv_cache, block_table, cache_seqlens, scales, softmax_scale
 
     from lowering.decode.gluon_common import LOG2E
     from lowering.decode.merge_kernel import mla_decode_merge_kernel
+    from lowering.decode.triton_decode import merge_block_l
     from lowering.decode.registry import sm_count
     from lowering.decode.triton_decode import choose_num_splits, stage1_outputs
 
@@ -192,9 +193,10 @@ def _launch(pick, q, kv_cache, block_table, cache_seqlens, scales, softmax_scale
         S_Q=s_q, H=H, PAGE=page, BN=BN, STAGES=config["STAGES"], DIRECT=splits == 1,
         CAUSAL=causal, num_warps=NUM_WARPS)
     if splits > 1:
-        mla_decode_merge_kernel[(rows, B)](
+        bl = merge_block_l(B, rows, L, False)
+        mla_decode_merge_kernel[(rows, B, L // bl)](
             o1, l1, out, lse, splits, S_Q=s_q, H=H, L=L,
-            SPLIT_BLOCK=min(16, triton.next_power_of_2(splits)), num_warps=4)
+            SPLIT_BLOCK=min(16, triton.next_power_of_2(splits)), BLOCK_L=bl, num_warps=4)
     return out, lse
 
 

@@ -56,6 +56,18 @@ MIN_SPLIT_KEYS = 128      # never cut a request into splits shorter than this
 MAX_SPLITS = 64
 MERGE_SPLIT_BLOCK = 16    # splits the merge reads per step (fixed: batch invariance needs it)
 INVARIANT_CHUNK = 1024    # split size in batch-invariant mode (a multiple of every BLOCK_N)
+MERGE_PART_L = 64         # value columns per merge program where few rows are merged:
+MERGE_PARTS_MAX_ROWS = 64 # at most this many (request, query row) pairs (H200, 16 heads)
+
+
+def merge_block_l(B: int, rows: int, L: int, batch_invariant: bool) -> int:
+    """Value columns per merge program: MERGE_PART_L where B x rows is small (more programs
+    for a latency-bound merge), else the whole row. Batch-invariant mode keeps whole rows
+    (the tile shape fixes the reduction order)."""
+    if (batch_invariant or B * rows > MERGE_PARTS_MAX_ROWS or L <= MERGE_PART_L
+            or L % MERGE_PART_L):
+        return L
+    return MERGE_PART_L
 
 
 def block_m_for(rows: int) -> int:
@@ -154,8 +166,10 @@ def triton_decode(
         # fewer splits than a merge step: a smaller step (batch-invariant mode keeps one)
         sb = MERGE_SPLIT_BLOCK if batch_invariant else min(MERGE_SPLIT_BLOCK,
                                                            triton.next_power_of_2(splits))
-        torch.library.wrap_triton(mla_decode_merge_kernel)[(rows, B)](
-            o1, l1, out, lse, splits, S_Q=s_q, H=H, L=L, SPLIT_BLOCK=sb, num_warps=4)
+        bl = merge_block_l(B, rows, L, batch_invariant)
+        torch.library.wrap_triton(mla_decode_merge_kernel)[(rows, B, L // bl)](
+            o1, l1, out, lse, splits, S_Q=s_q, H=H, L=L, SPLIT_BLOCK=sb, BLOCK_L=bl,
+            num_warps=4)
     return out, lse
 
 
