@@ -10,7 +10,11 @@ Part "attention": causal attention with q/k 192 (nope 128 + rope 64), v 128, bf1
   mem-efficient F.scaled_dot_product_attention under SDPBackend.EFFICIENT_ATTENTION
 
 TFLOP/s count the causal half: 2 * B * H * S^2 / 2 * (192 + 128). "ceiling" is the
-fraction of a measured bf16 GEMM (8192^3, torch.mm) rate on the same GPU.
+fraction of a measured bf16 GEMM (8192^3, torch.mm) rate on the same GPU. Each attention
+is timed two ways: "ms" over --burst calls launched back to back between two events (the
+GPU's time per call, host launch cost hidden, as in a forward where the host runs ahead),
+and "latency_ms" one call per event pair after an idle GPU (the host's time to launch
+counts too). ours_vs_cudnn compares the first; latency_ours_vs_cudnn the second.
 
 Part "model": one eager forward of the prompt (as generate() runs prefill), random
 weights, bf16, vocab 2048, HF's sdpa attention vs the converted model
@@ -43,18 +47,21 @@ MODEL_ROWS = "1x8192,8x2048,multi-turn"
 DQK, DV = 192, 128
 
 
-def bench_ms(fn, warmup=3, iters=10) -> float:
-    """Median ms of fn over iters calls (CUDA events around each)."""
+def bench_ms(fn, warmup=3, iters=10, burst=1) -> float:
+    """Median ms per call of fn over iters samples, each `burst` calls back to back
+    between two CUDA events (burst 1: one call after an idle GPU, host time included)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
+        torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(burst):
+            fn()
         b.record()
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / burst)
     return statistics.median(times)
 
 
@@ -93,13 +100,15 @@ def attention_rows(args, ceiling):
             if name not in args.attn_impls.split(","):
                 continue
             try:
-                ms = bench_ms(fn, iters=args.iters)
+                ms = bench_ms(fn, iters=args.iters, burst=args.burst)
                 row[name] = {"ms": ms, "tflops": flops / ms / 1e9,
-                             "ceiling_frac": flops / ms / 1e9 / ceiling}
+                             "ceiling_frac": flops / ms / 1e9 / ceiling,
+                             "latency_ms": bench_ms(fn, iters=args.iters)}
             except Exception as e:             # a kernel this torch lacks: say so, go on
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
         if "ours" in row and "cudnn" in row and "ms" in row["ours"] and "ms" in row["cudnn"]:
             row["ours_vs_cudnn"] = row["cudnn"]["ms"] / row["ours"]["ms"]
+            row["latency_ours_vs_cudnn"] = row["cudnn"]["latency_ms"] / row["ours"]["latency_ms"]
         emit(args, row)
         del q, k, v, qd, kd, vd
         torch.cuda.empty_cache()
@@ -229,6 +238,8 @@ def main():
     ap.add_argument("--rows", default=MODEL_ROWS, help="BxS,... and/or multi-turn")
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--burst", type=int, default=20,
+                    help="attention calls back to back per timed sample (GPU time per call)")
     ap.add_argument("--json", default=None, help="append results here as JSON lines")
     args = ap.parse_args()
     if not torch.cuda.is_available():
