@@ -3,8 +3,7 @@ op for a decode step's few rows, and the shared experts on the decode GEMM ops.
 
     out = experts(x, *route(x)) + shared_experts(x)          (+ residual, the decoder layer's add)
 
-route() computes exactly what HF's router module does (the same torch calls on the same
-fp32 values, so the same experts are chosen, ties included, with the same weights):
+route() computes what HF's router module does:
 
     V3 (DeepseekV3TopkRouter): sigmoid scores; e_score_correction_bias added for the choice
        only; the n_group groups ranked by the sum of their top-2 biased scores, the
@@ -14,6 +13,15 @@ fp32 values, so the same experts are chosen, ties included, with the same weight
     V2 (DeepseekV2TopkRouter): softmax scores; topk_method "greedy" (top_k of all) or
        "group_limited_greedy" (groups ranked by their best score, the others zeroed);
        weights times routed_scaling_factor.
+
+    - decode rows (CUDA, bf16 / fp16, <= 64 tokens, lowering/moe/router.py's kernels serve):
+      mla::moe_route, two Triton launches (split-H fp32 logits, then one program per token
+      for scores, groups and top_k) in place of HF's ~8 small torch kernels; the same
+      experts up to the logits' fp32 summation order (exact ties go to the lower index,
+      as torch's CUDA topk does), weights within an ulp or so, in descending order;
+    - anything else (CPU, fp32, more rows, grad wanted for the router weight, linear_impl
+      "torch"): HF's own torch calls (lowering/moe/router.py's route_torch), so the same
+      experts are chosen, ties included, with the same weights.
 
 The routed experts (HF's DeepseekV3Experts / DeepseekV2Experts, weights as stored):
     - decode rows (lowering/moe/experts.py's kernels serve: CUDA, bf16 / fp16, <= 64 tokens)
@@ -29,16 +37,17 @@ The routed experts (HF's DeepseekV3Experts / DeepseekV2Experts, weights as store
       conversion with what to set instead.
 
 The ops have no autograd formulas: with grad enabled for the expert weights, HF's own
-experts run; so do they with lowering.config.linear_impl = "torch" (MLA_LINEAR_IMPL=torch),
-the setting that keeps every converted GEMM on the modules' own calls.
+experts run (HF's router calls with grad enabled for the router's weight or x); so do they
+with lowering.config.linear_impl = "torch" (MLA_LINEAR_IMPL=torch), the setting that keeps
+every converted GEMM on the modules' own calls.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from lowering import config as mla_config
 from lowering.moe import experts as moe_ops  # registers mla::moe_experts_decode
+from lowering.moe import router as moe_router  # registers mla::moe_route
 from mla_ops.hf import fp8_linear as fp8
 from mla_ops.hf.linear import converted_class, fusable_mlp, fused_mlp_class
 
@@ -82,45 +91,42 @@ def grouped_mm_forward():
 # ------------------------------------------------------------------------- router
 
 
-def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:
-    """bool [T, E]: the experts of each token's topk_group best groups (group_scores [T, G])."""
-    T, G = group_scores.shape
-    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]   # [T, topk_group]
-    group_mask = torch.zeros_like(group_scores)
-    group_mask.scatter_(1, group_idx, 1)
-    return group_mask.unsqueeze(-1).expand(-1, G, num_experts // G).reshape(-1, num_experts).bool()
+def route_args(block) -> tuple:
+    """(bias, mode, top_k, n_group, topk_group, norm_topk_prob, scale) of block's router:
+    the arguments after (x, weight) of mla::moe_route and lowering's route_torch."""
+    gate = block.gate
+    if block.mla_family == "v3":                        # DeepseekV3TopkRouter
+        return (gate.e_score_correction_bias, 0, gate.top_k, gate.num_group, gate.topk_group,
+                bool(gate.norm_topk_prob), float(gate.routed_scaling_factor))
+    mode = 2 if gate.topk_method == "group_limited_greedy" else 1     # DeepseekV2TopkRouter
+    groups = (gate.num_group, gate.topk_group) if mode == 2 else (1, 1)
+    return (None, mode, gate.top_k, *groups, False, float(gate.routed_scaling_factor))
 
 
 def route_v3(gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_idx [T, K] int64, topk_weight [T, K] fp32) of a DeepseekV3TopkRouter for x [T, H]."""
-    E, G = gate.num_experts, gate.num_group
-    logits = F.linear(x.type(torch.float32), gate.weight.type(torch.float32))  # [T, E]
-    scores = logits.sigmoid()
-    choice = scores + gate.e_score_correction_bias
-    group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)   # [T, G]
-    choice = choice.masked_fill(~_group_mask(group_scores, gate.topk_group, E), float("-inf"))
-    topk_idx = torch.topk(choice, k=gate.top_k, dim=-1, sorted=False)[1]      # [T, K]
-    topk_weight = scores.gather(1, topk_idx)
-    if gate.norm_topk_prob:
-        topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
-    return topk_idx, topk_weight * gate.routed_scaling_factor
+    return moe_router.route_torch(x, gate.weight, gate.e_score_correction_bias, 0, gate.top_k,
+                                  gate.num_group, gate.topk_group, gate.norm_topk_prob,
+                                  gate.routed_scaling_factor)
 
 
 def route_v2(gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_idx [T, K] int64, topk_weight [T, K] fp32) of a DeepseekV2TopkRouter for x [T, H]."""
-    E, G = gate.num_experts, gate.num_group
-    logits = F.linear(x.type(torch.float32), gate.weight.type(torch.float32))  # [T, E]
-    scores = logits.softmax(dim=-1, dtype=torch.float32)
-    if gate.topk_method == "group_limited_greedy":
-        group_scores = scores.view(-1, G, E // G).max(dim=-1).values             # [T, G]
-        scores = scores.masked_fill(~_group_mask(group_scores, gate.topk_group, E), 0.0)
-    topk_weight, topk_idx = torch.topk(scores, k=gate.top_k, dim=-1, sorted=False)
-    return topk_idx, topk_weight * gate.routed_scaling_factor
+    mode = 2 if gate.topk_method == "group_limited_greedy" else 1
+    return moe_router.route_torch(x, gate.weight, None, mode, gate.top_k, gate.num_group,
+                                  gate.topk_group, False, gate.routed_scaling_factor)
 
 
 def route(block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The experts [T, K] and their weights [T, K] (fp32) HF's router of `block` picks for x [T, H]."""
-    return (route_v3 if block.mla_family == "v3" else route_v2)(block.gate, x)
+    """The experts [T, K] and their weights [T, K] (fp32) HF's router of `block` picks for
+    x [T, H]: mla::moe_route's kernels where they serve (no grad wanted, linear_impl not
+    "torch"), else HF's torch calls."""
+    gate = block.gate
+    if (mla_config.linear_impl != "torch"
+            and not (torch.is_grad_enabled() and (gate.weight.requires_grad or x.requires_grad))
+            and moe_router.kernel_serves(x, gate.weight) is None):
+        return torch.ops.mla.moe_route(x, gate.weight, *route_args(block))
+    return (route_v3 if block.mla_family == "v3" else route_v2)(gate, x)
 
 
 # ------------------------------------------------------------------------- experts
