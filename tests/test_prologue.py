@@ -245,6 +245,17 @@ def test_v2_bad_input_is_named():
         op(part, w_kv, cs.long(), cs, 1e-6, 2)
 
 
+def test_rope_rows_expand_batch_one_rows():
+    from mla_ops.hf.linear import rope_rows
+    cos, sin = torch.randn(1, 5, 8), torch.randn(1, 5, 8)
+    c, s = rope_rows((cos, sin), 3, 5)
+    assert c.shape == s.shape == (3, 5, 8) and torch.equal(c[2], cos[0])
+    freqs = torch.polar(torch.ones(1, 5, 4), torch.randn(1, 5, 4))
+    assert rope_rows(freqs, 3, 5).shape == (3, 5, 4)
+    full = torch.randn(3, 5, 8)
+    assert rope_rows((full, full), 3, 5)[0] is full
+
+
 def test_bad_input_is_named():
     part = torch.randn(2, 3, 10 + 8 + 4)
     w_q, w_kv, cs = torch.ones(10), torch.ones(8), torch.ones(3, 4)
@@ -404,8 +415,9 @@ def test_v3_shaped_decode_graph_logits_match_hf(family):
                             dtype=torch.bfloat16)
     rcache = DynamicCache(config=ref.config)
     with torch.no_grad():
-        first = model(input_ids=ids, position_ids=pos, past_key_values=cache).logits
-        exp = ref(input_ids=ids, position_ids=pos, past_key_values=rcache).logits
+        # no position ids: HF's rotary rows then have batch 1, expanded for the fused ops
+        first = model(input_ids=ids, past_key_values=cache).logits
+        exp = ref(input_ids=ids, past_key_values=rcache).logits
         assert logit_err(first[:, -1], exp[:, -1]) < 3e-2
         runner = H.DecodeGraph(model, cache)
         tok, p = exp[:, -1:].argmax(-1), pos[:, -1:]

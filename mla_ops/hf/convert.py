@@ -14,7 +14,7 @@ from mla_ops.hf.generate import check_cache_options, generation_class
 from mla_ops.hf.layer import convert_layers
 from mla_ops.hf.linear import (absorbed_decode_query, convertible_head, decode_head_class,
                                fusable_mlp, fused_mlp_class, linear, linear_pair,
-                               q_kv_rope_prologue, qkv_a_prologue)
+                               q_kv_rope_prologue, qkv_a_prologue, rope_rows)
 from mla_ops.hf.moe import convert_moe
 from mla_ops.hf.v32 import v32_forward
 from mla_ops.hf.tensor_parallel import prepare_shard, shard, tp_plan_group
@@ -61,10 +61,11 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     # for decode rows then q_b, the query's RoPE and its absorption in another
     # (a family with a query scale never takes it: it scales q below)
     fused = v2_fused = None
+    rows = rope_rows(position_embeddings, B, S)          # one rotary row per token
     if self.mla_query_scale is None:
-        fused = qkv_a_prologue(self, hidden_states, position_embeddings)
+        fused = qkv_a_prologue(self, hidden_states, rows)
         if fused is None:     # V2 without q_lora: the key norm and both RoPEs in one op
-            v2_fused = q_kv_rope_prologue(self, hidden_states, position_embeddings)
+            v2_fused = q_kv_rope_prologue(self, hidden_states, rows)
     q = decode_q = None
     if v2_fused is not None:
         q, kv_row = v2_fused                                  # [B, S, N, P+R], [B, S, L+R]
@@ -73,10 +74,10 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
         q_a, kv_row = fused                                   # [B, S, q_lora], [B, S, L+R]
         kv_row = kv_row.reshape(T, L + R)
         if step.meta.num_decode_tokens == T:                  # (then step.perm is None)
-            decode_q = absorbed_decode_query(self, q_a, position_embeddings)   # [T, N, L+R]
+            decode_q = absorbed_decode_query(self, q_a, rows)               # [T, N, L+R]
         if decode_q is None:
             q = linear(self.q_b_proj, q_a).view(B, S, N, P + R)
-            cos, sin = position_embeddings                                   # [B, S, R]
+            cos, sin = rows                                                  # [B, S, R]
             q = torch.ops.mla.decode_q_rope(q, cos, sin, bool(self.config.rope_interleave))
     else:
         if self.q_lora_rank is None:

@@ -95,6 +95,20 @@ def hf_rms_norm(m) -> bool:
             and m.weight.dim() == 1 and type(m).__module__.startswith("transformers."))
 
 
+def rope_rows(position_embeddings, B: int, S: int):
+    """HF's rotary rows ((cos, sin) [b, s, R] each, or V2's complex freqs_cis [b, s, R/2])
+    with their leading dims expanded to the step's [B, S] (HF computes them for position
+    ids of batch 1 when a forward is called without position_ids); the fused ops take one
+    row per token. Views, no copies; anything else is returned as it is."""
+    def rows(t):
+        if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[:2] != (B, S):
+            return t.expand(B, S, t.shape[-1])
+        return t
+    if isinstance(position_embeddings, (tuple, list)):
+        return tuple(rows(t) for t in position_embeddings)
+    return rows(position_embeddings)
+
+
 def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
     """(q_a_layernorm(q_a), [kv_a_layernorm(kv_c) | RoPE(k_pe)]) of a DeepSeek-V3 attention
     module for hidden states x [B, S, H]: the q_a + kv_a GEMM's split-K partials, then one
