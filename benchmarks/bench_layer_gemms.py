@@ -10,7 +10,7 @@ launch), best of CONFIGS, each checked against cuBLAS first. Prints the best con
 the `lowering.gemm.linear.CONFIGS` entries they are.
 
     python benchmarks/bench_layer_gemms.py                   # H200: V3 dims, M = 1 and 32
-    python benchmarks/bench_layer_gemms.py --model v2-lite   # V2-Lite's dims
+    python benchmarks/bench_layer_gemms.py --model v2-lite   # V2-Lite's dims (v2: V2 / V2.5)
 """
 from __future__ import annotations
 
@@ -44,7 +44,18 @@ V2_LITE_GEMMS = [
     ("shared experts down", 0, (2048,), 2816),
     ("lm_head, 2048-token vocabulary (the HF benchmark's)", 0, (2048,), 2048),
 ]
-MODELS = {"v3": V3_GEMMS, "v2-lite": V2_LITE_GEMMS}
+# DeepSeek-V2 / V2.5 (hidden 5120, 128 heads, q_lora 1536, dense intermediate 12288,
+# shared experts 2 x 1536)
+V2_GEMMS = [
+    ("q_a_proj + kv_a_proj_with_mqa", 1, (1536, 576), 5120),
+    ("q_b_proj", 0, (128 * 192,), 1536),
+    ("o_proj", 0, (5120,), 128 * 128),
+    ("gate_proj, up_proj (+ SiLU x up), dense layer", 2, (12288, 12288), 5120),
+    ("down_proj, dense layer", 0, (5120,), 12288),
+    ("shared experts gate + up (+ SiLU x up)", 2, (3072, 3072), 5120),
+    ("shared experts down", 0, (5120,), 3072),
+]
+MODELS = {"v3": V3_GEMMS, "v2-lite": V2_LITE_GEMMS, "v2": V2_GEMMS}
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) swept
 SWEEP = [

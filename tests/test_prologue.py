@@ -229,6 +229,44 @@ def test_v2_torch_path_equals_hf(dtype):
     assert torch.equal(kv_row[..., L:], k_pe.reshape(B, 1, R))
 
 
+@pytest.mark.parametrize("S,T,NQ,L,R", [(1, 1, 64, 32, 8), (3, 5, 100, 40, 12),
+                                         (4, 32, 1536, 512, 64)])
+def test_q_a_prologue_complex_rope_vs_fp64(S, T, NQ, L, R):
+    """The q_a-norm prologue (DeepSeek-V2 with q_lora) with V2's complex key RoPE (rope 2)."""
+    g = torch.Generator().manual_seed(S * 10 + T)
+    dt, tol = (torch.bfloat16, 2e-2) if DEV == "cuda" else (torch.float32, 1e-5)
+    part, w_q, w_kv, _, _ = _inputs(S, T, NQ, L, R, g, dt)
+    cos, sin = _complex_angles(T, R // 2, g)
+    x = part.sum(0)
+
+    def norm(v, w):
+        return v / torch.sqrt((v * v).mean(-1, keepdim=True) + 1e-6) * w.double()
+    q_out = torch.empty(T, NQ, dtype=dt, device=DEV)
+    kv_out = torch.empty(T, L + R, dtype=dt, device=DEV)
+    prologue.launch(part.float().to(DEV), w_q.to(DEV), w_kv.to(DEV), cos.to(DEV), sin.to(DEV),
+                    1e-6, 1e-6, 2, q_out, kv_out)
+    assert _rel(q_out, norm(x[:, :NQ], w_q)) < tol
+    assert _rel(kv_out[:, :L], norm(x[:, NQ:NQ + L], w_kv)) < tol
+    assert _rel(kv_out[:, L:], _rope_complex64(x[:, NQ + L:], cos, sin)) < tol
+
+
+def test_q_a_prologue_complex_torch_path_equals_hf():
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
+    g = torch.Generator().manual_seed(8)
+    S, B, NQ, L, R = 2, 3, 48, 32, 8
+    part, w_q, w_kv, _, _ = _inputs(S, B, NQ, L, R, g, torch.bfloat16)
+    cos, sin = _complex_angles(B, R // 2, g)
+    q, kv_row = torch.ops.mla.decode_qkv_prologue(part.float(), w_q, w_kv, cos, sin,
+                                                   1e-6, 1e-6, 2)
+    x = part.float().sum(0).bfloat16()
+    k = x[:, NQ + L:].view(B, 1, 1, R)
+    _, k_hf = m.apply_rotary_emb(k, k, torch.complex(cos, sin)[:, None])
+    assert torch.equal(kv_row[:, L:], k_hf.reshape(B, R))
+    with pytest.raises(ValueError, match="cos must be"):
+        torch.ops.mla.decode_qkv_prologue(part.float(), w_q, w_kv, torch.ones(B, R), sin,
+                                          1e-6, 1e-6, 2)
+
+
 def test_v2_bad_input_is_named():
     op = torch.ops.mla.decode_q_kv_rope
     part, w_kv, cs = torch.randn(2, 3, 2 * 12 + 8 + 4), torch.ones(8), torch.ones(3, 2)
@@ -254,6 +292,28 @@ def test_rope_rows_expand_batch_one_rows():
     assert rope_rows(freqs, 3, 5).shape == (3, 5, 4)
     full = torch.randn(3, 5, 8)
     assert rope_rows((full, full), 3, 5)[0] is full
+
+
+def test_rope_angles_per_family():
+    """The fused ops' rope layout: V3's rows by rope_interleave, V2's complex freqs_cis as
+    its real and imaginary parts (rope 2), none for another family or a mismatched form."""
+    from types import SimpleNamespace as NS
+    from mla_ops.hf.linear import rope_angles, rope_query
+    cos, sin = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    v3 = NS(mla_family="v3", config=NS(rope_interleave=True))
+    assert rope_angles(v3, (cos, sin))[2] == 1
+    assert rope_angles(NS(mla_family="v3", config=NS(rope_interleave=False)), (cos, sin))[2] == 0
+    freqs = torch.polar(torch.ones(2, 3, 4), torch.randn(2, 3, 4))
+    c, s, rope = rope_angles(NS(mla_family="v2", config=NS()), freqs)
+    assert rope == 2 and torch.equal(c, freqs.real) and torch.equal(s, freqs.imag)
+    assert rope_angles(NS(mla_family="v2", config=NS()), (cos, sin)) is None
+    assert rope_angles(NS(mla_family="glm4_moe_lite", config=NS()), (cos, sin)) is None
+    q = torch.randn(2, 3, 5, 16 + 8)
+    y = rope_query(q, c, s, 2)
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
+    q_pe, _ = m.apply_rotary_emb(q[..., 16:].transpose(1, 2), q[..., 16:].transpose(1, 2), freqs)
+    assert torch.equal(y[..., :16], q[..., :16])
+    assert torch.equal(y[..., 16:], q_pe.transpose(1, 2))
 
 
 def test_bad_input_is_named():
@@ -295,6 +355,10 @@ def _v3_attention_model(family="v3"):
     if family == "v2-lite":
         cfg = DeepseekV2Config(hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
                                q_lora_rank=None, **common)
+        cls = DeepseekV2ForCausalLM
+    elif family == "v2":      # V2's architecture (complex RoPE) at V3's attention shapes
+        cfg = DeepseekV2Config(hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
+                               q_lora_rank=1536, **common)
         cls = DeepseekV2ForCausalLM
     else:
         cfg = DeepseekV3Config(hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
@@ -385,11 +449,11 @@ def test_v2_lite_attention_prologue_matches_hf_modules(rows):
 
 
 @gpu
-@pytest.mark.parametrize("family", ["v3", "v2-lite"])
+@pytest.mark.parametrize("family", ["v3", "v2-lite", "v2"])
 def test_v3_shaped_decode_graph_logits_match_hf(family):
     """End to end at V3's (V2-Lite's) attention shapes: a prefill (24 rows, fused too) and
-    captured DecodeGraph steps (V3: with the absorbed query in one op), teacher-forced,
-    against the unconverted model with a DynamicCache."""
+    captured DecodeGraph steps (V3 and V2 with q_lora: with the absorbed query in one op),
+    teacher-forced, against the unconverted model with a DynamicCache."""
     import copy
     import mla_ops.hf as H
     from hf_models import logit_err
@@ -402,7 +466,7 @@ def test_v3_shaped_decode_graph_logits_match_hf(family):
     x = torch.zeros(B, 1, ref.config.hidden_size, device="cuda", dtype=torch.bfloat16)
     pe = model.model.rotary_emb(x, torch.zeros(B, 1, dtype=torch.long, device="cuda"))
     with torch.no_grad():
-        if family == "v3":
+        if family in ("v3", "v2"):       # V2 with q_lora: the same ops, complex RoPE
             fused = qkv_a_prologue(attn, x, pe)
             assert fused is not None
             assert absorbed_decode_query(attn, fused[0], pe) is not None

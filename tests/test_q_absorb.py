@@ -135,3 +135,40 @@ def test_fp8_op_quantizes_decode_q_absorb_and_names_a_bad_scale():
     for bad in (torch.tensor([0.01], dtype=torch.float64), torch.tensor([0.01, 0.02])):
         with pytest.raises(TypeError, match="q_scale must be a one-element float32"):
             torch.ops.mla.decode_q_absorb_fp8(q_a, w, wuk, cos, sin, True, bad)
+
+
+# rope 2: DeepSeek-V2's complex pairs (cos / sin: its freqs_cis parts, [T, R / 2] fp32)
+@pytest.mark.parametrize("T,Q,N,P,R,L", [(1, 64, 3, 16, 32, 32), (17, 32, 2, 16, 64, 64),
+                                         (32, 1536, 2, 128, 64, 512)])
+def test_kernel_complex_rope_vs_fp64(T, Q, N, P, R, L):
+    from test_prologue import _complex_angles, _rope_complex64
+    g = torch.Generator().manual_seed(T * 10 + Q + 1)
+    dt, tol = (torch.bfloat16, 2e-2) if DEV == "cuda" else (torch.float32, 1e-5)
+    q_a, w, wuk = _weights(T, Q, N, P, R, L, g)
+    cos, sin = _complex_angles(T, R // 2, g)
+    q_a, w, wuk = q_a.to(dt), w.to(dt), wuk.to(dt)
+    q = (q_a.double() @ w.double().T).view(T, N, P + R).to(dt).double()
+    ref = torch.cat([torch.einsum("tnp,npl->tnl", q[..., :P], wuk.double()),
+                     _rope_complex64(q[..., P:], cos[:, None], sin[:, None])], -1)
+    y = torch.full((T, N, L + R), float("nan"), dtype=dt, device=DEV)
+    q_absorb.launch(q_a.to(DEV), w.to(DEV), wuk.to(DEV), cos.to(DEV), sin.to(DEV), 2, y)
+    assert not y.isnan().any()
+    assert _rel(y[..., :L], ref[..., :L]) < tol
+    assert _rel(y[..., L:], ref[..., L:]) < tol
+
+
+def test_complex_rope_torch_path_equals_hf():
+    """Off the kernel the op with rope 2 is q_b, HF's V2 apply_rotary_emb and the absorbed
+    GEMM: the RoPE'd columns bit for bit against HF's function."""
+    from test_prologue import _complex_angles
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
+    g = torch.Generator().manual_seed(21)
+    B, Q, N, P, R, L = 3, 32, 2, 16, 8, 24
+    q_a, w, wuk = (t.bfloat16() for t in _weights(B, Q, N, P, R, L, g))
+    cos, sin = _complex_angles(B, R // 2, g)
+    y = torch.ops.mla.decode_q_absorb(q_a, w, wuk, cos, sin, 2)
+    q = torch.nn.functional.linear(q_a, w).view(B, 1, N, P + R).transpose(1, 2)
+    q_pe, _ = m.apply_rotary_emb(q[..., P:], q[..., P:], torch.complex(cos, sin)[:, None])
+    assert torch.equal(y[..., L:], q_pe.transpose(1, 2)[:, 0])
+    with pytest.raises(ValueError, match="rope must be"):
+        torch.ops.mla.decode_q_absorb(q_a, w, wuk, cos, sin, 3)

@@ -2,8 +2,11 @@
 DeepSeek-V3 (after q_a + kv_a):
 
     mla::decode_qkv_prologue(part [S, *lead, NQ + L + R] fp32, w_q [NQ], w_kv [L],
-                             cos [*lead, R], sin [*lead, R], eps_q, eps_kv, interleave)
+                             cos, sin, eps_q, eps_kv, rope)
         -> (q_out [*lead, NQ], kv_row [*lead, L + R])   in w_q's dtype
+
+    rope as q_absorb.py's ROPES: 0 / 1 (a bool interleave) with HF's rows cos / sin
+    [*lead, R]; 2 (DeepSeek-V2 with q_lora) with its freqs_cis parts [*lead, R / 2], fp32
 
     q_out  = RMSNorm(sum(part)[..., :NQ]) * w_q                            (q_a_layernorm)
     kv_row = [RMSNorm(sum(part)[..., NQ:NQ+L]) * w_kv | RoPE(sum(part)[..., NQ+L:])]
@@ -32,10 +35,12 @@ import triton
 from lowering.fused.decode_rows import angle_rows, check_angles, decode_rows_unmet
 from lowering.fused.norm import rms_norm_torch
 from lowering.fused.prologue_kernel import qkv_prologue_kernel
-from lowering.fused.q_rope import rope_torch
+from lowering.fused.q_rope import rope_complex_torch, rope_torch
+
+ROPES = (0, 1, 2)   # rotate_half, V3's interleaved pairs, V2's complex pairs
 
 
-def _check(part, w_q, w_kv, cos, sin):
+def _check(part, w_q, w_kv, cos, sin, rope):
     check_angles(cos, sin)
     if part.dim() < 2 or part.dtype != torch.float32:
         raise TypeError(f"part must be fp32 [split, *lead, NQ + L + R] partial sums, got "
@@ -48,7 +53,9 @@ def _check(part, w_q, w_kv, cos, sin):
     R = part.shape[-1] - NQ - L
     if R <= 0 or R % 2:
         raise ValueError(f"part's last dim {part.shape[-1]} must be NQ={NQ} + L={L} + an even R")
-    want = (*part.shape[1:-1], R)
+    if rope not in ROPES:
+        raise ValueError(f"rope must be one of {ROPES}, got {rope!r}")
+    want = (*part.shape[1:-1], R // 2 if rope == 2 else R)
     for name, c in (("cos", cos), ("sin", sin)):
         if tuple(c.shape) != want or c.device != part.device:
             raise ValueError(f"{name} must be {want} on {part.device} (one row per token), got "
@@ -59,9 +66,10 @@ def _check(part, w_q, w_kv, cos, sin):
 HEADS = 16          # V2 query heads per program of the prologue kernel
 
 
-def launch(part, w_q, w_kv, cos, sin, eps_q, eps_kv, interleave, q_out, kv_out):
-    """Run qkv_prologue_kernel for V3: part [S, T, NQ + L + R] fp32 contiguous, cos / sin
-    [T, R] (last dim contiguous), q_out [T, NQ], kv_out [T, L + R] contiguous."""
+def launch(part, w_q, w_kv, cos, sin, eps_q, eps_kv, rope, q_out, kv_out):
+    """Run qkv_prologue_kernel with q_a's norm: part [S, T, NQ + L + R] fp32 contiguous,
+    cos / sin [T, R] ([T, R / 2] with rope 2; last dim contiguous), q_out [T, NQ], kv_out
+    [T, L + R] contiguous."""
     S, T, _ = part.shape
     NQ, L = w_q.shape[0], w_kv.shape[0]
     R = part.shape[-1] - NQ - L
@@ -71,7 +79,7 @@ def launch(part, w_q, w_kv, cos, sin, eps_q, eps_kv, interleave, q_out, kv_out):
         part.stride(0), cos.stride(0), eps_q, eps_kv,
         SPLIT=S, NQ=NQ, L=L, R=R, BLOCK_Q=triton.next_power_of_2(NQ),
         BLOCK_L=triton.next_power_of_2(L), BLOCK_H=triton.next_power_of_2(R // 2),
-        ROPE=1 if interleave else 0, Q_ROPE=False, NH=1, HEADS=1, BLOCK_P=1, num_warps=4)
+        ROPE=int(rope), Q_ROPE=False, NH=1, HEADS=1, BLOCK_P=1, num_warps=4)
 
 
 def launch_v2(part, w_kv, cos, sin, eps_kv, num_heads, q_out, kv_out):
@@ -93,29 +101,23 @@ def launch_v2(part, w_kv, cos, sin, eps_kv, num_heads, q_out, kv_out):
 @torch.library.triton_op("mla::decode_qkv_prologue", mutates_args={})
 def decode_qkv_prologue(part: torch.Tensor, w_q: torch.Tensor, w_kv: torch.Tensor,
                         cos: torch.Tensor, sin: torch.Tensor, eps_q: float, eps_kv: float,
-                        interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    NQ, L, R = _check(part, w_q, w_kv, cos, sin)
+                        rope: int) -> tuple[torch.Tensor, torch.Tensor]:
+    NQ, L, R = _check(part, w_q, w_kv, cos, sin, rope)
     lead = part.shape[1:-1]
     if decode_rows_unmet(part.device, w_q.dtype, part[0].numel() // part.shape[-1]) is not None:
         x = part.sum(0).to(w_q.dtype)                                     # [*lead, NQ+L+R]
         q, kv, k = x.split([NQ, L, R], dim=-1)
-        kv_row = torch.cat([rms_norm_torch(kv, w_kv, eps_kv),
-                            rope_torch(k, cos.to(x.dtype), sin.to(x.dtype), interleave)], dim=-1)
+        k = (rope_complex_torch(k, cos, sin) if rope == 2
+             else rope_torch(k, cos.to(x.dtype), sin.to(x.dtype), bool(rope)))
+        kv_row = torch.cat([rms_norm_torch(kv, w_kv, eps_kv), k], dim=-1)
         return rms_norm_torch(q, w_q, eps_q), kv_row
     p = part.reshape(part.shape[0], -1, part.shape[-1]).contiguous()      # [S, T, NQ+L+R]
     T = p.shape[1]
-    c, s = angle_rows(cos, sin, T, w_q.dtype)
+    c, s = angle_rows(cos, sin, T, torch.float32 if rope == 2 else w_q.dtype)
     q_out = torch.empty((T, NQ), dtype=w_q.dtype, device=part.device)
     kv_out = torch.empty((T, L + R), dtype=w_q.dtype, device=part.device)
-    launch(p, w_q, w_kv, c, s, float(eps_q), float(eps_kv), bool(interleave), q_out, kv_out)
+    launch(p, w_q, w_kv, c, s, float(eps_q), float(eps_kv), int(rope), q_out, kv_out)
     return q_out.view(*lead, NQ), kv_out.view(*lead, L + R)
-
-
-def rope_complex_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V2's RoPE (HF's apply_rotary_emb) of x [..., R] by the angles whose cos / sin
-    [..., R / 2] (broadcastable) are its freqs_cis: the complex product in fp32, rounded once."""
-    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(xc * torch.complex(cos.float(), sin.float())).flatten(-2).type_as(x)
 
 
 def _check_v2(part, w_kv, cos, sin, num_heads):

@@ -1,12 +1,16 @@
 """q_b, the query's RoPE and its absorption in one launch, as graph ops:
 
     mla::decode_q_absorb(q_a [*lead, Q], w [N * (P + R), Q], W_UK_T [N, P, L],
-                         cos [*lead, R], sin [*lead, R], interleave)
+                         cos, sin, rope)
         -> the absorbed decode query [T, N, L + R] = [q_nope @ W_UK_T | RoPE(q_pe)]
            of q = q_a @ w.T (q_b_proj), T = prod(lead)
 
-    mla::decode_q_absorb_fp8(..., interleave, q_scale [1] fp32)
+    mla::decode_q_absorb_fp8(..., rope, q_scale [1] fp32)
         -> the same query quantized to float8_e4m3fn with the static scale, in that launch
+
+rope (ROPES): 0 rotate_half, 1 DeepSeek-V3's interleaved pairs (cos / sin HF's rows
+[*lead, R]; a bool interleave means these two); 2 DeepSeek-V2's complex pairs, rotated in
+place (cos / sin the real and imaginary parts of its freqs_cis, [*lead, R / 2], in fp32).
 
 On CUDA one Triton launch of q_absorb_kernel.py where q_absorb_unmet says it serves;
 elsewhere q_b_proj, HF's RoPE and lowering.gemm.head_gemm.absorb_query in torch ops.
@@ -19,8 +23,10 @@ import triton
 
 from lowering.fused.decode_rows import MAX_ROWS, angle_rows, check_angles, decode_rows_unmet
 from lowering.fused.q_absorb_kernel import q_absorb_kernel
-from lowering.fused.q_rope import q_rope_torch
+from lowering.fused.q_rope import q_rope_torch, rope_complex_torch
 from lowering.gemm.head_gemm import absorb_query
+
+ROPES = (0, 1, 2)          # rotate_half, V3's interleaved pairs, V2's complex pairs
 
 # q_absorb_kernel's launch: rows <= 16 -> (BLOCK_K, BLOCK_L, num_warps, num_stages); the
 # fastest alone at DeepSeek-V3's query on an H200 (benchmarks/bench_q_absorb.py: 30.7 µs
@@ -29,7 +35,25 @@ from lowering.gemm.head_gemm import absorb_query
 CONFIGS = {True: (128, 128, 8, 3), False: (128, 128, 8, 3)}
 
 
-def _q_absorb_shape(q_a, w, W_UK_T, cos, sin):
+def rope_width(cos: torch.Tensor, rope: int) -> int:
+    """R, the rotated columns of a query head, from the angle rows of a `rope` layout."""
+    if rope not in ROPES:
+        raise ValueError(f"rope must be one of {ROPES} (rotate_half, V3's interleaved pairs, "
+                         f"V2's complex pairs), got {rope!r}")
+    width = cos.shape[-1] if cos.dim() else 0
+    return 2 * width if rope == 2 else width
+
+
+def q_rope_any(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: int):
+    """HF's RoPE of the query heads q [*lead, N, P + R] in torch ops, any rope layout."""
+    if rope != 2:
+        return q_rope_torch(q, cos, sin, bool(rope))
+    R = 2 * cos.shape[-1]
+    c, s = cos[..., None, :], sin[..., None, :]                          # [*lead, 1, R/2]
+    return torch.cat([q[..., :-R], rope_complex_torch(q[..., -R:], c, s)], dim=-1)
+
+
+def _q_absorb_shape(q_a, w, W_UK_T, cos, sin, rope):
     """(Q, N, P, R, L) of a decode_q_absorb call, after its checks."""
     for name, t in (("q_a", q_a), ("w", w), ("W_UK_T", W_UK_T)):
         if not t.is_floating_point():
@@ -44,11 +68,11 @@ def _q_absorb_shape(q_a, w, W_UK_T, cos, sin):
                          f"{tuple(W_UK_T.shape)}")
     Q = q_a.shape[-1]
     N, P, L = W_UK_T.shape
-    R = cos.shape[-1] if cos.dim() else 0
+    R = rope_width(cos, rope)
     if R <= 0 or R % 2 or w.shape[0] != N * (P + R):
         raise ValueError(f"w must be [N * (P + R)={N} * ({P} + {R}), Q] with an even RoPE "
                          f"width R (cos's last dim), got {tuple(w.shape)}")
-    want = (*q_a.shape[:-1], R)
+    want = (*q_a.shape[:-1], cos.shape[-1])
     for name, c in (("cos", cos), ("sin", sin)):
         if tuple(c.shape) != want:
             raise ValueError(f"{name} must be {want} (one row per token), got {tuple(c.shape)}")
@@ -91,60 +115,66 @@ def q_absorb_unmet(q_a, w, W_UK_T, R: int) -> str | None:
     return None
 
 
-def launch(q_a, w, W_UK_T, cos, sin, interleave, y, *, config=None, q_scale=None):
+def launch(q_a, w, W_UK_T, cos, sin, rope, y, *, config=None, q_scale=None):
     """Run q_absorb_kernel: q_a [T, Q] (last dim contiguous), w [N * (P + R), Q] and
-    W_UK_T [N, P, L] contiguous, cos / sin [T, R] (last dim contiguous), y [T, N, L + R]
-    contiguous (float8_e4m3fn with q_scale [1] fp32: the quantized query). config:
-    (BLOCK_K, BLOCK_L, num_warps, num_stages), by default q_absorb_config's."""
+    W_UK_T [N, P, L] contiguous, cos / sin [T, R] ([T, R / 2] with rope 2; last dim
+    contiguous), y [T, N, L + R] contiguous (float8_e4m3fn with q_scale [1] fp32: the
+    quantized query). config: (BLOCK_K, BLOCK_L, num_warps, num_stages), by default
+    q_absorb_config's."""
     T, Q = q_a.shape
     N, P, L = W_UK_T.shape
-    R = cos.shape[-1]
+    R = rope_width(cos, int(rope))
     bk, bl, warps, stages = config or q_absorb_config(T, Q, L)
     block_t = max(16, triton.next_power_of_2(min(T, MAX_ROWS)))
     kernel = torch.library.wrap_triton(q_absorb_kernel)
     kernel[(N, triton.cdiv(T, block_t))](
         q_a, w, W_UK_T, cos, sin, y, cos if q_scale is None else q_scale, T, N, q_a.stride(0),
         cos.stride(0), Q=Q, P=P, R=R, L=L, BLOCK_T=block_t, BLOCK_K=bk, BLOCK_L=bl,
-        INTERLEAVE=interleave, DOT_F32=not q_a.is_cuda, QUANT=q_scale is not None,
+        ROPE=int(rope), DOT_F32=not q_a.is_cuda, QUANT=q_scale is not None,
         num_warps=warps, num_stages=stages)
+
+
+def _angles(cos, sin, T, dtype, rope):
+    """The kernel's [T, R] angle rows: in the activation dtype, or fp32 for V2's (rope 2)."""
+    return angle_rows(cos, sin, T, torch.float32 if rope == 2 else dtype)
 
 
 @torch.library.triton_op("mla::decode_q_absorb", mutates_args={})
 def decode_q_absorb(q_a: torch.Tensor, w: torch.Tensor, W_UK_T: torch.Tensor,
-                    cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    Q, N, P, R, L = _q_absorb_shape(q_a, w, W_UK_T, cos, sin)
+                    cos: torch.Tensor, sin: torch.Tensor, rope: int) -> torch.Tensor:
+    Q, N, P, R, L = _q_absorb_shape(q_a, w, W_UK_T, cos, sin, rope)
     T = q_a.numel() // Q
     if q_absorb_unmet(q_a, w, W_UK_T, R) is not None:
         q = torch.nn.functional.linear(q_a, w).view(*q_a.shape[:-1], N, P + R)
-        return absorb_query(q_rope_torch(q, cos, sin, interleave).reshape(T, N, P + R),
+        return absorb_query(q_rope_any(q, cos, sin, rope).reshape(T, N, P + R),
                             W_UK_T)                                      # [T, N, L + R]
     a = q_a.reshape(T, Q)
     if a.stride(-1) != 1:
         a = a.contiguous()
-    c, s = angle_rows(cos, sin, T, q_a.dtype)
+    c, s = _angles(cos, sin, T, q_a.dtype, rope)
     y = torch.empty((T, N, L + R), dtype=q_a.dtype, device=q_a.device)
-    launch(a, w, W_UK_T, c, s, bool(interleave), y)
+    launch(a, w, W_UK_T, c, s, int(rope), y)
     return y
 
 
 @torch.library.triton_op("mla::decode_q_absorb_fp8", mutates_args={})
 def decode_q_absorb_fp8(q_a: torch.Tensor, w: torch.Tensor, W_UK_T: torch.Tensor,
-                        cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
+                        cos: torch.Tensor, sin: torch.Tensor, rope: int,
                         q_scale: torch.Tensor) -> torch.Tensor:
     """decode_q_absorb's query quantized to float8_e4m3fn with the static scale q_scale
     (one fp32 value): fp8(clamp(y / q_scale, -448, 448)), in the same launch."""
-    Q, N, P, R, L = _q_absorb_shape(q_a, w, W_UK_T, cos, sin)
+    Q, N, P, R, L = _q_absorb_shape(q_a, w, W_UK_T, cos, sin, rope)
     if not isinstance(q_scale, torch.Tensor) or q_scale.dtype != torch.float32 \
             or q_scale.numel() != 1 or q_scale.device != q_a.device:
         raise TypeError(f"q_scale must be a one-element float32 tensor on {q_a.device}")
     T = q_a.numel() // Q
     if q_absorb_unmet(q_a, w, W_UK_T, R) is not None:
-        y = decode_q_absorb(q_a, w, W_UK_T, cos, sin, interleave)        # [T, N, L + R]
+        y = decode_q_absorb(q_a, w, W_UK_T, cos, sin, rope)              # [T, N, L + R]
         return (y.float() / q_scale.reshape(())).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     a = q_a.reshape(T, Q)
     if a.stride(-1) != 1:
         a = a.contiguous()
-    c, s = angle_rows(cos, sin, T, q_a.dtype)
+    c, s = _angles(cos, sin, T, q_a.dtype, rope)
     y = torch.empty((T, N, L + R), dtype=torch.float8_e4m3fn, device=q_a.device)
-    launch(a, w, W_UK_T, c, s, bool(interleave), y, q_scale=q_scale.reshape(1))
+    launch(a, w, W_UK_T, c, s, int(rope), y, q_scale=q_scale.reshape(1))
     return y

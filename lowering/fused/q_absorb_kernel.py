@@ -11,9 +11,11 @@ W_UK_T[h] in BLOCK_L column blocks; the weight is the tall operand of every dot,
 linear_kernel.py ([rows of w, BLOCK_K] x [BLOCK_K, BLOCK_T] into fp32).
 
 The rope rows are loaded in the order RoPE pairs them up: first the R/2 rows x1, then
-their partners x2 (rows P + 2j and P + 2j + 1 with INTERLEAVE, DeepSeek-V3's pairs, whose
-output is HF's de-interleaved order; rows P + j and P + R/2 + j otherwise), so after the
-loop the two halves of the [R, BLOCK_T] accumulator are the rotation's operands. (Two
+their partners x2 (rows P + 2j and P + 2j + 1 with ROPE 1, DeepSeek-V3's pairs, whose
+output is HF's de-interleaved order, and ROPE 2, DeepSeek-V2's complex pairs, written back
+in place; rows P + j and P + R/2 + j with ROPE 0, rotate_half), so after the loop the two
+halves of the [R, BLOCK_T] accumulator are the rotation's operands (cos / sin: HF's rows
+[T, R] for ROPE 0 / 1, V2's freqs_cis parts [T, R/2] for 2, whose pair j reads column j). (Two
 separate [R/2, BLOCK_K] dots for x1 and x2 miscompiled on Triton 3.6 / H200 at some
 configs: wrong q_nope. One [R, BLOCK_K] dot does not.)
 Roundings follow the unfused ops: q_h to q_a's dtype (q_b's output), the absorbed GEMM in
@@ -54,7 +56,7 @@ def q_absorb_kernel(
     T, N, stride_at, stride_cs,
     Q: tl.constexpr, P: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    INTERLEAVE: tl.constexpr, DOT_F32: tl.constexpr, QUANT: tl.constexpr,
+    ROPE: tl.constexpr, DOT_F32: tl.constexpr, QUANT: tl.constexpr,
 ):
     H: tl.constexpr = R // 2
     dt = a_ptr.dtype.element_ty          # q_a's dtype: every rounding before the quant
@@ -68,12 +70,12 @@ def q_absorb_kernel(
     p = tl.arange(0, P)
     j = tl.arange(0, H)
     rr = tl.arange(0, R)
-    if INTERLEAVE:                   # x1 = rows 2j, x2 = rows 2j + 1
-        ir = tl.where(rr < H, 2 * rr, 2 * (rr - H) + 1)
-        c2 = j
-    else:                            # x1 = rows j, x2 = rows H + j
+    if ROPE == 0:                    # x1 = rows j, x2 = rows H + j
         ir = rr
         c2 = H + j
+    else:                            # x1 = rows 2j, x2 = rows 2j + 1
+        ir = tl.where(rr < H, 2 * rr, 2 * (rr - H) + 1)
+        c2 = j
 
     # q_b: q_h^T = w_h [P + R, Q] @ q_a^T [Q, BLOCK_T], as nope and rope row blocks
     w_head = w_ptr + h.to(tl.int64) * (P + R) * Q
@@ -119,5 +121,9 @@ def q_absorb_kernel(
     cos2 = tl.load(cos_ptr + cs + c2[:, None], mask=m, other=0.0).to(tl.float32)
     sin2 = tl.load(sin_ptr + cs + c2[:, None], mask=m, other=0.0).to(tl.float32)
     o1, o2 = rotate(x1, x2, cos1, sin1, cos2, sin2, dt)
-    tl.store(y_row[None, :] + L + j[:, None], _out(o1, scale, y_ptr, QUANT), mask=m)
-    tl.store(y_row[None, :] + L + H + j[:, None], _out(o2, scale, y_ptr, QUANT), mask=m)
+    if ROPE == 2:                    # V2: each pair back in its place
+        d1, d2 = 2 * j, 2 * j + 1
+    else:
+        d1, d2 = j, H + j
+    tl.store(y_row[None, :] + L + d1[:, None], _out(o1, scale, y_ptr, QUANT), mask=m)
+    tl.store(y_row[None, :] + L + d2[:, None], _out(o2, scale, y_ptr, QUANT), mask=m)

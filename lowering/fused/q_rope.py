@@ -29,6 +29,13 @@ def rope_torch(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return torch.cat([k1 * cos[..., :H] - k2 * sin[..., :H], k2 * c2 + k1 * s2], dim=-1)
 
 
+def rope_complex_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V2's RoPE (HF's apply_rotary_emb) of x [..., R] by the angles whose cos / sin
+    [..., R / 2] (broadcastable) are its freqs_cis: the complex product in fp32, rounded once."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * torch.complex(cos.float(), sin.float())).flatten(-2).type_as(x)
+
+
 def q_rope_torch(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool):
     """HF's RoPE of the query heads q [*lead, N, P + R] (last R columns) in torch ops."""
     R = cos.shape[-1]

@@ -14,7 +14,8 @@ from mla_ops.hf.generate import check_cache_options, generation_class
 from mla_ops.hf.layer import convert_layers
 from mla_ops.hf.linear import (absorbed_decode_query, convertible_head, decode_head_class,
                                fusable_mlp, fused_mlp_class, linear, linear_pair,
-                               q_kv_rope_prologue, qkv_a_prologue, rope_rows)
+                               q_kv_rope_prologue, qkv_a_prologue, rope_angles,
+                               rope_query, rope_rows)
 from mla_ops.hf.moe import convert_moe
 from mla_ops.hf.v32 import v32_forward
 from mla_ops.hf.tensor_parallel import prepare_shard, shard, tp_plan_group
@@ -57,8 +58,9 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     step = cache.prepare(self.layer_idx, B, S, attention_mask, hidden_states.dtype,
                          hidden_states.device, backend=mla.backend,
                          fp8_query=mla.q_scale is not None)
-    # decode (CUDA, split-K GEMM): both norms and the key's RoPE in one op after the GEMM;
-    # for decode rows then q_b, the query's RoPE and its absorption in another
+    # decode (CUDA, split-K GEMM; V3, or V2 with q_lora): both norms and the key's RoPE in
+    # one op after the GEMM; for decode rows then q_b, the query's RoPE and its absorption
+    # in another
     # (a family with a query scale never takes it: it scales q below)
     fused = v2_fused = None
     rows = rope_rows(position_embeddings, B, S)          # one rotary row per token
@@ -77,8 +79,7 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
             decode_q = absorbed_decode_query(self, q_a, rows)               # [T, N, L+R]
         if decode_q is None:
             q = linear(self.q_b_proj, q_a).view(B, S, N, P + R)
-            cos, sin = rows                                                  # [B, S, R]
-            q = torch.ops.mla.decode_q_rope(q, cos, sin, bool(self.config.rope_interleave))
+            q = rope_query(q, *rope_angles(self, rows))                      # [B, S, N, P+R]
     else:
         if self.q_lora_rank is None:
             q, kv = linear_pair(self.q_proj, self.kv_a_proj_with_mqa, hidden_states)

@@ -22,7 +22,8 @@ from lowering import config as mla_config
 from lowering.fused import prologue  # noqa: F401  (registers mla::decode_qkv_prologue)
 from lowering.fused import q_rope  # noqa: F401  (registers mla::decode_q_rope)
 from lowering.fused.decode_rows import decode_rows_unmet
-from lowering.fused.q_absorb import q_absorb_unmet  # and mla::decode_q_absorb(_fp8)
+from lowering.fused.q_absorb import (  # and mla::decode_q_absorb(_fp8)
+    q_absorb_unmet, q_rope_any, rope_width)
 from lowering.gemm import linear as gemm  # registers the mla::decode_* GEMM ops
 from mla_ops.hf import fp8_linear as fp8
 
@@ -109,20 +110,41 @@ def rope_rows(position_embeddings, B: int, S: int):
     return rows(position_embeddings)
 
 
+def rope_angles(attn, position_embeddings):
+    """(cos, sin, rope) for the fused ops (lowering/fused/q_absorb.py's ROPES) of a
+    DeepSeek-V3 attention (HF's rows, rope 1 / 0 by config.rope_interleave) or a V2 one
+    (its complex freqs_cis as real and imaginary parts, rope 2); None for other families."""
+    pe = position_embeddings
+    if attn.mla_family == "v3" and isinstance(pe, (tuple, list)):
+        return pe[0], pe[1], int(bool(attn.config.rope_interleave))
+    if attn.mla_family == "v2" and isinstance(pe, torch.Tensor) and pe.is_complex():
+        return pe.real, pe.imag, 2
+    return None
+
+
+def rope_query(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: int):
+    """The query heads q [*lead, N, P + R] with RoPE on their last R columns (rope_angles'
+    layout): mla::decode_q_rope for HF's rows, HF's complex product for V2's."""
+    if rope == 2:
+        return q_rope_any(q, cos, sin, rope)
+    return torch.ops.mla.decode_q_rope(q, cos, sin, bool(rope))
+
+
 def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
-    """(q_a_layernorm(q_a), [kv_a_layernorm(kv_c) | RoPE(k_pe)]) of a DeepSeek-V3 attention
-    module for hidden states x [B, S, H]: the q_a + kv_a GEMM's split-K partials, then one
-    op (mla::decode_qkv_prologue) for both norms and the key's RoPE. None where that path
-    does not apply (no q_lora, V2's complex RoPE, other norms, or a pair config without
-    split-K: then the caller runs the modules). HF's FP8 linears: the fp8 pair kernel's
+    """(q_a_layernorm(q_a), [kv_a_layernorm(kv_c) | RoPE(k_pe)]) of a DeepSeek-V3 (or V2
+    with q_lora) attention module for hidden states x [B, S, H]: the q_a + kv_a GEMM's
+    split-K partials, then one op (mla::decode_qkv_prologue) for both norms and the key's
+    RoPE. None where that path does not apply (no q_lora, another family, other norms, or
+    a pair config without split-K: then the caller runs the modules). HF's FP8 linears: the fp8 pair kernel's
     fp32 partials (its config's K splits, maybe one) where it serves x
     (mla::decode_linear_pair_fp8_partials)."""
+    angles = rope_angles(attn, position_embeddings)
+    if angles is None or attn.q_lora_rank is None:
+        return None
     m1, m2 = attn.q_a_proj, attn.kv_a_proj_with_mqa
     fp8_pair = fp8.uses_fp8_ops(m1, m2)
-    if (attn.mla_family != "v3" or attn.q_lora_rank is None
-            or not (use_ops(m1, m2) or fp8_pair)
-            or not (hf_rms_norm(attn.q_a_layernorm) and hf_rms_norm(attn.kv_a_layernorm))
-            or not isinstance(position_embeddings, (tuple, list))):
+    if (not (use_ops(m1, m2) or fp8_pair)
+            or not (hf_rms_norm(attn.q_a_layernorm) and hf_rms_norm(attn.kv_a_layernorm))):
         return None
     if fp8_pair:                         # FP8 weights: the fp8 kernel's split-K partials
         parts = fp8.fp8_pair_partials(m1, m2, x)                          # [K, B, S, NQ+L+R]
@@ -134,11 +156,11 @@ def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
         if split_k <= 1:
             return None
         parts = torch.ops.mla.decode_linear_pair_partials(x, w1, w2, split_k)  # [K, B, S, NQ+L+R]
-    cos, sin = position_embeddings                                        # [B, S, R] each
+    cos, sin, rope = angles                                   # [B, S, R] (V2: R / 2) each
     nq, nkv = attn.q_a_layernorm, attn.kv_a_layernorm
     return torch.ops.mla.decode_qkv_prologue(
         parts, nq.weight, nkv.weight, cos, sin, float(nq.variance_epsilon),
-        float(nkv.variance_epsilon), bool(attn.config.rope_interleave))
+        float(nkv.variance_epsilon), rope)
 
 
 def q_kv_rope_prologue(attn, x: torch.Tensor, position_embeddings):
@@ -166,23 +188,23 @@ def q_kv_rope_prologue(attn, x: torch.Tensor, position_embeddings):
 
 def absorbed_decode_query(attn, q_a: torch.Tensor, position_embeddings):
     """The absorbed decode query [T, N, L + R] = [q_nope @ W_UK_T | RoPE(q_pe)] of a
-    converted DeepSeek-V3 attention, from q_a_layernorm's output q_a [B, S, q_lora]: q_b_proj,
-    the query's RoPE and the absorption in one launch (mla::decode_q_absorb; with an fp8
+    converted DeepSeek-V3 (or V2 with q_lora) attention, from q_a_layernorm's output q_a
+    [B, S, q_lora]: q_b_proj, the query's RoPE and the absorption in one launch (mla::decode_q_absorb; with an fp8
     decode query, mla::decode_q_absorb_fp8, quantized with the layer's q_scale). Call it
     for decode rows only. None where its kernel does not serve the call (then the caller
     runs q_b_proj and the attention op absorbs)."""
     mla = attn.mla_attn
-    if not use_ops(attn.q_b_proj):
+    angles = rope_angles(attn, position_embeddings)
+    if angles is None or not use_ops(attn.q_b_proj):
         return None
-    w, cos, sin = attn.q_b_proj.weight, *position_embeddings             # cos / sin [B, S, R]
+    w, (cos, sin, rope) = attn.q_b_proj.weight, angles        # cos / sin [B, S, R] (V2: R/2)
     if (w.dtype != q_a.dtype or mla.W_UK_T.dtype != q_a.dtype
-            or q_absorb_unmet(q_a, w, mla.W_UK_T, cos.shape[-1]) is not None):
+            or q_absorb_unmet(q_a, w, mla.W_UK_T, rope_width(cos, rope)) is not None):
         return None
-    interleave = bool(attn.config.rope_interleave)
     if mla.q_scale is not None:            # an fp8 decode query: quantized in the same launch
-        return torch.ops.mla.decode_q_absorb_fp8(q_a, w, mla.W_UK_T, cos, sin, interleave,
+        return torch.ops.mla.decode_q_absorb_fp8(q_a, w, mla.W_UK_T, cos, sin, rope,
                                                  mla.q_scale)
-    return torch.ops.mla.decode_q_absorb(q_a, w, mla.W_UK_T, cos, sin, interleave)
+    return torch.ops.mla.decode_q_absorb(q_a, w, mla.W_UK_T, cos, sin, rope)
 
 
 # ------------------------------------------------------------------------- MLP
