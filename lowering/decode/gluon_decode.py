@@ -163,9 +163,8 @@ def _launch(pick, q, kv_cache, block_table, cache_seqlens, scales, softmax_scale
 
     from lowering.decode.gluon_common import LOG2E
     from lowering.decode.merge_kernel import mla_decode_merge_kernel
-    from lowering.decode.triton_decode import merge_block_l
     from lowering.decode.registry import sm_count
-    from lowering.decode.triton_decode import choose_num_splits, stage1_outputs
+    from lowering.decode.triton_decode import choose_num_splits, merge_block_l, stage1_outputs
 
     B, s_q, H, D = q.shape
     num_blocks, page, _ = kv_cache.shape

@@ -5,7 +5,7 @@ DeepSeek-V3 (after q_a + kv_a):
                              cos, sin, eps_q, eps_kv, rope)
         -> (q_out [*lead, NQ], kv_row [*lead, L + R])   in w_q's dtype
 
-    rope as q_absorb.py's ROPES: 0 / 1 (a bool interleave) with HF's rows cos / sin
+    rope as q_rope.py's ROPES: 0 / 1 (a bool interleave) with HF's rows cos / sin
     [*lead, R]; 2 (DeepSeek-V2 with q_lora) with its freqs_cis parts [*lead, R / 2], fp32
 
     q_out  = RMSNorm(sum(part)[..., :NQ]) * w_q                            (q_a_layernorm)
@@ -35,16 +35,26 @@ import triton
 from lowering.fused.decode_rows import angle_rows, check_angles, decode_rows_unmet
 from lowering.fused.norm import rms_norm_torch
 from lowering.fused.prologue_kernel import qkv_prologue_kernel
-from lowering.fused.q_rope import rope_complex_torch, rope_torch
-
-ROPES = (0, 1, 2)   # rotate_half, V3's interleaved pairs, V2's complex pairs
+from lowering.fused.q_rope import ROPES, q_rope_any, rope_complex_torch, rope_torch
 
 
-def _check(part, w_q, w_kv, cos, sin, rope):
+def _check_part(part, cos, sin):
     check_angles(cos, sin)
     if part.dim() < 2 or part.dtype != torch.float32:
         raise TypeError(f"part must be fp32 [split, *lead, NQ + L + R] partial sums, got "
                         f"{part.dtype} {tuple(part.shape)}")
+
+
+def _check_rows(part, cos, sin, width):
+    want = (*part.shape[1:-1], width)
+    for name, c in (("cos", cos), ("sin", sin)):
+        if tuple(c.shape) != want or c.device != part.device:
+            raise ValueError(f"{name} must be {want} on {part.device} (one row per token), got "
+                             f"{tuple(c.shape)} on {c.device}")
+
+
+def _check(part, w_q, w_kv, cos, sin, rope):
+    _check_part(part, cos, sin)
     for name, w in (("w_q", w_q), ("w_kv", w_kv)):
         if w.dim() != 1 or w.dtype != w_q.dtype or w.device != part.device:
             raise ValueError(f"{name} must be 1-D, of w_q's dtype, on {part.device}; got "
@@ -55,11 +65,7 @@ def _check(part, w_q, w_kv, cos, sin, rope):
         raise ValueError(f"part's last dim {part.shape[-1]} must be NQ={NQ} + L={L} + an even R")
     if rope not in ROPES:
         raise ValueError(f"rope must be one of {ROPES}, got {rope!r}")
-    want = (*part.shape[1:-1], R // 2 if rope == 2 else R)
-    for name, c in (("cos", cos), ("sin", sin)):
-        if tuple(c.shape) != want or c.device != part.device:
-            raise ValueError(f"{name} must be {want} on {part.device} (one row per token), got "
-                             f"{tuple(c.shape)} on {c.device}")
+    _check_rows(part, cos, sin, R // 2 if rope == 2 else R)
     return NQ, L, R
 
 
@@ -121,10 +127,7 @@ def decode_qkv_prologue(part: torch.Tensor, w_q: torch.Tensor, w_kv: torch.Tenso
 
 
 def _check_v2(part, w_kv, cos, sin, num_heads):
-    check_angles(cos, sin)
-    if part.dim() < 2 or part.dtype != torch.float32:
-        raise TypeError(f"part must be fp32 [split, *lead, NQ + L + R] partial sums, got "
-                        f"{part.dtype} {tuple(part.shape)}")
+    _check_part(part, cos, sin)
     if w_kv.dim() != 1 or w_kv.device != part.device or not w_kv.is_floating_point():
         raise ValueError(f"w_kv must be a 1-D floating tensor on {part.device}, got "
                          f"{w_kv.dtype} {tuple(w_kv.shape)} on {w_kv.device}")
@@ -136,11 +139,7 @@ def _check_v2(part, w_kv, cos, sin, num_heads):
         raise ValueError(f"part's last dim {part.shape[-1]} must be num_heads={num_heads} "
                          f"heads of P + R columns (R = 2 x cos's last dim {H}, P > 0) + L={L}"
                          f" + R")
-    want = (*part.shape[1:-1], H)
-    for name, c in (("cos", cos), ("sin", sin)):
-        if tuple(c.shape) != want or c.device != part.device:
-            raise ValueError(f"{name} must be {want} on {part.device} (one row of angles per "
-                             f"token), got {tuple(c.shape)} on {c.device}")
+    _check_rows(part, cos, sin, H)
     return NQ, L, R
 
 
@@ -154,14 +153,12 @@ def decode_q_kv_rope(part: torch.Tensor, w_kv: torch.Tensor, cos: torch.Tensor,
     if decode_rows_unmet(part.device, dt, T) is not None:
         x = part.sum(0).to(dt)                                            # [*lead, NQ+L+R]
         q, kv, k = x.split([NQ, L, R], dim=-1)
-        q = q.reshape(*lead, num_heads, NQ // num_heads)
-        c, s = cos[..., None, :], sin[..., None, :]                       # [*lead, 1, R/2]
-        q = torch.cat([q[..., :-R], rope_complex_torch(q[..., -R:], c, s)], dim=-1)
+        q = q_rope_any(q.reshape(*lead, num_heads, NQ // num_heads), cos, sin, 2)
         kv_row = torch.cat([rms_norm_torch(kv, w_kv, eps_kv), rope_complex_torch(k, cos, sin)],
                            dim=-1)
         return q, kv_row
     p = part.reshape(part.shape[0], -1, part.shape[-1]).contiguous()      # [S, T, NQ+L+R]
-    c, s = (a.reshape(T, R // 2).float().contiguous() for a in (cos, sin))  # fp32, as V2's
+    c, s = angle_rows(cos, sin, T, torch.float32)                          # fp32, as V2's
     q_out = torch.empty((T, NQ), dtype=dt, device=part.device)
     kv_out = torch.empty((T, L + R), dtype=dt, device=part.device)
     launch_v2(p, w_kv, c, s, float(eps_kv), num_heads, q_out, kv_out)

@@ -23,10 +23,8 @@ import triton
 
 from lowering.fused.decode_rows import MAX_ROWS, angle_rows, check_angles, decode_rows_unmet
 from lowering.fused.q_absorb_kernel import q_absorb_kernel
-from lowering.fused.q_rope import q_rope_torch, rope_complex_torch
+from lowering.fused.q_rope import ROPES, q_rope_any
 from lowering.gemm.head_gemm import absorb_query
-
-ROPES = (0, 1, 2)          # rotate_half, V3's interleaved pairs, V2's complex pairs
 
 # q_absorb_kernel's launch: rows <= 16 -> (BLOCK_K, BLOCK_L, num_warps, num_stages); the
 # fastest alone at DeepSeek-V3's query on an H200 (benchmarks/bench_q_absorb.py: 30.7 µs
@@ -42,15 +40,6 @@ def rope_width(cos: torch.Tensor, rope: int) -> int:
                          f"V2's complex pairs), got {rope!r}")
     width = cos.shape[-1] if cos.dim() else 0
     return 2 * width if rope == 2 else width
-
-
-def q_rope_any(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: int):
-    """HF's RoPE of the query heads q [*lead, N, P + R] in torch ops, any rope layout."""
-    if rope != 2:
-        return q_rope_torch(q, cos, sin, bool(rope))
-    R = 2 * cos.shape[-1]
-    c, s = cos[..., None, :], sin[..., None, :]                          # [*lead, 1, R/2]
-    return torch.cat([q[..., :-R], rope_complex_torch(q[..., -R:], c, s)], dim=-1)
 
 
 def _q_absorb_shape(q_a, w, W_UK_T, cos, sin, rope):

@@ -43,6 +43,21 @@ def q_rope_torch(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     return torch.cat([q[..., :-R], rope_torch(q[..., -R:], c, s, interleave)], dim=-1)
 
 
+# The fused ops' rope layouts: 0 rotate_half and 1 DeepSeek-V3's interleaved pairs (HF's
+# rows cos / sin [*lead, R]; a bool interleave means one of these), 2 DeepSeek-V2's complex
+# pairs rotated in place (cos / sin: its freqs_cis parts [*lead, R / 2], fp32)
+ROPES = (0, 1, 2)
+
+
+def q_rope_any(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: int):
+    """HF's RoPE of the query heads q [*lead, N, P + R] in torch ops, any ROPES layout."""
+    if rope != 2:
+        return q_rope_torch(q, cos, sin, bool(rope))
+    R = 2 * cos.shape[-1]
+    c, s = cos[..., None, :], sin[..., None, :]                          # [*lead, 1, R/2]
+    return torch.cat([q[..., :-R], rope_complex_torch(q[..., -R:], c, s)], dim=-1)
+
+
 def launch(q, cos, sin, interleave, y):
     """Run q_rope_kernel: q, y [T, N, P + R] contiguous, cos / sin [T, R] (last dim
     contiguous)."""

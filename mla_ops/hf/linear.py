@@ -22,8 +22,8 @@ from lowering import config as mla_config
 from lowering.fused import prologue  # noqa: F401  (registers mla::decode_qkv_prologue)
 from lowering.fused import q_rope  # noqa: F401  (registers mla::decode_q_rope)
 from lowering.fused.decode_rows import decode_rows_unmet
-from lowering.fused.q_absorb import (  # and mla::decode_q_absorb(_fp8)
-    q_absorb_unmet, q_rope_any, rope_width)
+from lowering.fused.q_absorb import q_absorb_unmet, rope_width  # and mla::decode_q_absorb(_fp8)
+from lowering.fused.q_rope import q_rope_any
 from lowering.gemm import linear as gemm  # registers the mla::decode_* GEMM ops
 from mla_ops.hf import fp8_linear as fp8
 
@@ -111,7 +111,7 @@ def rope_rows(position_embeddings, B: int, S: int):
 
 
 def rope_angles(attn, position_embeddings):
-    """(cos, sin, rope) for the fused ops (lowering/fused/q_absorb.py's ROPES) of a
+    """(cos, sin, rope) for the fused ops (lowering/fused/q_rope.py's ROPES) of a
     DeepSeek-V3 attention (HF's rows, rope 1 / 0 by config.rope_interleave) or a V2 one
     (its complex freqs_cis as real and imaginary parts, rope 2); None for other families."""
     pe = position_embeddings
@@ -170,19 +170,19 @@ def q_kv_rope_prologue(attn, x: torch.Tensor, position_embeddings):
     (mla::decode_q_kv_rope) for the key norm and both RoPEs on V2's complex pairs. None
     where that path does not apply (another family, q_lora, a GEMM or rows the decode
     kernels do not serve: then the caller runs the modules)."""
-    m1, m2 = attn.q_proj if attn.q_lora_rank is None else None, attn.kv_a_proj_with_mqa
-    if (attn.mla_family != "v2" or m1 is None or not use_ops(m1, m2)
-            or not hf_rms_norm(attn.kv_a_layernorm)
-            or not (isinstance(position_embeddings, torch.Tensor)
-                    and position_embeddings.is_complex())
+    angles = rope_angles(attn, position_embeddings)
+    if angles is None or angles[2] != 2 or attn.q_lora_rank is not None:
+        return None
+    m1, m2 = attn.q_proj, attn.kv_a_proj_with_mqa
+    if (not use_ops(m1, m2) or not hf_rms_norm(attn.kv_a_layernorm)
             or gemm.linear_unmet(x, m1.weight, m2.weight) is not None
             or decode_rows_unmet(x.device, x.dtype, x.numel() // x.shape[-1]) is not None):
         return None
     split_k = gemm.pair_split_k(x, m1.weight, m2.weight)
     parts = torch.ops.mla.decode_linear_pair_partials(x, m1.weight, m2.weight, split_k)
-    freqs = position_embeddings.to(x.device)                              # [B, S, R/2] complex
+    cos, sin, _ = angles                                      # [B, S, R/2] each (freqs_cis)
     nkv = attn.kv_a_layernorm
-    return torch.ops.mla.decode_q_kv_rope(parts, nkv.weight, freqs.real, freqs.imag,
+    return torch.ops.mla.decode_q_kv_rope(parts, nkv.weight, cos, sin,
                                           float(nkv.variance_epsilon), attn.mla_attn.num_heads)
 
 

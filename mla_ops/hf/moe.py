@@ -103,20 +103,6 @@ def route_args(block) -> tuple:
     return (None, mode, gate.top_k, *groups, False, float(gate.routed_scaling_factor))
 
 
-def route_v3(gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_idx [T, K] int64, topk_weight [T, K] fp32) of a DeepseekV3TopkRouter for x [T, H]."""
-    return moe_router.route_torch(x, gate.weight, gate.e_score_correction_bias, 0, gate.top_k,
-                                  gate.num_group, gate.topk_group, gate.norm_topk_prob,
-                                  gate.routed_scaling_factor)
-
-
-def route_v2(gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_idx [T, K] int64, topk_weight [T, K] fp32) of a DeepseekV2TopkRouter for x [T, H]."""
-    mode = 2 if gate.topk_method == "group_limited_greedy" else 1
-    return moe_router.route_torch(x, gate.weight, None, mode, gate.top_k, gate.num_group,
-                                  gate.topk_group, False, gate.routed_scaling_factor)
-
-
 def route(block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts [T, K] and their weights [T, K] (fp32) HF's router of `block` picks for
     x [T, H]: mla::moe_route's kernels where they serve (no grad wanted, linear_impl not
@@ -126,7 +112,7 @@ def route(block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             and not (torch.is_grad_enabled() and (gate.weight.requires_grad or x.requires_grad))
             and moe_router.kernel_serves(x, gate.weight) is None):
         return torch.ops.mla.moe_route(x, gate.weight, *route_args(block))
-    return (route_v3 if block.mla_family == "v3" else route_v2)(gate, x)
+    return moe_router.route_torch(x, gate.weight, *route_args(block))
 
 
 # ------------------------------------------------------------------------- experts
