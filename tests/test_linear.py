@@ -193,6 +193,8 @@ def test_pick_config_falls_back_to_default_and_torch():
     assert linear.pick_config(0, 123, 456, 1) == linear.DEFAULT_CONFIG
     assert linear.pick_config(0, 24576, 1536, 32) is None           # cuBLAS measured faster
     assert linear.pick_config(2, 18432, 7168, 32) is not None
+    # DeepSeek-V2's q_a + kv_a (hidden 5120) splits K: its fused decode prologue applies
+    assert linear.pick_config(1, 2112, 5120, 1)[4] > 1
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the Triton path of the ops runs on CUDA")
