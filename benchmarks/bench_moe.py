@@ -201,7 +201,7 @@ def sweep_shape(name: str, tokens: list, device) -> None:
         with torch.no_grad():
             idx, w = route(block, x)
         K = idx.shape[1]
-        se, sp = experts.sort_pairs(idx)
+        pairs = experts.flat_pairs(idx)
         h = torch.empty(T * K, I, device=device, dtype=x.dtype)
         out = torch.zeros(T * K, H, device=device, dtype=torch.float32)
         wf = w.reshape(-1).float()
@@ -210,9 +210,9 @@ def sweep_shape(name: str, tokens: list, device) -> None:
             times = []
             for cfg in sweep:
                 if kernel == "gate_up":
-                    fn = lambda: experts.launch_gate_up(x, gate_up, se, sp, K, h, cfg)
+                    fn = lambda: experts.launch_gate_up(x, gate_up, pairs, K, h, cfg)
                 else:
-                    fn = lambda: experts.launch_down(h, down, wf, se, sp, K, out, cfg)
+                    fn = lambda: experts.launch_down(h, down, wf, pairs, K, out, cfg)
                 try:
                     times.append((time_us(fn, graph=True), cfg))
                 except Exception as exc:                       # out of resources etc.

@@ -72,9 +72,9 @@ def test_kernel_pair_rows_and_gate_up_rounding():
     """The gate + up kernel alone: each pair's row of h, in the pairs' own order."""
     T, K, E, I, H = 5, 2, 3, 37, 50
     x, idx, _, gate_up, _ = problem(T, K, E, I, H, seed=3)
-    se, sp = experts.sort_pairs(idx.to(DEV))
+    pairs = experts.flat_pairs(idx.to(DEV))
     h = torch.full((T * K, I), float("nan"), device=DEV)
-    experts.launch_gate_up(x.float().to(DEV), gate_up.float().to(DEV), se, sp, K, h, (16, 32, 4, 1))
+    experts.launch_gate_up(x.float().to(DEV), gate_up.float().to(DEV), pairs, K, h, (16, 32, 4, 1))
     for p in range(T * K):
         e, t = int(idx.view(-1)[p]), p // K
         g, u = gate_up[e, :I] @ x[t], gate_up[e, I:] @ x[t]

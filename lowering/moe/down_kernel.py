@@ -4,7 +4,7 @@ out[p] = weight[p] * (h[p] @ W_down[e_p].T), streaming only the chosen experts' 
     h [P, I] (gate_up_kernel.py's output), down [E, H, I] (HF's DeepseekV3Experts.down_proj),
     weight [P] fp32 routing weights, out [P, H] fp32; P = T * TOP_K pairs
 
-Grid (P, cdiv(H, BLOCK_N)) over sorted slots, as gate_up_kernel.py. Each product is rounded
+Grid (P, cdiv(H, BLOCK_N)) over the pairs, as gate_up_kernel.py. Each product is rounded
 to h's dtype (HF's linear output) before the fp32 multiply by its routing weight; the caller
 sums out over k per token in fp32 and rounds once (HF's grouped_mm experts do the same).
 """
@@ -19,7 +19,7 @@ from lowering.moe.expert_run import expert_run, run_rows
 @triton.jit
 def moe_down_kernel(
     h_ptr, w_ptr, weight_ptr, out_ptr,       # h [P, I], down [E, H, I], weight [P], out [P, H]
-    sorted_expert_ptr, sorted_pair_ptr,      # [P] each
+    topk_idx_ptr,                            # [P] the flattened topk_idx
     P, E, H, I, TOP_K,
     stride_hp, stride_we, stride_wn, stride_op,
     BLOCK_R: tl.constexpr,
@@ -28,14 +28,14 @@ def moe_down_kernel(
 ):
     s = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
-    e, run = expert_run(sorted_expert_ptr, s, P, E, BLOCK_R)
+    e, run, ranks = expert_run(topk_idx_ptr, s, P, E, BLOCK_R)
     offs_n = n0 + tl.arange(0, BLOCK_N)                                        # [BLOCK_N]
     offs_k = tl.arange(0, BLOCK_K)                                             # [BLOCK_K]
     n_ok = offs_n < H
     w_rows = w_ptr + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
     dt = h_ptr.dtype.element_ty
     for m0 in range(0, run, BLOCK_M):
-        pair, token, m_ok = run_rows(sorted_pair_ptr, s, m0, run, P, TOP_K, BLOCK_M)
+        pair, token, m_ok = run_rows(ranks, m0, run, P, TOP_K, BLOCK_M)
         h_rows = h_ptr + pair.to(tl.int64)[None, :] * stride_hp                # [1, BLOCK_M]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):

@@ -1,9 +1,11 @@
-"""Which sorted (token, k) pairs a program of the MoE decode kernels serves.
+"""Which (token, k) pairs a program of the MoE decode kernels serves, read straight from the
+router's choice (no sort).
 
-The pairs of a decode step are sorted by expert (stable): slot s holds pair sorted_pair[s]
-of expert sorted_expert[s]. A program owns slot s; it works only when s is the first slot
-of its expert (the others exit at once), and then serves that expert's whole run of slots,
-so each chosen expert's weights are streamed once however many tokens chose it.
+The P = T * TOP_K pairs of a decode step are the flattened topk_idx: pair p = (token
+p // TOP_K, k p % TOP_K) chose expert topk_idx[p]. A program owns pair s; it works only when
+s is the first pair (lowest index) that chose its expert (the others exit at once), and then
+serves every pair of that expert, in increasing pair order, so each chosen expert's weights
+are streamed once however many tokens chose it.
 """
 from __future__ import annotations
 
@@ -12,23 +14,27 @@ import triton.language as tl
 
 
 @triton.jit
-def expert_run(sorted_expert_ptr, s, P, E, BLOCK_R: tl.constexpr):
-    """(expert, run): slot s's expert and the number of slots from s on that hold it, run 0
-    where s is not the first slot of its expert or the expert is outside [0, E)."""
-    e = tl.load(sorted_expert_ptr + s).to(tl.int32)
-    prev = tl.load(sorted_expert_ptr + s - 1, mask=s > 0, other=-1).to(tl.int32)
-    offs = s + tl.arange(0, BLOCK_R)                                           # [BLOCK_R]
-    ids = tl.load(sorted_expert_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
-    run = tl.sum((ids == e).to(tl.int32), axis=0)
-    ok = (prev != e) & (e >= 0) & (e < E)
-    return e, tl.where(ok, run, 0)
+def expert_run(topk_idx_ptr, s, P, E, BLOCK_R: tl.constexpr):
+    """(expert, run, ranks): pair s's expert; the number of pairs that chose it where s is
+    the first of them (else 0, and 0 for an expert outside [0, E)); ranks [BLOCK_R]: per
+    pair p, how many of the pairs 0..p chose that expert (BLOCK_R >= P)."""
+    offs = tl.arange(0, BLOCK_R)                                               # [BLOCK_R]
+    ids = tl.load(topk_idx_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
+    e = tl.load(topk_idx_ptr + s).to(tl.int32)
+    match = (ids == e) & (offs < P)
+    first = tl.min(tl.where(match, offs, BLOCK_R), axis=0)
+    run = tl.sum(match.to(tl.int32), axis=0)
+    ranks = tl.cumsum(match.to(tl.int32), axis=0)                              # [BLOCK_R]
+    ok = (first == s) & (e >= 0) & (e < E)
+    return e, tl.where(ok, run, 0), ranks
 
 
 @triton.jit
-def run_rows(sorted_pair_ptr, s, m0, run, P, TOP_K, BLOCK_M: tl.constexpr):
-    """(pair [BLOCK_M], token [BLOCK_M], ok [BLOCK_M]) of the run's rows m0 : m0 + BLOCK_M."""
+def run_rows(ranks, m0, run, P, TOP_K, BLOCK_M: tl.constexpr):
+    """(pair [BLOCK_M], token [BLOCK_M], ok [BLOCK_M]) of the run's rows m0 : m0 + BLOCK_M:
+    row m is the pair after exactly those whose rank is <= m (ranks never decrease)."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     ok = offs_m < run
-    pair = tl.load(sorted_pair_ptr + s + offs_m, mask=ok, other=0).to(tl.int32)
-    pair = tl.minimum(tl.maximum(pair, 0), P - 1)             # bounded whatever the input
+    pair = tl.sum((ranks[None, :] <= offs_m[:, None]).to(tl.int32), axis=1)   # [BLOCK_M]
+    pair = tl.minimum(pair, P - 1)                            # bounded whatever the input
     return pair, pair // TOP_K, ok

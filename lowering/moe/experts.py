@@ -10,8 +10,9 @@ linear's output is rounded to x's dtype, the weighted products summed over k in 
 rounded once (what HF's grouped_mm experts compute, in another summation order).
 
 On CUDA in bf16 / fp16 with at most MAX_ROWS tokens: two weight-streaming Triton kernels
-(gate_up_kernel.py, down_kernel.py) over the (token, k) pairs sorted by expert, so a decode
-step reads each chosen expert's weights once; static shapes and no host syncs, so a
+(gate_up_kernel.py, down_kernel.py) over the (token, k) pairs, one program per chosen expert
+serving all its pairs (expert_run.py), so a decode step reads each chosen expert's weights
+once; static shapes and no host syncs, so a
 compiled step captures in a CUDA graph. Anything else runs the torch reference below
 (pairs gathered, for small T; the HF block uses a grouped GEMM for more rows).
 Defined with torch.library.triton_op, so Inductor sees the kernels.
@@ -90,34 +91,35 @@ def kernel_serves(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) ->
             and gate_up.stride(-1) == 1 and down.stride(-1) == 1)
 
 
-def sort_pairs(topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted_expert [P], sorted_pair [P]): the T * K pairs sorted by expert (stable)."""
-    sorted_expert, sorted_pair = torch.sort(topk_idx.reshape(-1), stable=True)
-    return sorted_expert, sorted_pair
+def flat_pairs(topk_idx: torch.Tensor) -> torch.Tensor:
+    """[P] the T * K pairs' experts, pair p = (token p // K, k p % K), as the kernels read
+    them (expert_run.py: no sort)."""
+    return topk_idx.reshape(-1).contiguous()
 
 
-def launch_gate_up(x, gate_up, sorted_expert, sorted_pair, top_k, h, config):
-    """h [P, I] = SiLU(gate) * up per pair (gate_up_kernel.py); x [T, H] with unit last stride."""
+def launch_gate_up(x, gate_up, pairs, top_k, h, config):
+    """h [P, I] = SiLU(gate) * up per pair (gate_up_kernel.py); x [T, H] with unit last
+    stride, pairs [P] (flat_pairs)."""
     H = x.shape[1]
     P, I = h.shape
     block_n, block_k, warps, stages = config
     kernel = torch.library.wrap_triton(moe_gate_up_kernel)
     kernel[(P, triton.cdiv(I, block_n))](
-        x, gate_up, h, sorted_expert, sorted_pair, P, gate_up.shape[0], I, H, top_k,
+        x, gate_up, h, pairs, P, gate_up.shape[0], I, H, top_k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
         BLOCK_R=max(16, triton.next_power_of_2(P)), BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=H % block_k == 0, DOT_F32=not x.is_cuda,
         num_warps=warps, num_stages=stages)
 
 
-def launch_down(h, down, weight, sorted_expert, sorted_pair, top_k, out, config):
+def launch_down(h, down, weight, pairs, top_k, out, config):
     """out [P, H] fp32 = weight[p] * (h[p] @ down[e].T) per pair (down_kernel.py)."""
     P, I = h.shape
     H = down.shape[1]
     block_n, block_k, warps, stages = config
     kernel = torch.library.wrap_triton(moe_down_kernel)
     kernel[(P, triton.cdiv(H, block_n))](
-        h, down, weight, out, sorted_expert, sorted_pair, P, down.shape[0], H, I, top_k,
+        h, down, weight, out, pairs, P, down.shape[0], H, I, top_k,
         h.stride(0), down.stride(0), down.stride(1), out.stride(0),
         BLOCK_R=max(16, triton.next_power_of_2(P)), BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=I % block_k == 0, DOT_F32=not h.is_cuda,
@@ -131,14 +133,12 @@ def run_kernels(x, topk_idx, topk_weight, gate_up, down) -> torch.Tensor:
     K = topk_idx.shape[1]
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     x = x if x.stride(-1) == 1 else x.contiguous()
-    sorted_expert, sorted_pair = sort_pairs(topk_idx)                        # [P], [P]
+    pairs = flat_pairs(topk_idx)                                             # [P]
     weight = topk_weight.reshape(-1).to(torch.float32)                       # [P]
     h = torch.empty((T * K, I), dtype=x.dtype, device=x.device)              # [P, I]
-    launch_gate_up(x, gate_up, sorted_expert, sorted_pair, K, h,
-                   pick_config("gate_up", I, H, T))
+    launch_gate_up(x, gate_up, pairs, K, h, pick_config("gate_up", I, H, T))
     out = torch.zeros((T * K, H), dtype=torch.float32, device=x.device)      # [P, H]
-    launch_down(h, down, weight, sorted_expert, sorted_pair, K, out,
-                pick_config("down", H, I, T))
+    launch_down(h, down, weight, pairs, K, out, pick_config("down", H, I, T))
     return out.view(T, K, H).sum(1).to(x.dtype)                              # [T, H]
 
 

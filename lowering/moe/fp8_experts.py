@@ -101,13 +101,13 @@ def run_kernels(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_sca
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     P = T * K
     x = x if x.stride(-1) == 1 else x.contiguous()
-    sorted_expert, sorted_pair = moe.sort_pairs(topk_idx)                    # [P], [P]
+    pairs = moe.flat_pairs(topk_idx)                                         # [P]
     weight = topk_weight.reshape(-1).to(torch.float32)                       # [P]
     block_r = max(16, triton.next_power_of_2(P))
     h = torch.empty((P, I), dtype=x.dtype, device=x.device)                  # [P, I]
     bn, warps, stages = pick_config("gate_up", I, H, T)
     torch.library.wrap_triton(moe_gate_up_fp8_kernel)[(P, triton.cdiv(I, bn))](
-        x, gate_up, gate_up_scale, h, sorted_expert, sorted_pair, P, E, I, H, K,
+        x, gate_up, gate_up_scale, h, pairs, P, E, I, H, K,
         triton.cdiv(I, gn), x.stride(0), gate_up.stride(0), gate_up.stride(1),
         gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0),
         BLOCK_R=block_r, BLOCK_M=moe.BLOCK_M, BLOCK_N=bn, BLOCK_K=gk, GROUP_N=gn,
@@ -115,7 +115,7 @@ def run_kernels(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_sca
     out = torch.zeros((P, H), dtype=torch.float32, device=x.device)          # [P, H]
     bn, warps, stages = pick_config("down", H, I, T)
     torch.library.wrap_triton(moe_down_fp8_kernel)[(P, triton.cdiv(H, bn))](
-        h, down, down_scale, weight, out, sorted_expert, sorted_pair, P, E, H, I, K,
+        h, down, down_scale, weight, out, pairs, P, E, H, I, K,
         h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
         down_scale.stride(1), out.stride(0),
         BLOCK_R=block_r, BLOCK_M=moe.BLOCK_M, BLOCK_N=bn, BLOCK_K=gk, GROUP_N=gn,

@@ -6,8 +6,8 @@ per (token, k) pair, streaming only the chosen experts' rows, one byte per weigh
     [E, 2 * cdiv(I, GROUP_N), cdiv(H, GROUP_K)] fp32 (gate's blocks, then up's: UP_S_ROW0 =
     cdiv(I, GROUP_N)); h [P, I] with P = T * TOP_K, row p = pair (token p // TOP_K, k p % TOP_K)
 
-As gate_up_kernel.py (grid (P, cdiv(I, BLOCK_N)), one program per first slot of an expert's
-run), with HF's FP8Linear numerics per linear: x quantized per GROUP_K columns in registers
+As gate_up_kernel.py (grid (P, cdiv(I, BLOCK_N)), one program per first pair of
+an expert), with HF's FP8Linear numerics per linear: x quantized per GROUP_K columns in registers
 (lowering/gemm/fp8_linear_kernel.py's quant_act_tile), fp8 x fp8 dots scaled by both
 scales into fp32, gate, up, SiLU(gate) and the product each rounded to h's dtype.
 """
@@ -23,7 +23,7 @@ from lowering.moe.expert_run import expert_run, run_rows
 @triton.jit
 def moe_gate_up_fp8_kernel(
     x_ptr, w_ptr, ws_ptr, h_ptr,             # x [T, H], gate_up [E, 2I, H] e4m3, scales, h [P, I]
-    sorted_expert_ptr, sorted_pair_ptr,      # [P] each
+    topk_idx_ptr,                            # [P] the flattened topk_idx
     P, E, I, H, TOP_K, UP_S_ROW0,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hp,
     BLOCK_R: tl.constexpr,                   # >= the longest run (next power of 2 of P)
@@ -32,7 +32,7 @@ def moe_gate_up_fp8_kernel(
 ):
     s = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
-    e, run = expert_run(sorted_expert_ptr, s, P, E, BLOCK_R)
+    e, run, ranks = expert_run(topk_idx_ptr, s, P, E, BLOCK_R)
     offs_n = n0 + tl.arange(0, BLOCK_N)                                        # [BLOCK_N]
     offs_k = tl.arange(0, BLOCK_K)                                             # [BLOCK_K]
     n_ok = offs_n < I
@@ -43,7 +43,7 @@ def moe_gate_up_fp8_kernel(
     us_rows = s_base + (UP_S_ROW0 + offs_n // GROUP_N) * stride_sn
     dt = h_ptr.dtype.element_ty
     for m0 in range(0, run, BLOCK_M):
-        pair, token, m_ok = run_rows(sorted_pair_ptr, s, m0, run, P, TOP_K, BLOCK_M)
+        pair, token, m_ok = run_rows(ranks, m0, run, P, TOP_K, BLOCK_M)
         x_rows = x_ptr + token.to(tl.int64)[None, :] * stride_xt               # [1, BLOCK_M]
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)

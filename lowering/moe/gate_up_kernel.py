@@ -4,9 +4,9 @@ for every (token, k) pair, streaming only the chosen experts' rows.
     x [T, H]; gate_up [E, 2I, H] (HF's DeepseekV3Experts.gate_up_proj: gate rows 0 : I,
     up rows I : 2I); h [P, I] with P = T * TOP_K, row p = pair (token p // TOP_K, k p % TOP_K)
 
-Grid (P, cdiv(I, BLOCK_N)): program (s, n) serves the run of sorted slots of one expert
-(expert_run.py) and rows n * BLOCK_N of its gate and up weights, walking H in BLOCK_K tiles
-for up to BLOCK_M of the run's tokens at a time ([BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M] dots
+Grid (P, cdiv(I, BLOCK_N)): program (s, n) serves the pairs of pair s's expert where s is
+the first pair that chose it (expert_run.py), and rows n * BLOCK_N of its gate and up
+weights, walking H in BLOCK_K tiles for up to BLOCK_M of the run's tokens at a time ([BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M] dots
 into fp32). Rounded like HF's modules: gate, up, SiLU(gate) and the product each to h's dtype.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from lowering.moe.expert_run import expert_run, run_rows
 @triton.jit
 def moe_gate_up_kernel(
     x_ptr, w_ptr, h_ptr,                     # x [T, H], gate_up [E, 2I, H], h [P, I]
-    sorted_expert_ptr, sorted_pair_ptr,      # [P] each
+    topk_idx_ptr,                            # [P] the flattened topk_idx
     P, E, I, H, TOP_K,
     stride_xt, stride_we, stride_wn, stride_hp,
     BLOCK_R: tl.constexpr,                   # >= the longest run (next power of 2 of P)
@@ -29,7 +29,7 @@ def moe_gate_up_kernel(
 ):
     s = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
-    e, run = expert_run(sorted_expert_ptr, s, P, E, BLOCK_R)
+    e, run, ranks = expert_run(topk_idx_ptr, s, P, E, BLOCK_R)
     offs_n = n0 + tl.arange(0, BLOCK_N)                                        # [BLOCK_N]
     offs_k = tl.arange(0, BLOCK_K)                                             # [BLOCK_K]
     n_ok = offs_n < I
@@ -38,7 +38,7 @@ def moe_gate_up_kernel(
     u_rows = g_rows + I * stride_wn                                            # the up half
     dt = h_ptr.dtype.element_ty
     for m0 in range(0, run, BLOCK_M):
-        pair, token, m_ok = run_rows(sorted_pair_ptr, s, m0, run, P, TOP_K, BLOCK_M)
+        pair, token, m_ok = run_rows(ranks, m0, run, P, TOP_K, BLOCK_M)
         x_rows = x_ptr + token.to(tl.int64)[None, :] * stride_xt               # [1, BLOCK_M]
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)

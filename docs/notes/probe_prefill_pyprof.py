@@ -1,0 +1,55 @@
+"""A Python profile of a converted model's prefill forward (H200 probe, not maintained):
+host ms per forward without the profiler, then cProfile over five forwards, sorted by
+own time and by cumulative time, for the rows asked.
+
+    python docs/notes/probe_prefill_pyprof.py v2-lite:multi-turn,v2-lite:1x8192
+"""
+import cProfile, io, pstats, sys, time
+import torch
+sys.path.insert(0, "benchmarks")                    # run from the repository root
+from bench_prefill import build, model_config, parse_row
+
+
+@torch.no_grad()
+def main(spec):
+    import mla_ops.hf
+    for item in spec.split(","):
+        name, row = item.split(":")
+        B, S, ctx = parse_row(row)
+        cfg = model_config(name, 2048)
+        model = mla_ops.hf.convert(build(cfg, torch.bfloat16))
+        ids = torch.randint(3, 2048, (B, S + ctx), device="cuda")
+        cache = mla_ops.hf.PagedMLACache(cfg, max_batch_size=B, max_cache_len=S + ctx,
+                                         device="cuda", dtype=torch.bfloat16)
+        if ctx:
+            model(ids[:, :ctx], past_key_values=cache, use_cache=True)
+        saved = cache.snapshot()
+
+        def step():
+            cache.restore(saved)
+            return model(ids[:, ctx:], past_key_values=cache, use_cache=True).logits
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        host = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t = time.perf_counter(); step(); host.append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+        print(f"== {name} {row}: host ms per forward {sorted(host)[2] * 1e3:.2f}", flush=True)
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        pr.disable()
+        for key in ("tottime", "cumulative"):
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats(key).print_stats(45)
+            print(s.getvalue().replace("/tmp/site/", "").replace("/opt/torch/.venv/lib/python3.12/site-packages/", ""), flush=True)
+        del model, cache
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
