@@ -316,6 +316,63 @@ def test_rope_angles_per_family():
     assert torch.equal(y[..., 16:], q_pe.transpose(1, 2))
 
 
+@pytest.mark.parametrize("interleave", [True, False])
+def test_kernels_take_one_16bit_output_at_prefill_rows(interleave):
+    """A prefill's rows: the prologue kernels read one GEMM output in the activations' dtype
+    (a [1, T, ...] "partial") at more rows than a decode step has, and give what they give
+    for the same values as an fp32 partial (16-bit values are exact in fp32)."""
+    g = torch.Generator().manual_seed(11)
+    T, NQ, L, R, N, P = 100, 48, 40, 8, 3, 16
+    dt = torch.bfloat16
+    part, w_q, w_kv, cos, sin = _inputs(1, T, NQ, L, R, g, dt)
+    part16 = part.to(dt).to(DEV)                                       # [1, T, NQ + L + R]
+    outs = []
+    for p in (part16, part16.float()):
+        q_out = torch.empty(T, NQ, dtype=dt, device=DEV)
+        kv_out = torch.empty(T, L + R, dtype=dt, device=DEV)
+        prologue.launch(p, w_q.to(DEV), w_kv.to(DEV), cos.to(DEV), sin.to(DEV), 1e-6, 1e-6,
+                        interleave, q_out, kv_out)
+        outs.append((q_out, kv_out))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    ref_q, ref_kv = _reference(part16.double().cpu(), w_q, w_kv, cos, sin, 1e-6, interleave)
+    assert _rel(outs[0][0], ref_q) < 2e-2 and _rel(outs[0][1], ref_kv) < 2e-2
+    # V2 without q_lora: the query heads' RoPE and the key's, from one 16-bit output
+    NQ2 = N * (P + R)
+    part2 = (torch.randn(1, T, NQ2 + L + R, generator=g) * 3).to(dt).to(DEV)
+    c2, s2 = (a.to(DEV) for a in _complex_angles(T, R // 2, g))
+    outs = []
+    for p in (part2, part2.float()):
+        q_out = torch.empty(T, NQ2, dtype=dt, device=DEV)
+        kv_out = torch.empty(T, L + R, dtype=dt, device=DEV)
+        prologue.launch_v2(p, w_kv.to(DEV), c2, s2, 1e-6, N, q_out, kv_out)
+        outs.append((q_out, kv_out))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    ref_k = _rope_complex64(part2[0, :, NQ2 + L:].double().cpu(), c2.cpu(), s2.cpu())
+    assert _rel(outs[0][1][:, L:], ref_k) < 2e-2
+
+
+def test_ops_take_one_16bit_output():
+    """The ops accept one GEMM output in the weights' dtype ([1, ...]) as well as fp32
+    partials, with the same result; several 16-bit partials are refused by name."""
+    g = torch.Generator().manual_seed(12)
+    T, NQ, L, R = 7, 24, 16, 8
+    dt = torch.bfloat16
+    part, w_q, w_kv, cos, sin = _inputs(1, T, NQ, L, R, g, dt)
+    part16 = part.to(dt)
+    a = torch.ops.mla.decode_qkv_prologue(part16, w_q, w_kv, cos, sin, 1e-6, 1e-6, 1)
+    b = torch.ops.mla.decode_qkv_prologue(part16.float(), w_q, w_kv, cos, sin, 1e-6, 1e-6, 1)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    with pytest.raises(TypeError, match="one .* GEMM output in the weights' dtype"):
+        torch.ops.mla.decode_qkv_prologue(part16.expand(2, -1, -1), w_q, w_kv, cos, sin,
+                                          1e-6, 1e-6, 1)
+    c2, s2 = _complex_angles(T, R // 2, g)
+    a = torch.ops.mla.decode_q_kv_rope(part16, w_kv, c2, s2, 1e-6, 1)
+    b = torch.ops.mla.decode_q_kv_rope(part16.float(), w_kv, c2, s2, 1e-6, 1)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    with pytest.raises(TypeError, match="GEMM output in the weights' dtype"):
+        torch.ops.mla.decode_q_kv_rope(part16.half(), w_kv, c2, s2, 1e-6, 1)
+
+
 def test_bad_input_is_named():
     part = torch.randn(2, 3, 10 + 8 + 4)
     w_q, w_kv, cs = torch.ones(10), torch.ones(8), torch.ones(3, 4)
@@ -446,6 +503,47 @@ def test_v2_lite_attention_prologue_matches_hf_modules(rows):
     assert _rel(q[..., 128:], q_pe.transpose(1, 2).double().cpu()) < 2e-2
     assert _rel(kv_row[..., :512], ref_kv[..., :512].double().cpu()) < 2e-2
     assert _rel(kv_row[..., 512:], ref_kv[..., 512:].double().cpu()) < 2e-2
+
+
+@gpu
+@pytest.mark.parametrize("family", ["v3", "v2-lite"])
+def test_prefill_rows_take_the_prologue_ops(family):
+    """A prefill's rows (more than the decode GEMM kernels take) at V3's and V2-Lite's
+    attention shapes: cuBLAS's two outputs, then the prologue op (and for V3 q_b and the
+    query's RoPE kernel), against HF's modules on the same hidden states."""
+    import mla_ops.hf
+    from mla_ops.hf.linear import q_kv_rope_prologue, qkv_a_prologue, rope_angles, rope_query
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m2
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m3
+    model = mla_ops.hf.convert(_v3_attention_model(family))
+    attn = model.model.layers[0].self_attn
+    H, rows = model.config.hidden_size, 200
+    x = torch.randn(1, rows, H, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(rows, device="cuda")[None] + 37
+    pe = model.model.rotary_emb(x, pos)
+    with torch.no_grad():
+        kv = attn.kv_a_proj_with_mqa(x)
+        k = kv[..., 512:].reshape(1, 1, rows, 64)
+        if family == "v3":
+            fused = qkv_a_prologue(attn, x, pe)
+            assert fused is not None, "V3's prefill rows should take the prologue op"
+            q_a, kv_row = fused
+            q = attn.q_b_proj(q_a).view(1, rows, 128, 192)
+            q = rope_query(q, *rope_angles(attn, pe))
+            ref_q_a = attn.q_a_layernorm(attn.q_a_proj(x))
+            q_hf = attn.q_b_proj(ref_q_a).view(1, rows, 128, 192).transpose(1, 2)
+            q_pe, k_pe = m3.apply_rotary_pos_emb_interleave(q_hf[..., 128:], k, *pe)
+            assert _rel(q_a, ref_q_a.double().cpu()) < 2e-2
+        else:
+            fused = q_kv_rope_prologue(attn, x, pe)
+            assert fused is not None, "V2-Lite's prefill rows should take the prologue op"
+            q, kv_row = fused
+            q_hf = attn.q_proj(x).view(1, rows, 16, 192).transpose(1, 2)
+            q_pe, k_pe = m2.apply_rotary_emb(q_hf[..., 128:], k, pe)
+        ref_kv = torch.cat([attn.kv_a_layernorm(kv[..., :512]), k_pe.reshape(1, rows, 64)], -1)
+    assert _rel(q[..., :128], q_hf.transpose(1, 2)[..., :128].double().cpu()) < 2e-2
+    assert _rel(q[..., 128:], q_pe.transpose(1, 2).double().cpu()) < 2e-2
+    assert _rel(kv_row, ref_kv.double().cpu()) < 2e-2
 
 
 @gpu

@@ -1,8 +1,10 @@
-"""What the fused decode-row ops (prologue.py, q_rope.py, q_absorb.py) share: the row
-limit of their kernels, when a call is theirs, and the rotary rows they read.
+"""What the fused row ops (prologue.py, q_rope.py, q_absorb.py) share: when a call is
+their kernels', and the rotary rows they read.
 
-The kernels serve a decode step's few rows on CUDA in bf16 / fp16; any other call runs
-HF's own steps in torch ops (bit for bit what its modules and RoPE functions compute).
+The kernels run on CUDA in bf16 / fp16: prologue.py's and q_rope.py's for any number of
+rows (a decode step's, a prefill's), q_absorb.py's for a decode step's few (MAX_ROWS);
+any other call runs HF's own steps in torch ops (bit for bit what its modules and RoPE
+functions compute).
 """
 from __future__ import annotations
 
@@ -11,13 +13,23 @@ import torch
 MAX_ROWS = 64
 
 
-def decode_rows_unmet(device: torch.device, dtype: torch.dtype, tokens: int) -> str | None:
-    """None when the fused row kernels serve a call of `tokens` rows in dtype on device,
+def row_kernels_unmet(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when the per-row kernels (one program per token or row block: prologue.py's and
+    q_rope.py's) serve a call in dtype on device, of any number of rows (prefill's too),
     else the unmet condition (the torch steps then run)."""
     if device.type != "cuda":
         return f"the tensors are on {device}, the kernels run on CUDA"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"the activations are {dtype}, the kernels take bf16 / fp16"
+    return None
+
+
+def decode_rows_unmet(device: torch.device, dtype: torch.dtype, tokens: int) -> str | None:
+    """None when the fused decode-row kernels (q_absorb.py's, which hold all rows in one
+    program) serve a call of `tokens` rows in dtype on device, else the unmet condition."""
+    why = row_kernels_unmet(device, dtype)
+    if why is not None:
+        return why
     if not 0 < tokens <= MAX_ROWS:
         return f"{tokens} rows: the kernels serve 1 to {MAX_ROWS}"
     return None

@@ -21,9 +21,11 @@ freqs_cis, whose real and imaginary parts are cos / sin):
     q      = sum(part)[..., :NQ] as NH heads, each with RoPE on its last R columns
     kv_row = [RMSNorm(sum(part)[..., NQ:NQ+L]) * w_kv | RoPE(sum(part)[..., NQ+L:])]
 
-On CUDA one Triton launch each (at most MAX_ROWS tokens; roundings in prologue_kernel.py);
-elsewhere HF's own steps in torch ops, bit for bit what its modules and RoPE functions
-compute. Defined with torch.library.triton_op, so Inductor sees the kernel in the graph.
+part is the GEMM's fp32 split-K partials (a decode step's rows), or its one output in the
+weights' dtype ([1, *lead, ...]: a prefill's rows after cuBLAS, which HF's modules round
+the same way). On CUDA one Triton launch each, one program per token (roundings in
+prologue_kernel.py); elsewhere HF's own steps in torch ops, bit for bit what its modules
+and RoPE functions compute. Defined with torch.library.triton_op, so Inductor sees the kernel in the graph.
 The query's RoPE after q_b is q_rope.py's op; q_b, RoPE and absorption in one launch
 q_absorb.py's.
 """
@@ -32,17 +34,19 @@ from __future__ import annotations
 import torch
 import triton
 
-from lowering.fused.decode_rows import angle_rows, check_angles, decode_rows_unmet
+from lowering.fused.decode_rows import angle_rows, check_angles, row_kernels_unmet
 from lowering.fused.norm import rms_norm_torch
 from lowering.fused.prologue_kernel import qkv_prologue_kernel
 from lowering.fused.q_rope import ROPES, q_rope_any, rope_complex_torch, rope_torch
 
 
-def _check_part(part, cos, sin):
+def _check_part(part, cos, sin, dtype):
     check_angles(cos, sin)
-    if part.dim() < 2 or part.dtype != torch.float32:
-        raise TypeError(f"part must be fp32 [split, *lead, NQ + L + R] partial sums, got "
-                        f"{part.dtype} {tuple(part.shape)}")
+    one = part.dim() >= 2 and part.shape[0] == 1 and part.dtype == dtype
+    if part.dim() < 2 or not (part.dtype == torch.float32 or one):
+        raise TypeError(f"part must be fp32 [split, *lead, NQ + L + R] partial sums, or one "
+                        f"[1, *lead, NQ + L + R] GEMM output in the weights' dtype {dtype}; "
+                        f"got {part.dtype} {tuple(part.shape)}")
 
 
 def _check_rows(part, cos, sin, width):
@@ -54,7 +58,7 @@ def _check_rows(part, cos, sin, width):
 
 
 def _check(part, w_q, w_kv, cos, sin, rope):
-    _check_part(part, cos, sin)
+    _check_part(part, cos, sin, w_q.dtype)
     for name, w in (("w_q", w_q), ("w_kv", w_kv)):
         if w.dim() != 1 or w.dtype != w_q.dtype or w.device != part.device:
             raise ValueError(f"{name} must be 1-D, of w_q's dtype, on {part.device}; got "
@@ -110,7 +114,7 @@ def decode_qkv_prologue(part: torch.Tensor, w_q: torch.Tensor, w_kv: torch.Tenso
                         rope: int) -> tuple[torch.Tensor, torch.Tensor]:
     NQ, L, R = _check(part, w_q, w_kv, cos, sin, rope)
     lead = part.shape[1:-1]
-    if decode_rows_unmet(part.device, w_q.dtype, part[0].numel() // part.shape[-1]) is not None:
+    if part.numel() == 0 or row_kernels_unmet(part.device, w_q.dtype) is not None:
         x = part.sum(0).to(w_q.dtype)                                     # [*lead, NQ+L+R]
         q, kv, k = x.split([NQ, L, R], dim=-1)
         k = (rope_complex_torch(k, cos, sin) if rope == 2
@@ -127,7 +131,7 @@ def decode_qkv_prologue(part: torch.Tensor, w_q: torch.Tensor, w_kv: torch.Tenso
 
 
 def _check_v2(part, w_kv, cos, sin, num_heads):
-    _check_part(part, cos, sin)
+    _check_part(part, cos, sin, w_kv.dtype)
     if w_kv.dim() != 1 or w_kv.device != part.device or not w_kv.is_floating_point():
         raise ValueError(f"w_kv must be a 1-D floating tensor on {part.device}, got "
                          f"{w_kv.dtype} {tuple(w_kv.shape)} on {w_kv.device}")
@@ -150,7 +154,7 @@ def decode_q_kv_rope(part: torch.Tensor, w_kv: torch.Tensor, cos: torch.Tensor,
     NQ, L, R = _check_v2(part, w_kv, cos, sin, num_heads)
     lead, dt = part.shape[1:-1], w_kv.dtype
     T = part[0].numel() // part.shape[-1]
-    if decode_rows_unmet(part.device, dt, T) is not None:
+    if T == 0 or row_kernels_unmet(part.device, dt) is not None:
         x = part.sum(0).to(dt)                                            # [*lead, NQ+L+R]
         q, kv, k = x.split([NQ, L, R], dim=-1)
         q = q_rope_any(q.reshape(*lead, num_heads, NQ // num_heads), cos, sin, 2)

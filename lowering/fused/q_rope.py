@@ -3,7 +3,7 @@
     mla::decode_q_rope(q [*lead, N, P + R], cos [*lead, R], sin [*lead, R], interleave)
         -> q with RoPE applied to its last R columns (a new tensor)
 
-On CUDA one Triton launch (q_rope_kernel.py; at most MAX_ROWS tokens); elsewhere HF's
+On CUDA one Triton launch (q_rope_kernel.py; any number of tokens); elsewhere HF's
 own RoPE in torch ops (rope_torch / q_rope_torch, which the other fused ops' torch paths
 share). Defined with torch.library.triton_op, so Inductor sees the kernel in the graph.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from lowering.fused.decode_rows import angle_rows, check_angles, decode_rows_unmet
+from lowering.fused.decode_rows import angle_rows, check_angles, row_kernels_unmet
 from lowering.fused.q_rope_kernel import q_rope_kernel
 
 BLOCK_ROWS = 16        # (token, head) rows per program
@@ -86,7 +86,7 @@ def decode_q_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if cos.device != q.device or sin.device != q.device:
         raise ValueError(f"cos / sin must be on q's device {q.device}")
     tokens = q.numel() // max(1, q.shape[-1] * q.shape[-2])
-    if decode_rows_unmet(q.device, q.dtype, tokens) is not None:
+    if tokens == 0 or row_kernels_unmet(q.device, q.dtype) is not None:
         return q_rope_torch(q, cos, sin, interleave)
     q3 = q.reshape(tokens, q.shape[-2], q.shape[-1]).contiguous()         # [T, N, P + R]
     c, s = angle_rows(cos, sin, tokens, q.dtype)

@@ -58,10 +58,11 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     step = cache.prepare(self.layer_idx, B, S, attention_mask, hidden_states.dtype,
                          hidden_states.device, backend=mla.backend,
                          fp8_query=mla.q_scale is not None)
-    # decode (CUDA, split-K GEMM; V3, or V2 with q_lora): both norms and the key's RoPE in
-    # one op after the GEMM; for decode rows then q_b, the query's RoPE and its absorption
-    # in another
-    # (a family with a query scale never takes it: it scales q below)
+    # CUDA, V3 or V2 with q_lora: both norms and the key's RoPE in one op after the GEMM
+    # (decode rows: the split-K kernel's partials; a prefill's: cuBLAS's two outputs); for
+    # decode rows then q_b, the query's RoPE and its absorption in another, else q_b and
+    # the query's RoPE (one kernel). V2 without q_lora: the key norm and both RoPEs in one
+    # op. (A family with a query scale never takes them: it scales q below.)
     fused = v2_fused = None
     rows = rope_rows(position_embeddings, B, S)          # one rotary row per token
     if self.mla_query_scale is None:

@@ -21,7 +21,7 @@ import torch.nn as nn
 from lowering import config as mla_config
 from lowering.fused import prologue  # noqa: F401  (registers mla::decode_qkv_prologue)
 from lowering.fused import q_rope  # noqa: F401  (registers mla::decode_q_rope)
-from lowering.fused.decode_rows import decode_rows_unmet
+from lowering.fused.decode_rows import decode_rows_unmet, row_kernels_unmet
 from lowering.fused.q_absorb import q_absorb_unmet, rope_width  # and mla::decode_q_absorb(_fp8)
 from lowering.fused.q_rope import q_rope_any
 from lowering.gemm import linear as gemm  # registers the mla::decode_* GEMM ops
@@ -130,12 +130,24 @@ def rope_query(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: int)
     return torch.ops.mla.decode_q_rope(q, cos, sin, bool(rope))
 
 
+def prefill_part(m1, m2, x: torch.Tensor):
+    """[1, *lead, N1 + N2]: the two modules' outputs on x [*lead, H] (cuBLAS, exactly their
+    own calls) side by side, the one "partial" the prologue ops take for a prefill's rows:
+    more rows than the decode GEMM kernels take, on a device and dtype the per-row kernels
+    serve. None otherwise (decode rows, CPU, fp32, modules that keep their own calls)."""
+    if (x.numel() // x.shape[-1] <= gemm.MAX_ROWS or not use_ops(m1, m2)
+            or row_kernels_unmet(x.device, x.dtype) is not None):
+        return None
+    return torch.cat([m1(x), m2(x)], dim=-1).unsqueeze(0)
+
+
 def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
     """(q_a_layernorm(q_a), [kv_a_layernorm(kv_c) | RoPE(k_pe)]) of a DeepSeek-V3 (or V2
     with q_lora) attention module for hidden states x [B, S, H]: the q_a + kv_a GEMM's
-    split-K partials, then one op (mla::decode_qkv_prologue) for both norms and the key's
-    RoPE. None where that path does not apply (no q_lora, another family, other norms, or
-    a pair config without split-K: then the caller runs the modules). HF's FP8 linears: the fp8 pair kernel's
+    split-K partials (a prefill's rows: the two modules' outputs, prefill_part), then one
+    op (mla::decode_qkv_prologue) for both norms and the key's RoPE. None where that path
+    does not apply (no q_lora, another family, other norms, or decode rows whose pair
+    config has no split-K: then the caller runs the modules). HF's FP8 linears: the fp8 pair kernel's
     fp32 partials (its config's K splits, maybe one) where it serves x
     (mla::decode_linear_pair_fp8_partials)."""
     angles = rope_angles(attn, position_embeddings)
@@ -151,11 +163,13 @@ def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
         if parts is None:
             return None
     else:
-        w1, w2 = m1.weight, m2.weight
-        split_k = gemm.pair_split_k(x, w1, w2)
-        if split_k <= 1:
-            return None
-        parts = torch.ops.mla.decode_linear_pair_partials(x, w1, w2, split_k)  # [K, B, S, NQ+L+R]
+        parts = prefill_part(m1, m2, x)                                   # [1, B, S, NQ+L+R]
+        if parts is None:                                                 # decode rows
+            w1, w2 = m1.weight, m2.weight
+            split_k = gemm.pair_split_k(x, w1, w2)
+            if split_k <= 1:
+                return None
+            parts = torch.ops.mla.decode_linear_pair_partials(x, w1, w2, split_k)  # [K, B, S, ..]
     cos, sin, rope = angles                                   # [B, S, R] (V2: R / 2) each
     nq, nkv = attn.q_a_layernorm, attn.kv_a_layernorm
     return torch.ops.mla.decode_qkv_prologue(
@@ -165,8 +179,9 @@ def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
 
 def q_kv_rope_prologue(attn, x: torch.Tensor, position_embeddings):
     """(q with RoPE [B, S, N, P + R], [kv_a_layernorm(kv_c) | RoPE(k_pe)] [B, S, L + R]) of a
-    DeepSeek-V2 attention without q_lora for the decode rows x [B, S, H]: the q_proj +
-    kv_a GEMM's fp32 partials (its config's K splits, maybe one), then one op
+    DeepSeek-V2 attention without q_lora for the rows x [B, S, H]: the q_proj + kv_a GEMM's
+    fp32 partials for decode rows (its config's K splits, maybe one), the two modules'
+    outputs for a prefill's (prefill_part), then one op
     (mla::decode_q_kv_rope) for the key norm and both RoPEs on V2's complex pairs. None
     where that path does not apply (another family, q_lora, a GEMM or rows the decode
     kernels do not serve: then the caller runs the modules)."""
@@ -174,12 +189,15 @@ def q_kv_rope_prologue(attn, x: torch.Tensor, position_embeddings):
     if angles is None or angles[2] != 2 or attn.q_lora_rank is not None:
         return None
     m1, m2 = attn.q_proj, attn.kv_a_proj_with_mqa
-    if (not use_ops(m1, m2) or not hf_rms_norm(attn.kv_a_layernorm)
-            or gemm.linear_unmet(x, m1.weight, m2.weight) is not None
-            or decode_rows_unmet(x.device, x.dtype, x.numel() // x.shape[-1]) is not None):
+    if not use_ops(m1, m2) or not hf_rms_norm(attn.kv_a_layernorm):
         return None
-    split_k = gemm.pair_split_k(x, m1.weight, m2.weight)
-    parts = torch.ops.mla.decode_linear_pair_partials(x, m1.weight, m2.weight, split_k)
+    parts = prefill_part(m1, m2, x)                                       # [1, B, S, NQ+L+R]
+    if parts is None:                                                     # decode rows
+        if (gemm.linear_unmet(x, m1.weight, m2.weight) is not None
+                or decode_rows_unmet(x.device, x.dtype, x.numel() // x.shape[-1]) is not None):
+            return None
+        split_k = gemm.pair_split_k(x, m1.weight, m2.weight)
+        parts = torch.ops.mla.decode_linear_pair_partials(x, m1.weight, m2.weight, split_k)
     cos, sin, _ = angles                                      # [B, S, R/2] each (freqs_cis)
     nkv = attn.kv_a_layernorm
     return torch.ops.mla.decode_q_kv_rope(parts, nkv.weight, cos, sin,
