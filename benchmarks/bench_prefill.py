@@ -164,9 +164,56 @@ def parse_row(spec):
     return B, S, 0
 
 
+def spec_models(spec, vocab=2048, dtype=torch.bfloat16):
+    """For "model:row,..." (models as --models, rows as --rows name them): per item
+    (name, row, cfg, HF's model built, random ids [B, S + context] on CUDA, context)."""
+    for item in spec.split(","):
+        name, row = item.split(":")
+        B, S, ctx = parse_row(row)
+        cfg = model_config(name, vocab)
+        model = build(cfg, dtype)
+        yield name, row, cfg, model, torch.randint(3, vocab, (B, S + ctx), device="cuda"), ctx
+
+
+def hf_step(model, cfg, ids, ctx):
+    """HF's forward of ids[:, ctx:] after ctx cached tokens (its DynamicCache rolled back to
+    them before each call; a fresh cache when ctx is 0): a callable returning the logits."""
+    from transformers import DynamicCache
+    base = DynamicCache(config=cfg)
+    if ctx:
+        model(ids[:, :ctx], past_key_values=base, use_cache=True)
+
+    def step():
+        if ctx:                                          # back to the ctx cached tokens
+            extra = base.get_seq_length() - ctx
+            if extra > 0:                                # crop() takes a negative count
+                base.crop(-extra)
+            cache = base
+        else:
+            cache = DynamicCache(config=cfg)
+        return model(ids[:, ctx:], past_key_values=cache, use_cache=True).logits
+    return step
+
+
+def ours_step(model, cfg, ids, ctx, dtype=torch.bfloat16):
+    """The converted model's forward of ids[:, ctx:] over a PagedMLACache holding ids[:, :ctx]
+    (restored before each call): a callable returning the logits."""
+    import mla_ops.hf
+    B, total = ids.shape
+    cache = mla_ops.hf.PagedMLACache(cfg, max_batch_size=B, max_cache_len=total, device="cuda",
+                                     dtype=dtype)
+    if ctx:
+        model(ids[:, :ctx], past_key_values=cache, use_cache=True)
+    saved = cache.snapshot()
+
+    def step():
+        cache.restore(saved)
+        return model(ids[:, ctx:], past_key_values=cache, use_cache=True).logits
+    return step
+
+
 @torch.no_grad()
 def model_rows(args):
-    from transformers import DynamicCache
     import mla_ops.hf
     dtype = torch.bfloat16
     for name in args.models.split(","):
@@ -178,43 +225,23 @@ def model_rows(args):
                for r in rows}
         hf = {}
         for r in rows:                                   # HF first, then convert in place
-            B, S, ctx = r
-            base = DynamicCache(config=cfg)
-            if ctx:
-                model(ids[r][:, :ctx], past_key_values=base, use_cache=True)
-
-            def hf_step():
-                if ctx:                                  # back to the ctx cached tokens
-                    extra = base.get_seq_length() - ctx
-                    if extra > 0:                        # crop() takes a negative count
-                        base.crop(-extra)
-                    cache = base
-                else:
-                    cache = DynamicCache(config=cfg)
-                return model(ids[r][:, ctx:], past_key_values=cache, use_cache=True).logits
-            hf[r] = (bench_ms(hf_step, warmup=2, iters=args.iters), hf_step()[:, -1].float())
+            step = hf_step(model, cfg, ids[r], r[2])
+            hf[r] = (bench_ms(step, warmup=2, iters=args.iters), step()[:, -1].float())
+            del step
             torch.cuda.empty_cache()
         mla_ops.hf.convert(model)
         for r in rows:
             B, S, ctx = r
-            cache = mla_ops.hf.PagedMLACache(cfg, max_batch_size=B, max_cache_len=S + ctx,
-                                             device="cuda", dtype=dtype)
-            if ctx:
-                model(ids[r][:, :ctx], past_key_values=cache, use_cache=True)
-            saved = cache.snapshot()
-
-            def ours_step():
-                cache.restore(saved)
-                return model(ids[r][:, ctx:], past_key_values=cache, use_cache=True).logits
-            ms = bench_ms(ours_step, warmup=2, iters=args.iters)
-            logits = ours_step()[:, -1].float()
+            step = ours_step(model, cfg, ids[r], ctx, dtype)
+            ms = bench_ms(step, warmup=2, iters=args.iters)
+            logits = step()[:, -1].float()
             hf_ms, hf_logits = hf[r]
             err = ((logits - hf_logits).abs().max() / max(1.0, hf_logits.abs().max().item())).item()
             T = B * S
             emit(args, {"part": "model", "model": name, "B": B, "S": S, "context": ctx,
                         "hf_ms": hf_ms, "ours_ms": ms, "speedup": hf_ms / ms,
                         "tokens_per_s": T / ms * 1e3, "logit_err": err})
-            del cache
+            del step
             torch.cuda.empty_cache()
         del model
         torch.cuda.empty_cache()

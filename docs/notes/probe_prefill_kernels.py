@@ -7,7 +7,7 @@ import collections, sys
 import torch
 sys.path.insert(0, "benchmarks")                    # run from the repository root
 from torch.profiler import profile, ProfilerActivity
-from bench_prefill import bench_ms, build, model_config, parse_row
+from bench_prefill import bench_ms, hf_step, ours_step, spec_models
 
 
 def kernels(fn, n=3):
@@ -33,44 +33,16 @@ def show(tag, wall, agg, top=30):
 
 @torch.no_grad()
 def main(spec):
-    from transformers import DynamicCache
     import mla_ops.hf
-    dtype = torch.bfloat16
-    for item in spec.split(","):
-        name, row = item.split(":")
-        B, S, ctx = parse_row(row)
-        cfg = model_config(name, 2048)
-        model = build(cfg, dtype)
-        ids = torch.randint(3, 2048, (B, S + ctx), device="cuda")
-        base = DynamicCache(config=cfg)
-        if ctx:
-            model(ids[:, :ctx], past_key_values=base, use_cache=True)
-
-        def hf_step():
-            if ctx:
-                extra = base.get_seq_length() - ctx
-                if extra > 0:
-                    base.crop(-extra)
-                cache = base
-            else:
-                cache = DynamicCache(config=cfg)
-            return model(ids[:, ctx:], past_key_values=cache, use_cache=True).logits
-        print(f"== {name} B{B} S{S} context {ctx}", flush=True)
-        show("HF", bench_ms(hf_step, 2, 5), kernels(hf_step))
+    for name, row, cfg, model, ids, ctx in spec_models(spec):
+        print(f"== {name} {row}", flush=True)
+        step = hf_step(model, cfg, ids, ctx)
+        show("HF", bench_ms(step, 2, 5), kernels(step))
         mla_ops.hf.convert(model)
-        cache = mla_ops.hf.PagedMLACache(cfg, max_batch_size=B, max_cache_len=S + ctx,
-                                         device="cuda", dtype=dtype)
-        if ctx:
-            model(ids[:, :ctx], past_key_values=cache, use_cache=True)
-        saved = cache.snapshot()
-
-        def ours_step():
-            cache.restore(saved)
-            return model(ids[:, ctx:], past_key_values=cache, use_cache=True).logits
-        show("ours", bench_ms(ours_step, 2, 5), kernels(ours_step))
-        del model, cache
+        step = ours_step(model, cfg, ids, ctx)
+        show("ours", bench_ms(step, 2, 5), kernels(step))
+        del model, step
         torch.cuda.empty_cache()
-
 
 if __name__ == "__main__":
     main(sys.argv[1])

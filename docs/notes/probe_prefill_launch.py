@@ -8,7 +8,7 @@ import collections, sys, time
 import torch
 import triton.runtime.jit as tjit
 sys.path.insert(0, "benchmarks")                    # run from the repository root
-from bench_prefill import build, model_config, parse_row
+from bench_prefill import ours_step, spec_models
 
 ACC = collections.defaultdict(lambda: [0, 0.0])
 
@@ -38,11 +38,8 @@ tjit.JITFunction.run = run
 @torch.no_grad()
 def main(spec):
     import mla_ops.hf
-    for item in spec.split(","):
-        name, row = item.split(":")
-        B, S, ctx = parse_row(row)
-        cfg = model_config(name, 2048)
-        model = mla_ops.hf.convert(build(cfg, torch.bfloat16))
+    for name, row, cfg, model, ids, ctx in spec_models(spec):
+        mla_ops.hf.convert(model)
         seen = set()
         for mname, m in model.named_modules():
             cls = type(m)
@@ -54,16 +51,7 @@ def main(spec):
         for mod, attr in ((st, "up_project"), (st, "keys"), (st, "dense_attention"),
                           (dn, "cudnn_dense"), (st, "RaggedLayout")):
             setattr(mod, attr, timed(f"{mod.__name__.split('.')[-1]}.{attr}", getattr(mod, attr)))
-        ids = torch.randint(3, 2048, (B, S + ctx), device="cuda")
-        cache = mla_ops.hf.PagedMLACache(cfg, max_batch_size=B, max_cache_len=S + ctx,
-                                         device="cuda", dtype=torch.bfloat16)
-        if ctx:
-            model(ids[:, :ctx], past_key_values=cache, use_cache=True)
-        saved = cache.snapshot()
-
-        def step():
-            cache.restore(saved)
-            return model(ids[:, ctx:], past_key_values=cache, use_cache=True).logits
+        step = ours_step(model, cfg, ids, ctx)
         for _ in range(3):
             step()
         torch.cuda.synchronize()

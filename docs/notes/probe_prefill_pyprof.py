@@ -7,27 +7,15 @@ own time and by cumulative time, for the rows asked.
 import cProfile, io, pstats, sys, time
 import torch
 sys.path.insert(0, "benchmarks")                    # run from the repository root
-from bench_prefill import build, model_config, parse_row
+from bench_prefill import ours_step, spec_models
 
 
 @torch.no_grad()
 def main(spec):
     import mla_ops.hf
-    for item in spec.split(","):
-        name, row = item.split(":")
-        B, S, ctx = parse_row(row)
-        cfg = model_config(name, 2048)
-        model = mla_ops.hf.convert(build(cfg, torch.bfloat16))
-        ids = torch.randint(3, 2048, (B, S + ctx), device="cuda")
-        cache = mla_ops.hf.PagedMLACache(cfg, max_batch_size=B, max_cache_len=S + ctx,
-                                         device="cuda", dtype=torch.bfloat16)
-        if ctx:
-            model(ids[:, :ctx], past_key_values=cache, use_cache=True)
-        saved = cache.snapshot()
-
-        def step():
-            cache.restore(saved)
-            return model(ids[:, ctx:], past_key_values=cache, use_cache=True).logits
+    for name, row, cfg, model, ids, ctx in spec_models(spec):
+        mla_ops.hf.convert(model)
+        step = ours_step(model, cfg, ids, ctx)
         for _ in range(3):
             step()
         torch.cuda.synchronize()
@@ -47,7 +35,7 @@ def main(spec):
             s = io.StringIO()
             pstats.Stats(pr, stream=s).sort_stats(key).print_stats(45)
             print(s.getvalue().replace("/tmp/site/", "").replace("/opt/torch/.venv/lib/python3.12/site-packages/", ""), flush=True)
-        del model, cache
+        del model, step
         torch.cuda.empty_cache()
 
 
