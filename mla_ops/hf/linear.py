@@ -130,13 +130,15 @@ def rope_query(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: int)
     return torch.ops.mla.decode_q_rope(q, cos, sin, bool(rope))
 
 
-def prefill_part(m1, m2, x: torch.Tensor):
+def prefill_part(m1, m2, x: torch.Tensor, *norms):
     """[1, *lead, N1 + N2]: the two modules' outputs on x [*lead, H] (cuBLAS, exactly their
     own calls) side by side, the one "partial" the prologue ops take for a prefill's rows:
     more rows than the decode GEMM kernels take, on a device and dtype the per-row kernels
-    serve. None otherwise (decode rows, CPU, fp32, modules that keep their own calls)."""
+    serve, with the norms after them in x's dtype (the ops' output dtype). None otherwise
+    (decode rows, CPU, fp32, modules that keep their own calls)."""
     if (x.numel() // x.shape[-1] <= gemm.MAX_ROWS or not use_ops(m1, m2)
-            or row_kernels_unmet(x.device, x.dtype) is not None):
+            or row_kernels_unmet(x.device, x.dtype) is not None
+            or any(n.weight.dtype != x.dtype for n in norms)):
         return None
     return torch.cat([m1(x), m2(x)], dim=-1).unsqueeze(0)
 
@@ -163,7 +165,7 @@ def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
         if parts is None:
             return None
     else:
-        parts = prefill_part(m1, m2, x)                                   # [1, B, S, NQ+L+R]
+        parts = prefill_part(m1, m2, x, attn.q_a_layernorm, attn.kv_a_layernorm)
         if parts is None:                                                 # decode rows
             w1, w2 = m1.weight, m2.weight
             split_k = gemm.pair_split_k(x, w1, w2)
@@ -191,7 +193,7 @@ def q_kv_rope_prologue(attn, x: torch.Tensor, position_embeddings):
     m1, m2 = attn.q_proj, attn.kv_a_proj_with_mqa
     if not use_ops(m1, m2) or not hf_rms_norm(attn.kv_a_layernorm):
         return None
-    parts = prefill_part(m1, m2, x)                                       # [1, B, S, NQ+L+R]
+    parts = prefill_part(m1, m2, x, attn.kv_a_layernorm)                  # [1, B, S, NQ+L+R]
     if parts is None:                                                     # decode rows
         if (gemm.linear_unmet(x, m1.weight, m2.weight) is not None
                 or decode_rows_unmet(x.device, x.dtype, x.numel() // x.shape[-1]) is not None):
