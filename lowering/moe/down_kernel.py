@@ -28,14 +28,14 @@ def moe_down_kernel(
 ):
     s = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
-    e, run, ranks = expert_run(topk_idx_ptr, s, P, E, BLOCK_R)
+    e, run, match = expert_run(topk_idx_ptr, s, P, E, BLOCK_R)
     offs_n = n0 + tl.arange(0, BLOCK_N)                                        # [BLOCK_N]
     offs_k = tl.arange(0, BLOCK_K)                                             # [BLOCK_K]
     n_ok = offs_n < H
     w_rows = w_ptr + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
     dt = h_ptr.dtype.element_ty
     for m0 in range(0, run, BLOCK_M):
-        pair, token, m_ok = run_rows(ranks, m0, run, P, TOP_K, BLOCK_M)
+        pair, token, m_ok = run_rows(match, m0, run, P, TOP_K, BLOCK_M)
         h_rows = h_ptr + pair.to(tl.int64)[None, :] * stride_hp                # [1, BLOCK_M]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):

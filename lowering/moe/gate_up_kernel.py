@@ -29,7 +29,7 @@ def moe_gate_up_kernel(
 ):
     s = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
-    e, run, ranks = expert_run(topk_idx_ptr, s, P, E, BLOCK_R)
+    e, run, match = expert_run(topk_idx_ptr, s, P, E, BLOCK_R)
     offs_n = n0 + tl.arange(0, BLOCK_N)                                        # [BLOCK_N]
     offs_k = tl.arange(0, BLOCK_K)                                             # [BLOCK_K]
     n_ok = offs_n < I
@@ -38,7 +38,7 @@ def moe_gate_up_kernel(
     u_rows = g_rows + I * stride_wn                                            # the up half
     dt = h_ptr.dtype.element_ty
     for m0 in range(0, run, BLOCK_M):
-        pair, token, m_ok = run_rows(ranks, m0, run, P, TOP_K, BLOCK_M)
+        pair, token, m_ok = run_rows(match, m0, run, P, TOP_K, BLOCK_M)
         x_rows = x_ptr + token.to(tl.int64)[None, :] * stride_xt               # [1, BLOCK_M]
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
