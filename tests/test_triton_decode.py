@@ -162,43 +162,6 @@ def test_half_value_column_programs(monkeypatch, kind, splits):
     check(out, lse, ref, ref_lse)
 
 
-@pytest.mark.parametrize("kind", ["fp8-cache", "fp8-q"])
-@pytest.mark.parametrize("s_q,H,lens,splits", [
-    (1, 16, [1, 77], 0),         # a length of 1, one not a multiple of the tile
-    (1, 16, [130, 45], 5),       # many splits, some empty
-    (2, 8, [66, 2], 3),          # s_q 2 (causal), a length equal to s_q
-])
-def test_fp8_dots_kernel(monkeypatch, kind, s_q, H, lens, splits):
-    """The fp8-cache kernel whose products are all fp8 dots (the query and P as two e4m3
-    terms each): bf16 queries with rows of very different magnitudes, and fp8 queries."""
-    L, R = 64, 32
-    use_splits(monkeypatch, splits, 2)
-    set_config(monkeypatch, kernel="fp8_dots", BLOCK_N=32)
-    q, kv, bt, cl = make_case(2, s_q, H, L, R, 16, lens, DEV, seed=31 + splits)
-    kv8, k_scale = quantize_e4m3(kv * 3.0)
-    kv_ref = kv8.double() * k_scale.double()
-    if kind == "fp8-cache":
-        # rows from 1e-3 to 1e3 (the power-of-two row scale), one element tiny in each
-        row_mag = torch.logspace(-3, 3, H, dtype=torch.float64, device=DEV).reshape(1, 1, H, 1)
-        q = (q.double() * row_mag).to(torch.bfloat16)
-        q[..., 3] = q[..., 3] * 1e-4
-        out, lse = lowering.mla_decode(q, kv8, bt, cl, SCALE / 30.0, kv_cache_dtype="fp8",
-                                       k_scale=k_scale, backend="triton", head_dim_v=L)
-        ref, ref_lse = decode_ref64(q, kv_ref, bt, cl, SCALE / 30.0, True, L)
-    else:
-        q8, q_scale = quantize_e4m3(q * 5.0)
-        out, lse = run_fp8q(q8, kv8, bt, cl, q_scale, k_scale, L)
-        ref, ref_lse = decode_ref64(q8.double() * q_scale.double(), kv_ref, bt, cl, SCALE,
-                                    True, L)
-    check(out, lse, ref, ref_lse)
-
-
-def test_fp8_dots_kernel_is_taken_only_where_fp8_dots_fit():
-    assert td.fp8_dots_fit(64, 64) and td.fp8_dots_fit(32, 32)
-    assert not td.fp8_dots_fit(16, 64)       # rope width below an fp8 dot's reduction
-    assert not td.fp8_dots_fit(64, 16)       # a tile of 16 keys cannot reduce P @ V
-
-
 def test_fp8q_rejects_bad_scales():
     L, R = 64, 16
     q, kv, bt, cl = make_case(1, 1, 2, L, R, 16, [10], DEV)

@@ -31,15 +31,12 @@ from lowering import config
 from lowering.decode.merge_kernel import mla_decode_merge_kernel
 from lowering.decode.registry import sm_count
 from lowering.decode.triton_decode_kernel import mla_decode_stage1_kernel
-from lowering.decode.triton_fp8_dots_kernel import mla_decode_fp8_dots_kernel
 
 # ---- configs as data ----------------------------------------------------------------
 # key: (kv_kind, "wide" | "narrow" (BLOCK_M = 64 or less), "gpu")
 #   kv_kind 0: bf16/fp16 cache; 1: fp8 cache, bf16 q; 2: fp8 q and fp8 cache.
 # Values: BLOCK_N keys per step, warps, pipeline stages, CTAs per SM used to size splits;
-# optional BLOCK_M / V_PARTS (below) and min_split_keys (default MIN_SPLIT_KEYS);
-# kernel="fp8_dots": an fp8 cache through triton_fp8_dots_kernel.py (every product an
-# fp8 dot, so the tiles load asynchronously) where the rope width allows fp8 dots.
+# optional BLOCK_M / V_PARTS (below) and min_split_keys (default MIN_SPLIT_KEYS).
 CONFIGS = {
     (0, "wide", "gpu"): dict(BLOCK_N=64, num_warps=8, num_stages=2, ctas_per_sm=1),
     (0, "narrow", "gpu"): dict(BLOCK_N=128, num_warps=4, num_stages=2, ctas_per_sm=1),
@@ -82,12 +79,6 @@ def pick_config(kv_kind: int, rows: int, on_gpu: bool) -> dict:
     if not on_gpu:
         return CPU_CONFIG
     return CONFIGS[(kv_kind, "wide" if block_m_for(rows) >= 64 else "narrow", "gpu")]
-
-
-def fp8_dots_fit(R: int, block_n: int) -> bool:
-    """Whether the fp8-dots kernel serves a rope width R at BLOCK_N keys: fp8 tensor-core
-    dots reduce over at least 32 elements (the rope columns, and the keys for P @ V)."""
-    return R >= 32 and R % 32 == 0 and block_n >= 32
 
 
 def device_sm_count(device: torch.device) -> int:
@@ -161,27 +152,16 @@ def triton_decode(
 
     out, lse, o1, l1 = stage1_outputs(B, s_q, H, L, splits, out_dtype, q.device)
     dummy = cache_seqlens  # stands in for absent scale pointers (never read)
-    if cfg.get("kernel") == "fp8_dots" and kv_kind >= 1 and fp8_dots_fit(R, cfg["BLOCK_N"]):
-        torch.library.wrap_triton(mla_decode_fp8_dots_kernel)[(m_blocks, B, splits)](
-            q, kv_cache, block_table, cache_seqlens,
-            q_scale if q_scale is not None else dummy, k_scale,
-            o1, l1, softmax_scale, q.stride(0), block_table.stride(0), block_table.shape[1],
-            kv_cache.shape[0],
-            S_Q=s_q, H=H, L=L, R=R, PAGE=page, CAUSAL=causal,
-            num_splits=splits, DIRECT=splits == 1, FIXED_CHUNK=fixed_chunk, Q_FP8=kv_kind == 2,
-            BLOCK_M=BLOCK_M, BLOCK_N=cfg["BLOCK_N"], DOT_F32=not on_gpu,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    else:
-        torch.library.wrap_triton(mla_decode_stage1_kernel)[(m_blocks * V_PARTS, B, splits)](
-            q, kv_cache, block_table, cache_seqlens,
-            q_scale if q_scale is not None else dummy,
-            k_scale if k_scale is not None else dummy,
-            o1, l1, softmax_scale, q.stride(0), block_table.stride(0), block_table.shape[1],
-            kv_cache.shape[0],
-            S_Q=s_q, H=H, L=L, R=R, PAGE=page, CAUSAL=causal,
-            num_splits=splits, DIRECT=splits == 1, FIXED_CHUNK=fixed_chunk, KV_KIND=kv_kind,
-            BLOCK_M=BLOCK_M, BLOCK_N=cfg["BLOCK_N"], V_PARTS=V_PARTS, DOT_F32=not on_gpu,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    torch.library.wrap_triton(mla_decode_stage1_kernel)[(m_blocks * V_PARTS, B, splits)](
+        q, kv_cache, block_table, cache_seqlens,
+        q_scale if q_scale is not None else dummy,
+        k_scale if k_scale is not None else dummy,
+        o1, l1, softmax_scale, q.stride(0), block_table.stride(0), block_table.shape[1],
+        kv_cache.shape[0],
+        S_Q=s_q, H=H, L=L, R=R, PAGE=page, CAUSAL=causal,
+        num_splits=splits, DIRECT=splits == 1, FIXED_CHUNK=fixed_chunk, KV_KIND=kv_kind,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg["BLOCK_N"], V_PARTS=V_PARTS, DOT_F32=not on_gpu,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
         # fewer splits than a merge step: a smaller step (batch-invariant mode keeps one)
         sb = MERGE_SPLIT_BLOCK if batch_invariant else min(MERGE_SPLIT_BLOCK,
