@@ -158,13 +158,19 @@ def test_kimi_linear_default_cache_and_hf_cache():
 
 def dense_longcat_experts(self, hidden_states, top_k_index, top_k_weights):
     """LongcatFlashExperts' result with static shapes: every routed expert on every token
-    [T, E, H], the chosen ones (zero-compute experts: the token itself) weighted and summed.
-    HF's own loop reads the experts hit on the host, which no fullgraph compile can take."""
+    [T, E, H], the chosen ones weighted and summed. transformers <= 5.24 hands the experts
+    the zero-compute experts' ids too (the token itself is their output); from 5.25 the MoE
+    block adds those itself and hands the experts routed ids only (zero weight where a
+    zero-compute expert was chosen). HF's own loop reads the experts hit on the host, which
+    no fullgraph compile can take."""
+    n = getattr(self, "num_routed_experts", self.gate_up_proj.shape[0])
     gate, up = torch.einsum("th,eih->tei", hidden_states,
-                            self.gate_up_proj[:self.num_routed_experts]).chunk(2, dim=-1)
-    routed = torch.einsum("tei,ehi->teh", self.act_fn(gate) * up, self.down_proj)
-    ident = hidden_states[:, None].expand(-1, self.zero_expert_num, -1)
-    every = torch.cat([routed, ident], dim=1)                            # [T, E + Z, H]
+                            self.gate_up_proj[:n]).chunk(2, dim=-1)
+    every = torch.einsum("tei,ehi->teh", self.act_fn(gate) * up, self.down_proj[:n])
+    zero = getattr(self, "zero_expert_num", 0)
+    if zero:
+        ident = hidden_states[:, None].expand(-1, zero, -1)
+        every = torch.cat([every, ident], dim=1)                         # [T, E + Z, H]
     chosen = every.gather(1, top_k_index[..., None].expand(-1, -1, every.shape[-1]))
     return (chosen * top_k_weights[..., None]).sum(1).to(hidden_states.dtype)
 
