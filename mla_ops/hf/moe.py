@@ -28,9 +28,9 @@ The routed experts (HF's DeepseekV3Experts / DeepseekV2Experts, weights as store
       with fuse_experts: mla::moe_experts_decode, streaming only the chosen experts' weights;
       static shapes and no host syncs, so the step compiles fullgraph and captures in a CUDA
       graph;
-    - more rows on CUDA with "grouped_mm" (or no setting): HF's grouped_mm steps, then one
-      kernel that weights and sums the pairs' outputs per token (lowering/moe/prefill.py)
-      where HF makes three fp32 passes;
+    - more rows on CUDA with "grouped_mm" (or no setting), experts not split by HF's expert
+      parallelism: HF's grouped_mm steps, then one kernel that weights and sums the pairs'
+      outputs per token (lowering/moe/prefill.py) where HF makes three fp32 passes;
     - anything else: HF's experts as config._experts_implementation asks ("grouped_mm", the
       default on GPUs, is torch's grouped GEMM over tokens sorted by expert), except that
       "eager" (HF's loop over the experts hit: data dependent, with host syncs) is
@@ -140,7 +140,8 @@ def routed_experts(block, x: torch.Tensor, topk_idx: torch.Tensor,
         return torch.ops.mla.moe_experts_decode(x, topk_idx, topk_weight, gate_up, down)
     impl = getattr(experts.config, "_experts_implementation", None)
     if (block.mla_fuse_experts and mla_config.linear_impl != "torch" and not _needs_grad(experts)
-            and impl in (None, "grouped_mm") and moe_prefill.serves(x, gate_up, down)):
+            and impl in (None, "grouped_mm") and not getattr(experts, "_is_expert_parallel", False)
+            and moe_prefill.serves(x, gate_up, down)):
         return moe_prefill.grouped_experts(x, topk_idx, topk_weight, gate_up, down)
     grouped = grouped_mm_forward()
     if impl in (None, "eager") and grouped is not None and (
