@@ -29,6 +29,7 @@ with torch.no_grad():
         hf32 = None
         if "--fp32" in sys.argv:
             m32 = copy.deepcopy(model).float()
+            m32.config._experts_implementation = "eager"   # torch's grouped GEMM takes 16-bit only
             hf32 = hf_step(m32, cfg, ids, ctx)().float()
             del m32
             torch.cuda.empty_cache()
