@@ -134,13 +134,14 @@ def routed_experts(block, x: torch.Tensor, topk_idx: torch.Tensor,
     if block.mla_fuse_experts and fp8.is_fp8_experts(experts):        # an FP8 checkpoint
         return fp8.fp8_routed_experts(block, x, topk_idx, topk_weight)
     gate_up, down = experts.gate_up_proj, experts.down_proj
-    if (block.mla_fuse_experts and mla_config.linear_impl != "torch"
-            and not _needs_grad(experts) and gate_up.dtype == down.dtype == x.dtype
+    impl = getattr(experts.config, "_experts_implementation", None)
+    ours = (block.mla_fuse_experts and mla_config.linear_impl != "torch"
+            and not _needs_grad(experts))
+    if (ours and gate_up.dtype == down.dtype == x.dtype
             and moe_ops.kernel_serves(x, gate_up, down)):
         return torch.ops.mla.moe_experts_decode(x, topk_idx, topk_weight, gate_up, down)
-    impl = getattr(experts.config, "_experts_implementation", None)
-    if (block.mla_fuse_experts and mla_config.linear_impl != "torch" and not _needs_grad(experts)
-            and impl in (None, "grouped_mm") and not getattr(experts, "_is_expert_parallel", False)
+    if (ours and impl in (None, "grouped_mm")
+            and not getattr(experts, "_is_expert_parallel", False)
             and moe_prefill.serves(x, gate_up, down)):
         return moe_prefill.grouped_experts(x, topk_idx, topk_weight, gate_up, down)
     grouped = grouped_mm_forward()
