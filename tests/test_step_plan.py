@@ -83,6 +83,53 @@ def test_plan_and_commit_kernels_equal_torch_ops(lengths, max_len, bs, nblocks, 
     assert int(state[1][B]) == 0 and (state[0][B] == -1).all()   # rows past B kept
 
 
+@pytest.mark.parametrize("lengths,max_len,bs,nblocks,tiles", CASES)
+@pytest.mark.parametrize("S", [2, 5, 70])
+def test_prefill_plan_kernel_equals_torch_ops(lengths, max_len, bs, nblocks, tiles, S,
+                                              monkeypatch):
+    """S real tokens per row (an eager prefill without pads): the kernel's plan, its room
+    values and the commit after it equal the torch ops' (tokens past max_cache_len and
+    past an exhausted pool unwritten; slot tiles smaller than S where the caps are set)."""
+    B = len(lengths)
+    c = _cache(lengths, max_len, bs, nblocks)
+    twin = _cache(lengths, max_len, bs, nblocks)
+    step = step_ops.plan(c, B, S, None, check=False, flashmla=False, fp8q=False)   # torch ops
+    M = c.max_blocks
+    layout = step_layout(B, M, False)
+    pack = torch.full((layout.size,), -7, dtype=torch.int32, device=DEV)
+    slots = torch.full((B * S,), -7, dtype=torch.int64, device=DEV)
+    room = torch.full((6,), -7, dtype=torch.int64, device=DEV)
+    bb, bm = tiles
+    for key, cap in (("plan_block_b", bb), ("plan_block_m", bm), ("plan_block_s", bm),
+                     ("commit_block_m", bm)):
+        if cap is not None:
+            monkeypatch.setitem(step_plan.CONFIGS, key, cap)
+    state = [t.to(DEV) for t in twin.state()]
+    step_plan.launch_plan(state[1], state[0], state[2], B, bs, nblocks, max_len, False,
+                          pack, slots, S, room)
+    pack, slots, room = pack.cpu(), slots.cpu(), room.cpu()
+    f = layout.views(pack)
+    assert torch.equal(f["table"].view(B, M), step.table)
+    assert torch.equal(f["seq_lens"], step.meta.seq_lens)
+    assert torch.equal(f["query_start_loc"], step.meta.query_start_loc)
+    assert torch.equal(slots, step.meta.slot_mapping)
+    assert int(f["taken"][0]) == int(step.num_new_blocks)
+    after = torch.tensor(lengths) + S
+    want = [int(after.max()), int(after.argmax()), int(step.num_new_blocks), int(c.num_used),
+            max(lengths), min(lengths)]
+    assert room.tolist() == want
+    past = [b * S + j for b, n in enumerate(lengths) for j in range(S) if n + j >= max_len]
+    assert (slots[past] == -1).all()
+    written = slots[slots >= 0]
+    assert written.unique().numel() == written.numel()          # no slot given twice
+    assert (written < nblocks * bs).all()
+
+    c.commit(step, B, S)
+    step_plan.launch_commit(*state, pack.to(DEV), layout, B, S)
+    for a, b in zip(c.state(), state):
+        assert torch.equal(a, b.cpu())
+
+
 def test_ops_refuse_bad_input():
     c = _cache([3, 5], 37, 4, 40)
     with pytest.raises(ValueError, match="runs on CUDA"):
@@ -95,6 +142,13 @@ def test_ops_refuse_bad_input():
                                        False)
     with pytest.raises(ValueError, match="batch=4"):
         torch.ops.mla.decode_step_plan(c.lens, c.block_table, c.num_used, 4, 4, 40, 37, False)
+    with pytest.raises(ValueError, match="runs on CUDA"):
+        torch.ops.mla.prefill_step_plan(c.lens, c.block_table, c.num_used, 2, 3, 4, 40, 37)
+    with pytest.raises(ValueError, match="tokens"):
+        torch.ops.mla.prefill_step_plan(c.lens, c.block_table, c.num_used, 2, 0, 4, 40, 37)
+    with pytest.raises(TypeError, match="block_table"):
+        torch.ops.mla.prefill_step_plan(c.lens, c.block_table.long(), c.num_used, 2, 3, 4, 40,
+                                        37)
     with pytest.raises(TypeError, match="seen"):
         torch.ops.mla.decode_step_commit(c.block_table, c.lens, c.num_used, c.seen.int(),
                                          torch.zeros(100, dtype=torch.int32), 2, 1)
@@ -174,3 +228,44 @@ def test_schedule_per_step_argument(monkeypatch):
                         schedule_per_step=False)
     assert on._flashmla_backends == {"auto", "flashmla"} == on._flashmla_fp8q_backends
     assert not off._flashmla_backends and not off._flashmla_fp8q_backends
+
+
+@gpu
+def test_eager_prefill_plans_by_kernel_on_cuda():
+    """An eager prefill step on CUDA (layer 0 checks the room): tokens all real (no mask, or
+    a mask without pads) are planned by mla::prefill_step_plan, with the same plan, the
+    same prefill shape and the same state after it as the torch ops on a CPU twin; a mask
+    with pads takes the torch plan; a step that does not fit raises before any write."""
+    lengths = [0, 3, 4, 30, 35, 68]
+    B, S = len(lengths), 9
+    masks = {"none": None, "all real": torch.ones(B, 80, dtype=torch.long)}
+    padded = torch.ones(B, 80, dtype=torch.long)
+    padded[2, -S:-S + 3] = 0                           # row 2: three pads first
+    masks["pads"] = padded
+    for name, mask in masks.items():
+        c = _cache(lengths, 120, 4, 60, device="cuda")
+        twin = _cache(lengths, 120, 4, 60)
+        s = c.prepare(0, B, S, None if mask is None else mask.cuda(), torch.float32, c.device)
+        t = twin.prepare(0, B, S, mask, torch.float32, twin.device)
+        assert (s.pack is not None) == (name != "pads"), name
+        assert (s.perm is None) == (name != "pads") and (t.perm is None) == (mask is None)
+        if s.perm is None and t.perm is not None:      # the twin orders an all-real step
+            assert torch.equal(t.perm, torch.arange(B * S))
+        assert s.meta.prefill_shape == t.meta.prefill_shape == (B, S, 68, 0), name
+        for x, y in ((s.table, t.table), (s.meta.slot_mapping, t.meta.slot_mapping),
+                     (s.meta.seq_lens, t.meta.seq_lens),
+                     (s.meta.query_start_loc, t.meta.query_start_loc)):
+            assert torch.equal(x.cpu(), y), name
+        c.layer_done(0, B, S)
+        twin.layer_done(0, B, S)
+        for x, y in zip(c.state(), twin.state()):
+            assert torch.equal(x.cpu(), y), name
+    for max_len, nblocks, err, match in (
+            (72, 60, ValueError, "sequence 5 would hold 77 tokens"),
+            (120, 40, step_ops.CacheFullError, "needs 15 more blocks of 4 tokens, 4 of 40")):
+        c = _cache(lengths, max_len, 4, nblocks, device="cuda")
+        before = [x.clone() for x in c.state()]
+        with pytest.raises(err, match=match):
+            c.prepare(0, B, S, None, torch.float32, c.device)
+        for x, y in zip(c.state(), before):
+            assert torch.equal(x, y)

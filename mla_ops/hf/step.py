@@ -6,8 +6,10 @@ the lengths the attention reads, and (where the layers use FlashMLA) its schedul
 block table and lengths bounded once for all layers' calls; its int32 fields live in one
 buffer laid out by step_layout.py. Where its kernels can run (CUDA) a decode step (one
 real token per row) is planned and committed by one launch each (mla::decode_step_plan /
-mla::decode_step_commit, step_plan.py); every other step, and every step on other
-devices, in torch ops here. Both give the same values (tests/test_step_plan.py).
+mla::decode_step_commit, step_plan.py), and so is an eager prefill step whose tokens are
+all real (mla::prefill_step_plan, its room check read back in the same host copy); every
+other step, and every step on other devices, in torch ops here. Both give the same values
+(tests/test_step_plan.py).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ class Step:
     lens_new: torch.Tensor         # [B] real tokens per row after the step
     num_new_blocks: torch.Tensor   # [] blocks taken this step
     table: torch.Tensor            # [B, M] block table after the step (-1: no block)
-    pack: torch.Tensor | None = None   # set when mla::decode_step_plan made the plan
+    pack: torch.Tensor | None = None   # set when a plan kernel (step_plan.py) made the plan
 
 
 def plan(cache, B: int, S: int, valid, check: bool, flashmla: bool, fp8q: bool) -> Step:
@@ -40,6 +42,10 @@ def plan(cache, B: int, S: int, valid, check: bool, flashmla: bool, fp8q: bool) 
     flashmla: carry FlashMLA's schedule (fp8q: its fp8 kernel's) and bounded inputs."""
     if S == 1 and valid is None and cache.device.type == "cuda":
         return _plan_kernel(cache, B, check, flashmla, fp8q)
+    if S > 1 and check and cache.device.type == "cuda":
+        step = _plan_prefill_kernel(cache, B, S, valid, fp8q)
+        if step is not None:
+            return step
     return _plan_torch(cache, B, S, valid, check, flashmla, fp8q)
 
 
@@ -56,6 +62,26 @@ def _plan_kernel(cache, B: int, check: bool, flashmla: bool, fp8q: bool) -> Step
         check_room(cache, lens_new, total)
     return _step_of(cache, pack, layout, slots, B, 1, flashmla, lens_new, total,
                     kernel=True, fp8q=fp8q)
+
+
+def _plan_prefill_kernel(cache, B: int, S: int, valid, fp8q: bool) -> Step | None:
+    """An eager prefill step's plan in one launch (mla::prefill_step_plan) and its room
+    check in one host copy, which also reads whether every token of valid is real. None
+    where some are pads: the torch plan orders those (and checks the room counting real
+    tokens only)."""
+    pack, slots, room = torch.ops.mla.prefill_step_plan(
+        cache.lens, cache.block_table, cache.num_used, B, S, cache.block_size,
+        cache.num_blocks, cache.max_cache_len)
+    if valid is not None:
+        room = torch.cat((room, valid.all().view(1).to(torch.int64)))
+    host = room.tolist()                                                      # a host sync
+    if valid is not None and not host[6]:
+        return None
+    raise_if_no_room(cache, *host[:4])
+    layout = step_layout(B, cache.max_blocks, False)
+    f = layout.views(pack)
+    return _step_of(cache, pack, layout, slots, B, S, False, f["seq_lens"], f["taken"][0],
+                    kernel=True, fp8q=fp8q, prefill_shape=(B, S, host[4], host[5]))
 
 
 def _plan_torch(cache, B: int, S: int, valid, check: bool, flashmla: bool, fp8q: bool) -> Step:
@@ -135,7 +161,13 @@ def check_room(cache, lens_new: torch.Tensor, total: torch.Tensor,
     if context is not None:
         vals += [context.max(), context.min()]
     host = torch.stack([v.to(torch.int64) for v in vals]).tolist()
-    longest, row, total, used = host[:4]
+    raise_if_no_room(cache, *host[:4])
+    return None if context is None else tuple(host[4:])
+
+
+def raise_if_no_room(cache, longest: int, row: int, total: int, used: int) -> None:
+    """Raise where the step's longest row (row) outgrows max_cache_len or its total new
+    blocks exceed the free ones (used: taken before the step)."""
     if longest > cache.max_cache_len:
         raise ValueError(f"sequence {row} would hold {longest} tokens, more than the "
                          f"cache's max_cache_len={cache.max_cache_len} (prompt too long "
@@ -145,7 +177,6 @@ def check_room(cache, lens_new: torch.Tensor, total: torch.Tensor,
         raise CacheFullError(f"this step needs {total} more blocks of {cache.block_size} "
                              f"tokens, {free} of {cache.num_blocks} free; build "
                              f"PagedMLACache with more num_blocks or call reset()")
-    return None if context is None else tuple(host[4:])
 
 
 def decode_room(cache, B: int) -> int:
@@ -168,7 +199,7 @@ def decode_room(cache, B: int) -> int:
 
 def commit(cache, step: Step, B: int, S: int) -> None:
     """Write the step's block table, lengths and counters into cache's state in place."""
-    if step.pack is not None:                    # planned by mla::decode_step_plan
+    if step.pack is not None:                    # planned by a kernel of step_plan.py
         torch.ops.mla.decode_step_commit(cache.block_table, cache.lens, cache.num_used,
                                          cache.seen, step.pack, B, S)
     else:

@@ -1,4 +1,4 @@
-"""A decode step's commit to a bump-allocated paged cache's state, one program per row:
+"""A step's commit to a bump-allocated paged cache's state, one program per row:
 the state after step_plan_kernel.py's plan, written in place in one launch.
 
     table[b, :] = pack's table' row b;  lens[b] = pack's seq_lens[b]  (= lens[b] + tokens)
@@ -16,7 +16,7 @@ import triton.language as tl
 @triton.jit
 def decode_commit_kernel(
     table_ptr, lens_ptr, used_ptr, seen_ptr,   # the state, written ([B, M] / [B] / [] / [])
-    pack_ptr,                                  # the plan: pack as decode_plan_kernel wrote it
+    pack_ptr,                                  # the plan: pack as step_plan_kernel wrote it
     B, M, tokens, table_at, lens_at, taken_at,   # pack's field offsets
     BLOCK_M: tl.constexpr,
 ):

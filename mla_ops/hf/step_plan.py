@@ -1,15 +1,21 @@
-"""A decode step's plan and commit for a bump-allocated paged cache (PagedMLACache's
-bookkeeping), one Triton launch each on CUDA:
+"""A step's plan and commit for a bump-allocated paged cache (PagedMLACache's bookkeeping),
+one Triton launch each on CUDA:
 
     mla::decode_step_plan(lens, block_table, num_used, batch, block_size, num_blocks,
                           max_len, bound) -> (pack, slots)
+    mla::prefill_step_plan(lens, block_table, num_used, batch, tokens, block_size,
+                           num_blocks, max_len) -> (pack, slots, room)
     mla::decode_step_commit(block_table!, lens!, num_used!, seen!, pack, batch, tokens) -> ()
 
-For a step of one new token per row (decode); pack's fields are step_layout.py's
-(step_layout(batch, block_table.shape[1], bound)). mla_ops/hf/step.py computes the same
-plan in torch ops for every other step and device; compiled, Inductor made four to five
-kernels of the plan and four of the commit. Defined with torch.library.triton_op, so
-Inductor sees the kernels in the graph.
+decode_step_plan: a step of one new token per row (decode); prefill_step_plan: `tokens`
+real tokens per row (an eager prefill without pads), and `room` [6] int64, what the
+cache's room check reads on the host (step_plan_kernel.py), so the plan and its check are
+one launch and one copy. pack's fields are step_layout.py's (step_layout(batch,
+block_table.shape[1], bound); a prefill's unbound). The commit takes either plan.
+mla_ops/hf/step.py computes the same plan in torch ops for every other step and device;
+compiled, Inductor made four to five kernels of the plan and four of the commit, and an
+eager prefill's plan took ~60 op calls (about 1.5 ms of host time on an H200 host).
+Defined with torch.library.triton_op, so Inductor sees the kernels in the graph.
 """
 from __future__ import annotations
 
@@ -18,11 +24,12 @@ import triton
 
 from mla_ops.hf.step_commit_kernel import decode_commit_kernel
 from mla_ops.hf.step_layout import PackLayout, step_layout
-from mla_ops.hf.step_plan_kernel import decode_plan_kernel
+from mla_ops.hf.step_plan_kernel import step_plan_kernel
 
 # The kernels' tile caps: a program loops over the batch / the table's columns in tiles
 # of at most this many (tests set them small to loop over several tiles).
-CONFIGS = {"plan_block_b": 1024, "plan_block_m": 1024, "commit_block_m": 1024}
+CONFIGS = {"plan_block_b": 1024, "plan_block_m": 1024, "plan_block_s": 1024,
+           "commit_block_m": 1024}
 
 
 def _check_state(lens, block_table, num_used, batch):
@@ -47,16 +54,18 @@ def _block(n: int, cap: str) -> int:
 
 
 def launch_plan(lens, block_table, num_used, batch, block_size, num_blocks, max_len, bound,
-                pack, slots):
-    """Run decode_plan_kernel: pack [step_layout(batch, M, bound).size] int32, slots
-    [batch] int64."""
+                pack, slots, tokens=1, room=None):
+    """Run step_plan_kernel for `tokens` new tokens per row: pack [step_layout(batch, M,
+    bound).size] int32, slots [batch * tokens] int64, room (None, or [6] int64)."""
     M = block_table.shape[1]
     at = step_layout(batch, M, bound).offsets
-    torch.library.wrap_triton(decode_plan_kernel)[(batch,)](
-        lens, block_table, num_used, pack, slots, batch, M, num_blocks, max_len,
+    torch.library.wrap_triton(step_plan_kernel)[(batch,)](
+        lens, block_table, num_used, pack, slots, slots if room is None else room,
+        batch, M, tokens, num_blocks, max_len,
         at["table"], at["seq_lens"], at["query_start_loc"], at.get("bounded_table", 0),
         at.get("bounded_lens", 0), at["taken"], BS=block_size, BOUND=bound,
-        BLOCK_B=_block(batch, "plan_block_b"), BLOCK_M=_block(M, "plan_block_m"), num_warps=4)
+        ROOM=room is not None, BLOCK_B=_block(batch, "plan_block_b"),
+        BLOCK_M=_block(M, "plan_block_m"), BLOCK_S=_block(tokens, "plan_block_s"), num_warps=4)
 
 
 def launch_commit(block_table, lens, num_used, seen, pack, layout: PackLayout, batch, tokens):
@@ -90,6 +99,25 @@ def decode_step_plan(lens: torch.Tensor, block_table: torch.Tensor, num_used: to
     launch_plan(lens, block_table, num_used, batch, block_size, num_blocks, max_len, bound,
                 pack, slots)
     return pack, slots
+
+
+@torch.library.triton_op("mla::prefill_step_plan", mutates_args={})
+def prefill_step_plan(lens: torch.Tensor, block_table: torch.Tensor, num_used: torch.Tensor,
+                      batch: int, tokens: int, block_size: int, num_blocks: int,
+                      max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_state(lens, block_table, num_used, batch)
+    if tokens <= 0 or block_size <= 0 or num_blocks <= 0 or max_len <= 0:
+        raise ValueError(f"tokens, block_size, num_blocks and max_len must be positive, got "
+                         f"{tokens}, {block_size}, {num_blocks}, {max_len}")
+    _cuda_only(lens, "prefill_step_plan")
+    dev = lens.device
+    pack = torch.empty(step_layout(batch, block_table.shape[1], False).size,
+                       dtype=torch.int32, device=dev)
+    slots = torch.empty(batch * tokens, dtype=torch.int64, device=dev)
+    room = torch.empty(6, dtype=torch.int64, device=dev)
+    launch_plan(lens, block_table, num_used, batch, block_size, num_blocks, max_len, False,
+                pack, slots, tokens, room)
+    return pack, slots, room
 
 
 @torch.library.triton_op("mla::decode_step_commit",
