@@ -1,0 +1,53 @@
+"""A/B of the 16-head decode route inside whole DecodeGraph steps (H200 probe, not
+maintained): the V2-Lite steps with backend "auto" as shipped (FlashMLA past
+SMALL_DECODE_POSITIONS cached positions a call, its scheduler once a step) against the
+threshold raised so the Triton kernel takes every call; step µs from events over 100
+replays, each compiled once (rounds: ROUNDS, alternating).
+
+    python docs/notes/probe_decode16_route.py v2-lite:32:1024,v2-lite:8:4096 [ROUNDS]
+"""
+import sys, torch
+sys.path.insert(0, "benchmarks")                    # run from the repository root
+from types import SimpleNamespace
+import mla_ops.hf
+from lowering.decode import registry
+from bench_hf_decode import fill_paged_cache
+from mla_ops.hf.models import build_model, make_config
+
+dev, dtype = torch.device("cuda"), torch.bfloat16
+SHIPPED = registry.SMALL_DECODE_POSITIONS
+
+
+def step_us(shape, B, S, positions):
+    registry.SMALL_DECODE_POSITIONS = positions
+    cfg = make_config(shape, None); cfg._attn_implementation = "sdpa"
+    cfg._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    model = build_model(cfg, dev, dtype); mla_ops.hf.convert(model)
+    opts = SimpleNamespace(kv_cache_dtype="auto", k_scale=1.0, per_layer_schedule=False)
+    cache = fill_paged_cache(cfg, B, S, 200, dev, dtype, opts)
+    ids = torch.randint(3, cfg.vocab_size, (B, 1), device=dev)
+    torch._dynamo.reset()
+    runner = mla_ops.hf.DecodeGraph(model, cache, batch_size=B, graph=True, compile=True)
+    for _ in range(5):
+        runner(ids)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(100):
+        runner(ids)
+    b.record(); torch.cuda.synchronize()
+    del model, cache, runner
+    torch.cuda.empty_cache()
+    return a.elapsed_time(b) / 100 * 1000
+
+
+for item in sys.argv[1].split(","):
+    shape, B, S = item.split(":")
+    B, S = int(B), int(S)
+    res = {"shipped": [], "triton": []}
+    for _ in range(int(sys.argv[2]) if len(sys.argv) > 2 else 1):
+        res["shipped"].append(step_us(shape, B, S, SHIPPED))
+        res["triton"].append(step_us(shape, B, S, 1 << 40))
+    print(f"{shape} {B}x{S}: " + ", ".join(f"{k} {min(v):.1f} µs (runs {', '.join(f'{x:.1f}' for x in v)})"
+                                        for k, v in res.items()), flush=True)
