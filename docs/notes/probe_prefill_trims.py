@@ -1,14 +1,16 @@
-"""Two candidate trims of a converted prefill forward's GPU time, A/B in one run (H200 probe,
+"""Candidate trims of a converted prefill forward's GPU time, A/B in one run (H200 probe,
 not maintained; neither is in the library):
 
   keys-pad     the new tokens' (and context windows') keys for cuDNN as one GEMM into
                [c, N, P + R] with W_UK padded by R zero rows per head, then k_pe written
                into the rope columns, in place of the k_nope GEMM and a cat of
                [k_nope | k_pe] (the cat: 1.5 ms of V3's 46 ms at 1 x 8192)
-  router-bf16  the MoE router's logits (HF: F.linear in fp32 on fp32 copies of x and the
-               weight, a SIMT GEMM, 0.68 ms there) as a bf16 tensor-core GEMM with fp32
-               output (torch.mm(out_dtype=...)): the same exact products, another fp32
-               summation order, so an expert may flip where two sit within an fp32 ulp
+  router-select the MoE router of a prefill batch as HF's own fp32 logits GEMM (the same
+               cuBLAS call, so the same logits) and then mla::moe_route's selection kernel
+               (router_select_kernel.py) over all rows, in place of HF's ~10 sort, top-k
+               and pointwise kernels (0.3 ms of top-k alone at V3 1 x 8192) and their
+               host calls. (A bf16 tensor-core GEMM for the logits, tried 2026-12-04, is
+               not the same numerics: the router weight is fp32 in these models.)
 
 Each variant's forward (wall ms, bench_prefill.bench_ms) and its logits against the
 baseline's (max error over every position, and the share of positions above 0.05).
@@ -18,6 +20,7 @@ baseline's (max error over every position, and the share of positions above 0.05
 import sys
 import torch
 import torch.nn.functional as F
+import triton
 sys.path[:0] = [".", "benchmarks"]                  # run from the repository root
 import mla_ops.hf
 import lowering.prefill.step as pstep
@@ -45,22 +48,37 @@ def keys_pad(k_nope, k_pe):
     return k
 
 
-def route_bf16(x, weight, *args):
-    real = F.linear
-    F.linear = lambda a, b: torch.mm(x, weight.t(), out_dtype=torch.float32)
-    try:
-        return ROUTE(x, weight, *args)
-    finally:
-        F.linear = real
+def route_select(x, weight, bias, mode, top_k, n_group, topk_group, norm_topk_prob, scale):
+    T, E = x.shape[0], weight.shape[0]
+    if not x.is_cuda or T <= router.MAX_ROWS:
+        return ROUTE(x, weight, bias, mode, top_k, n_group, topk_group, norm_topk_prob, scale)
+    logits = F.linear(x.type(torch.float32), weight.type(torch.float32))     # [T, E], HF's
+    idx = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
+    wt = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
+    grouped = mode != 1
+    router.router_select_kernel[(T,)](
+        logits, bias if mode == 0 else logits, idx, wt, T, E, 1,
+        E // n_group if grouped else E, n_group if grouped else 1,
+        topk_group if grouped else 1, top_k, float(scale),
+        MODE=mode, NORM=bool(norm_topk_prob) and mode == 0,
+        BLOCK_E=max(16, triton.next_power_of_2(E)),
+        BLOCK_G=max(2, triton.next_power_of_2(n_group if grouped else 1)),
+        BLOCK_K=max(2, triton.next_power_of_2(top_k)), LIBDEVICE=True,
+        num_warps=router.SELECT_WARPS, num_stages=1)
+    if CHECK:                                        # the same experts as HF's calls?
+        ref = ROUTE(x, weight, bias, mode, top_k, n_group, topk_group, norm_topk_prob, scale)
+        same = (idx.sort(1)[0] == ref[0].sort(1)[0]).all(1)
+        CHECK.append((T, int((~same).sum())))
+    return idx, wt
 
 
+CHECK = []
 ROUTE = router.route_torch
 VARIANTS = {
     "baseline": {},
     "keys-pad": {(pstep, "up_project"): up_project_pad, (pstep, "keys"): keys_pad},
-    "router-bf16": {(router, "route_torch"): route_bf16},
+    "router-select": {(router, "route_torch"): route_select},
 }
-VARIANTS["both"] = {**VARIANTS["keys-pad"], **VARIANTS["router-bf16"]}
 
 with torch.no_grad():
     for name, row, cfg, model, ids, ctx in spec_models(sys.argv[1]):
@@ -86,5 +104,12 @@ with torch.no_grad():
             print(f"{name} {row} {tag}: {ms:.2f} ms; logits vs baseline max {err.max().item():.3f}, "
                   f"> 0.05 at {(err > 0.05).float().mean().item() * 100:.2f} % of positions",
                   flush=True)
+            if tag == "router-select":                   # experts against HF's calls
+                CHECK.append(None)
+                step()
+                rows = [c for c in CHECK[1:] if c]
+                print(f"  tokens with another expert set than HF's calls: "
+                      f"{sum(n for _, n in rows)} of {sum(t for t, _ in rows)}", flush=True)
+                CHECK.clear()
         del model, step
         torch.cuda.empty_cache()
