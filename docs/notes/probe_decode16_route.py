@@ -7,28 +7,17 @@ replays, each compiled once (rounds: ROUNDS, alternating).
     python docs/notes/probe_decode16_route.py v2-lite:32:1024,v2-lite:8:4096 [ROUNDS]
 """
 import sys, torch
-sys.path.insert(0, "benchmarks")                    # run from the repository root
-from types import SimpleNamespace
-import mla_ops.hf
+sys.path[:0] = ["benchmarks", "docs/notes"]         # run from the repository root
 from lowering.decode import registry
-from bench_hf_decode import fill_paged_cache
-from mla_ops.hf.models import build_model, make_config
+from probe_step_kernels import decode_graph
 
-dev, dtype = torch.device("cuda"), torch.bfloat16
 SHIPPED = registry.SMALL_DECODE_POSITIONS
 
 
 def step_us(shape, B, S, positions):
     registry.SMALL_DECODE_POSITIONS = positions
-    cfg = make_config(shape, None); cfg._attn_implementation = "sdpa"
-    cfg._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
-    model = build_model(cfg, dev, dtype); mla_ops.hf.convert(model)
-    opts = SimpleNamespace(kv_cache_dtype="auto", k_scale=1.0, per_layer_schedule=False)
-    cache = fill_paged_cache(cfg, B, S, 200, dev, dtype, opts)
-    ids = torch.randint(3, cfg.vocab_size, (B, 1), device=dev)
-    torch._dynamo.reset()
-    runner = mla_ops.hf.DecodeGraph(model, cache, batch_size=B, graph=True, compile=True)
+    model, cache, runner, ids = decode_graph(shape, B, S)
     for _ in range(5):
         runner(ids)
     torch.cuda.synchronize()
