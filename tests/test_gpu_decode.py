@@ -141,6 +141,9 @@ def test_flashmla_schedule_once_per_step(B, H, S):
     compiled = torch.compile(lambda b, c: lowering.decode_schedule(kv, b, c, num_heads=H),
                              fullgraph=True)
     table, splits = compiled(bt, cl)
+    # the table is written on the scheduler's side stream, which only the decode calls
+    # join: read here, wait for it first (without, a busy GPU showed the race)
+    torch.cuda.synchronize()
     # FlashMLA fills 5 of each row's 8 ints (begin/end request and key, first split);
     # the rest is padding it never writes or reads
     assert torch.equal(table[:, :5], sched[0][:, :5]) and torch.equal(splits, sched[1])

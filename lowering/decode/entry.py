@@ -109,6 +109,9 @@ def decode_schedule(kv_cache, block_table, cache_seqlens, *, num_heads, s_q=1, b
     every replay). bounded: cache_seqlens come from bound_decode_inputs() (no clamp kernel).
     fp8q: the split for FlashMLA's dense fp8 kernel instead, for mla_decode_fp8q(...,
     schedule=) (it has a scheduler of its own; the two are not interchangeable).
+    The tensors are written on a side stream that the decode calls join before reading
+    them (lowering/decode/flashmla.py, Overlap); read them elsewhere only after
+    torch.cuda.synchronize() or waiting on that stream.
     """
     check_table_and_lengths(kv_cache, block_table, cache_seqlens)
     for name, v in (("num_heads", num_heads), ("s_q", s_q)):
