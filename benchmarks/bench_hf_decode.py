@@ -39,6 +39,7 @@ import time
 import torch
 
 import mla_ops.hf
+from mla_ops.hf import cache_kwargs
 from mla_ops.hf.models import build_model, make_config
 
 
@@ -345,6 +346,7 @@ def main():
             else:
                 cache = fill_static_cache(cfg, B, S, extra, dev, dtype)
             fwd = (model if mode.startswith("ours") else hf_model).forward
+            ckw = cache_kwargs(model if mode.startswith("ours") else hf_model, cache)
             graph = mode.endswith("graph")      # DecodeGraph compiles; the first step is eager
             if graph and not on_cuda:
                 print(f"  {mode} needs CUDA; skipped", flush=True)
@@ -356,7 +358,7 @@ def main():
 
             def step():
                 with torch.no_grad():
-                    return fwd(input_ids=ids, position_ids=pos, past_key_values=cache,
+                    return fwd(input_ids=ids, position_ids=pos, **ckw,
                                logits_to_keep=1).logits
             run = step
 

@@ -42,6 +42,8 @@ import time
 
 import torch
 
+from mla_ops.hf import cache_kwargs
+
 ATTN_SHAPES = "1x128x8192,8x128x2048,1x16x8192,8x16x2048,1x128x32768"
 MODEL_ROWS = "1x8192,8x2048,multi-turn"
 DQK, DV = 192, 128
@@ -181,7 +183,7 @@ def hf_step(model, cfg, ids, ctx):
     from transformers import DynamicCache
     base = DynamicCache(config=cfg)
     if ctx:
-        model(ids[:, :ctx], past_key_values=base, use_cache=True)
+        model(ids[:, :ctx], **cache_kwargs(model, base), use_cache=True)
 
     def step():
         if ctx:                                          # back to the ctx cached tokens
@@ -191,7 +193,7 @@ def hf_step(model, cfg, ids, ctx):
             cache = base
         else:
             cache = DynamicCache(config=cfg)
-        return model(ids[:, ctx:], past_key_values=cache, use_cache=True).logits
+        return model(ids[:, ctx:], **cache_kwargs(model, cache), use_cache=True).logits
     return step
 
 
@@ -203,12 +205,12 @@ def ours_step(model, cfg, ids, ctx, dtype=torch.bfloat16):
     cache = mla_ops.hf.PagedMLACache(cfg, max_batch_size=B, max_cache_len=total, device="cuda",
                                      dtype=dtype)
     if ctx:
-        model(ids[:, :ctx], past_key_values=cache, use_cache=True)
+        model(ids[:, :ctx], **cache_kwargs(model, cache), use_cache=True)
     saved = cache.snapshot()
 
     def step():
         cache.restore(saved)
-        return model(ids[:, ctx:], past_key_values=cache, use_cache=True).logits
+        return model(ids[:, ctx:], **cache_kwargs(model, cache), use_cache=True).logits
     return step
 
 

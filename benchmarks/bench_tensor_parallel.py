@@ -111,13 +111,14 @@ def ours_step(model, cfg, B, S, extra, dtype, num_heads, dev):
 
 def hf_step(model, cfg, B, S, extra, dtype, dev):
     from bench_hf_decode import fill_static_cache      # (a sibling script of this folder)
+    from mla_ops.hf import cache_kwargs
     cache = fill_static_cache(cfg, B, S, extra, dev, dtype)
     ids = torch.randint(3, cfg.vocab_size, (B, 1), generator=torch.Generator().manual_seed(2))
     ids, pos = ids.to(dev), torch.full((B, 1), S, device=dev, dtype=torch.long)
 
     def step():
         with torch.no_grad():
-            return model(input_ids=ids, position_ids=pos, past_key_values=cache,
+            return model(input_ids=ids, position_ids=pos, **cache_kwargs(model, cache),
                          logits_to_keep=1).logits
     return step
 
