@@ -83,19 +83,29 @@ def _cuda_only(t: torch.Tensor, op: str) -> None:
                          f"devices in torch ops, got tensors on {t.device}")
 
 
+def _check_positive(**sizes: int) -> None:
+    if any(v <= 0 for v in sizes.values()):
+        names = list(sizes)
+        raise ValueError(f"{', '.join(names[:-1])} and {names[-1]} must be positive, got "
+                         f"{', '.join(str(v) for v in sizes.values())}")
+
+
+def _plan_buffers(lens, block_table, batch: int, tokens: int, bound: bool):
+    """The plan kernel's outputs: pack [step_layout(...).size] int32, slots [batch * tokens]
+    int64."""
+    pack = torch.empty(step_layout(batch, block_table.shape[1], bound).size, dtype=torch.int32,
+                       device=lens.device)
+    return pack, torch.empty(batch * tokens, dtype=torch.int64, device=lens.device)
+
+
 @torch.library.triton_op("mla::decode_step_plan", mutates_args={})
 def decode_step_plan(lens: torch.Tensor, block_table: torch.Tensor, num_used: torch.Tensor,
                      batch: int, block_size: int, num_blocks: int, max_len: int,
                      bound: bool) -> tuple[torch.Tensor, torch.Tensor]:
     _check_state(lens, block_table, num_used, batch)
     _cuda_only(lens, "decode_step_plan")
-    if block_size <= 0 or num_blocks <= 0 or max_len <= 0:
-        raise ValueError(f"block_size, num_blocks and max_len must be positive, got "
-                         f"{block_size}, {num_blocks}, {max_len}")
-    dev = lens.device
-    pack = torch.empty(step_layout(batch, block_table.shape[1], bound).size, dtype=torch.int32,
-                       device=dev)
-    slots = torch.empty(batch, dtype=torch.int64, device=dev)
+    _check_positive(block_size=block_size, num_blocks=num_blocks, max_len=max_len)
+    pack, slots = _plan_buffers(lens, block_table, batch, 1, bound)
     launch_plan(lens, block_table, num_used, batch, block_size, num_blocks, max_len, bound,
                 pack, slots)
     return pack, slots
@@ -106,15 +116,11 @@ def prefill_step_plan(lens: torch.Tensor, block_table: torch.Tensor, num_used: t
                       batch: int, tokens: int, block_size: int, num_blocks: int,
                       max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_state(lens, block_table, num_used, batch)
-    if tokens <= 0 or block_size <= 0 or num_blocks <= 0 or max_len <= 0:
-        raise ValueError(f"tokens, block_size, num_blocks and max_len must be positive, got "
-                         f"{tokens}, {block_size}, {num_blocks}, {max_len}")
+    _check_positive(tokens=tokens, block_size=block_size, num_blocks=num_blocks,
+                    max_len=max_len)
     _cuda_only(lens, "prefill_step_plan")
-    dev = lens.device
-    pack = torch.empty(step_layout(batch, block_table.shape[1], False).size,
-                       dtype=torch.int32, device=dev)
-    slots = torch.empty(batch * tokens, dtype=torch.int64, device=dev)
-    room = torch.empty(6, dtype=torch.int64, device=dev)
+    pack, slots = _plan_buffers(lens, block_table, batch, tokens, False)
+    room = torch.empty(6, dtype=torch.int64, device=lens.device)
     launch_plan(lens, block_table, num_used, batch, block_size, num_blocks, max_len, False,
                 pack, slots, tokens, room)
     return pack, slots, room
