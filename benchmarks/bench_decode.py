@@ -1,5 +1,6 @@
-"""Decode attention alone: our Gluon (Hopper: BF16, FP8 q+cache) and Triton (BF16, FP8 cache,
-FP8 q+cache) kernels, FlashMLA (BF16, and its dense FP8 q+cache kernel), pure torch.
+"""Decode attention alone: our Gluon (Hopper: BF16, FP8 cache at up to 32 query rows, FP8
+q+cache) and Triton (BF16, FP8 cache, FP8 q+cache) kernels, FlashMLA (BF16, and its dense
+FP8 q+cache kernel), pure torch.
 
     python benchmarks/bench_decode.py --json results.json [--shapes 0,1] [--budget-s 400]
 
@@ -29,7 +30,7 @@ from lowering.decode.reference import mla_decode_reference
 from lowering.decode.registry import route_unmet
 
 SHAPES = [(1, 128, 4096), (32, 128, 4096), (64, 128, 8192), (128, 16, 4096),
-          (8, 128, 32768), (256, 16, 1024)]
+          (8, 128, 32768), (256, 16, 1024), (64, 16, 8192), (32, 16, 4096), (1, 16, 4096)]
 FLASHMLA_NOTES = {(1, 128, 4096): 24.6, (32, 128, 4096): 74.9, (64, 128, 8192): 238.0,
                   (128, 16, 4096): 165.5}
 L, R, PAGE = 512, 64, 64
@@ -139,6 +140,13 @@ def bench_shape(B, H, S, args, ceilings, log):
                "bf16")
     else:
         log(f"  gluon: {reason}")
+    reason = route_unmet("gluon", q, kv8, kind="fp8")
+    if reason is None:
+        from lowering.decode.gluon_decode import gluon_decode_fp8_cache_op
+        record("gluon_fp8kv", lambda: gluon_decode_fp8_cache_op(q, kv8, bt, lens, k_scale, scale,
+                                                                True), "fp8")
+    else:
+        log(f"  gluon fp8 cache: {reason}")
     reason = route_unmet("gluon-fp8q", q8, kv8)
     if reason is None:
         from lowering.decode.gluon_decode import gluon_decode_fp8q_op

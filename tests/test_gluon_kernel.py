@@ -26,6 +26,8 @@ def _compile_for_sm90(constexprs, kind):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
+    if kind == "fp8-cache":
+        return _compile_fp8_cache(constexprs, triton, GPUTarget, gl, GluonASTSource)
     fp8 = kind == "fp8"
     if fp8:
         from lowering.decode.gluon_fp8_kernel import mla_decode_fp8_kernel as kernel
@@ -52,6 +54,26 @@ def _compile_for_sm90(constexprs, kind):
     sig.update({k: "constexpr" for k in constexprs})
     src = GluonASTSource(kernel, signature=sig, constexprs=constexprs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    return _facts(k)
+
+
+def _compile_fp8_cache(constexprs, triton, GPUTarget, gl, GluonASTSource):
+    from lowering.decode.gluon_fp8_cache_kernel import mla_decode_fp8_cache_kernel as kernel
+    bn = constexprs["BN"]
+    lay = gl.NVMMASharedLayout.get_default_for([bn, 64], gl.float8e4nv)
+    sig = {"q_ptr": "*bf16", "kv_desc": f"tensordesc<fp8e4nv[{bn}, 64],{lay!r}>",
+           "table_ptr": "*i32", "lens_ptr": "*i32", "ks_ptr": "*fp32",
+           "o_ptr": "*bf16" if constexprs["DIRECT"] else "*fp32", "lse_ptr": "*fp32",
+           "sm_scale_log2": "fp32", "stride_bt": "i32", "max_blocks": "i32",
+           "num_blocks": "i32", "num_splits": "i32"}
+    sig.update({k: "constexpr" for k in constexprs})
+    src = GluonASTSource(kernel, signature=sig, constexprs=constexprs)
+    return _facts(triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                 options=dict(num_warps=4)))
+
+
+def _facts(k):
+    import triton
     ptx = k.asm["ptx"]
     # bytes of local memory per thread (spilled registers), where triton ships cuobjdump
     stack = None
@@ -117,6 +139,54 @@ def test_kernel_compiles_for_sm90(kind, s_q, H, page, direct, causal):
         assert 4 in facts["waits"], "the QK / P V overlap (wait until 4 groups remain) is gone"
     assert facts["tma"]
     assert 0 < facts["shared"] <= HOPPER_SMEM
+
+
+@pytest.mark.parametrize("s_q,H,page,direct,causal", [
+    (1, 16, 64, False, True), (2, 16, 128, True, True), (1, 8, 64, True, False)])
+def test_fp8_cache_kernel_compiles_for_sm90(s_q, H, page, direct, causal):
+    """The fp8-cache kernel at both row paddings: 9 QK and 8 P V chunks of 4 MMAs (k = 16)
+    each, TMA tile copies, and its ring within a Hopper CTA's shared memory."""
+    pytest.importorskip("triton")
+    from lowering.decode.gluon_decode import FP8_CACHE_CONFIGS
+    try:
+        import triton.experimental.gluon._runtime  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"this triton cannot compile Gluon kernels offline: {exc}")
+    nr = 16 if s_q * H <= 16 else 32
+    cs = dict(S_Q=s_q, H=H, PAGE=page, NR=nr, DIRECT=direct, CAUSAL=causal,
+              **FP8_CACHE_CONFIGS[nr])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, __file__, json.dumps(cs), json.dumps("fp8-cache")],
+                         env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    facts = json.loads(run.stdout.strip().splitlines()[-1])
+    assert facts["wgmma"] == 9 * 4 + 8 * 4
+    assert facts["tma"]
+    assert 0 < facts["shared"] <= HOPPER_SMEM
+
+
+def test_fp8_cache_kernel_conditions():
+    """What the fp8-cache kernel serves (read off the call's shapes and dtypes; the GPU
+    and Gluon checks come first on a real call): bf16 q, rows of 576, up to 32 query rows,
+    pages of whole 64-key tiles."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from lowering.decode import gluon_decode as gd
+    from lowering.decode.registry import DecodeCall
+
+    def unmet(s_q=1, H=16, page=64, dtype=torch.bfloat16, width=576, head_dim_v=512):
+        q = torch.empty(2, s_q, H, width, dtype=dtype)
+        kv = torch.empty(4, page, width, dtype=torch.float8_e4m3fn)
+        return gd.gluon_unmet(DecodeCall(q, kv, None, None, 1.0, True, "fp8", None, head_dim_v))
+
+    assert unmet() is None and unmet(s_q=2) is None and unmet(H=8, page=128) is None
+    assert "up to 32 query rows" in unmet(H=64)
+    assert "up to 32 query rows" in unmet(s_q=3)
+    assert "multiple of 64" in unmet(page=32)
+    assert "bfloat16" in unmet(dtype=torch.float16)
+    assert "576" in unmet(width=192, head_dim_v=128)
 
 
 def test_backend_names_what_is_missing_on_cpu():

@@ -282,6 +282,9 @@ def test_auto_leaves_small_few_head_steps_to_triton(monkeypatch):
         lowering.select_backend(q, call.kv_cache, block_table=torch.zeros(6, dtype=torch.int32))
     # an eager call's remembered choice is per size class too
     assert registry.call_class(call, "bf16", "auto") != registry.call_class(big, "bf16", "auto")
+    # and per query-token count (a route may serve only so many rows: s_q x heads)
+    three = call._replace(q=torch.empty(2, 3, 4, 576, dtype=torch.bfloat16))
+    assert registry.call_class(call, "bf16", "gluon") != registry.call_class(three, "bf16", "gluon")
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="FlashMLA needs a GPU")

@@ -1,5 +1,7 @@
 """Backend "gluon": the Hopper decode kernels as custom ops: mla::gluon_decode (bf16 q
-and cache) and mla::gluon_decode_fp8q (fp8 q and cache with per-tensor scales,
+and cache), mla::gluon_decode_fp8_cache (bf16 q, fp8 cache, up to 32 query rows:
+gluon_fp8_cache_kernel.py; both are the "gluon" route of lowering.mla_decode, conditions
+in gluon_unmet()) and mla::gluon_decode_fp8q (fp8 q and cache with per-tensor scales,
 gluon_fp8_kernel.py; the "gluon-fp8q" route of lowering.mla_decode_fp8q, conditions in
 gluon_fp8q_unmet()).
 
@@ -44,6 +46,11 @@ FP8_CONFIGS = (dict(BN=64, STAGES=3), dict(BN=32, STAGES=8))
 FP8_LONG_SPLIT = 1024
 MIN_SPLIT_KEYS = 256
 NUM_WARPS = 4           # the default partition: consumer warpgroup 0
+# The fp8-cache kernel (bf16 q), by query rows padded to NR = 16 or 32: tiles of 64 keys
+# (the M side of its MMAs) in a ring of STAGES. A ring of 2 ran 1-7 % faster than 3 at
+# 16 heads on an H200 (docs/notes/probe_fp8_cache16.py); 32 rows fit a ring of 2 only.
+FP8_CACHE_CONFIGS = {16: dict(BN=64, STAGES=2), 32: dict(BN=64, STAGES=2)}
+FP8_CACHE_MAX_ROWS = 32
 
 
 def _gluon_import_error():
@@ -77,14 +84,38 @@ def _kernel_unmet(q, kv_cache, block_n):
 
 
 def gluon_unmet(call):
-    """None if the bf16 Gluon kernels serve this mla_decode DecodeCall, else why not."""
+    """None if a Gluon kernel serves this mla_decode DecodeCall (the bf16 kernels, or the
+    fp8-cache kernel for kind "fp8"), else why not."""
+    if call.kind == "fp8":
+        return fp8_cache_unmet(call)
     if call.kind != "auto":
-        return "the gluon backend serves a bf16 cache only (kv_cache_dtype='auto')"
+        return f"the gluon backend serves kv_cache_dtype 'auto' or 'fp8', got {call.kind!r}"
     if call.q.dtype != torch.bfloat16:
         return f"the gluon backend needs q in bfloat16, got {call.q.dtype}"
     if call.head_dim_v != 512:
         return f"the gluon backend needs head_dim_v 512, got {call.head_dim_v}"
     return _kernel_unmet(call.q, call.kv_cache, CONFIG["BN"])
+
+
+def fp8_cache_unmet(call):
+    """None if the fp8-cache kernel serves this DecodeCall (kind "fp8", bf16 q), else why not."""
+    q, kv_cache = call.q, call.kv_cache
+    if IMPORT_ERROR is not None:
+        return IMPORT_ERROR
+    if q.dtype != torch.bfloat16:
+        return f"the gluon fp8-cache kernel needs q in bfloat16, got {q.dtype}"
+    if q.shape[-1] != 576 or call.head_dim_v != 512:
+        return (f"the gluon fp8-cache kernel needs q/cache rows of 576 (512 + 64) and "
+                f"head_dim_v 512, got {q.shape[-1]} and {call.head_dim_v}")
+    rows = q.shape[1] * q.shape[2]
+    if rows > FP8_CACHE_MAX_ROWS:
+        return (f"the gluon fp8-cache kernel serves up to {FP8_CACHE_MAX_ROWS} query rows "
+                f"(s_q x heads), got {rows}")
+    bn = FP8_CACHE_CONFIGS[16 if rows <= 16 else 32]["BN"]
+    if kv_cache.shape[1] % bn:
+        return (f"the gluon fp8-cache kernel needs block_size to be a multiple of {bn}, "
+                f"kv_cache has block_size {kv_cache.shape[1]}")
+    return None
 
 
 def gluon_fp8q_unmet(call):
@@ -124,7 +155,23 @@ def gluon_decode_fp8q(
                    softmax_scale, causal, num_splits)
 
 
+def gluon_decode_fp8_cache(
+    q: torch.Tensor,              # [B, s_q, H, 576] bf16, s_q * H <= 32
+    kv_cache: torch.Tensor,       # [num_blocks, PAGE, 576] float8_e4m3fn (x k_scale)
+    block_table: torch.Tensor,    # [B, max_blocks] int32
+    cache_seqlens: torch.Tensor,  # [B] int32
+    k_scale: torch.Tensor,        # [1] fp32
+    softmax_scale: float,
+    causal: bool,
+    num_splits: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_fp8_cache(q, kv_cache, block_table, cache_seqlens, k_scale, softmax_scale,
+                             causal, num_splits)
+
+
 gluon_decode_op = torch.library.custom_op("mla::gluon_decode", mutates_args=())(gluon_decode)
+gluon_decode_fp8_cache_op = torch.library.custom_op(
+    "mla::gluon_decode_fp8_cache", mutates_args=())(gluon_decode_fp8_cache)
 gluon_decode_fp8q_op = torch.library.custom_op("mla::gluon_decode_fp8q",
                                                mutates_args=())(gluon_decode_fp8q)
 
@@ -157,14 +204,12 @@ def _launch(pick, q, kv_cache, block_table, cache_seqlens, scales, softmax_scale
             num_splits):
     """Stage 1 and, with more than one split, the merge. Returns (out, lse).
     pick: (page, keys per split) -> (kernel, dict(BN, STAGES))."""
-    import triton
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from lowering.decode.gluon_common import LOG2E
-    from lowering.decode.merge_kernel import mla_decode_merge_kernel
     from lowering.decode.registry import sm_count
-    from lowering.decode.triton_decode import choose_num_splits, merge_block_l, stage1_outputs
+    from lowering.decode.triton_decode import choose_num_splits, stage1_outputs
 
     B, s_q, H, D = q.shape
     num_blocks, page, _ = kv_cache.shape
@@ -192,10 +237,56 @@ def _launch(pick, q, kv_cache, block_table, cache_seqlens, scales, softmax_scale
         S_Q=s_q, H=H, PAGE=page, BN=BN, STAGES=config["STAGES"], DIRECT=splits == 1,
         CAUSAL=causal, num_warps=NUM_WARPS)
     if splits > 1:
-        bl = merge_block_l(B, rows, L, False)
-        mla_decode_merge_kernel[(rows, B, L // bl)](
-            o1, l1, out, lse, splits, S_Q=s_q, H=H, L=L,
-            SPLIT_BLOCK=min(16, triton.next_power_of_2(splits)), BLOCK_L=bl, num_warps=4)
+        _merge(o1, l1, out, lse, splits)
+    return out, lse
+
+
+def _merge(o1, l1, out, lse, splits):
+    """The splits' fp32 partials o1 / l1 -> out [B, s_q, H, 512], lse [B, H, s_q]."""
+    import triton
+
+    from lowering.decode.merge_kernel import mla_decode_merge_kernel
+    from lowering.decode.triton_decode import merge_block_l
+
+    B, s_q, H, L = out.shape
+    rows = s_q * H
+    bl = merge_block_l(B, rows, L, False)
+    mla_decode_merge_kernel[(rows, B, L // bl)](
+        o1, l1, out, lse, splits, S_Q=s_q, H=H, L=L,
+        SPLIT_BLOCK=min(16, triton.next_power_of_2(splits)), BLOCK_L=bl, num_warps=4)
+
+
+def _launch_fp8_cache(q, kv_cache, block_table, cache_seqlens, k_scale, softmax_scale, causal,
+                      num_splits):
+    """The fp8-cache kernel (one CTA per request and split) and the merge."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from lowering.decode.gluon_common import LOG2E
+    from lowering.decode.gluon_fp8_cache_kernel import mla_decode_fp8_cache_kernel
+    from lowering.decode.registry import sm_count
+    from lowering.decode.triton_decode import choose_num_splits, stage1_outputs
+
+    B, s_q, H, D = q.shape
+    num_blocks, page, _ = kv_cache.shape
+    NR = 16 if s_q * H <= 16 else 32
+    BN, STAGES = FP8_CACHE_CONFIGS[NR]["BN"], FP8_CACHE_CONFIGS[NR]["STAGES"]
+    splits = num_splits or choose_num_splits(B, 1, block_table.shape[1] * page,
+                                             sm_count(q.device), min_split_keys=MIN_SPLIT_KEYS)
+    if kv_cache.data_ptr() % 16:
+        raise ValueError(f"kv_cache must start at a 16-byte aligned address for the gluon "
+                         f"backend's TMA loads (it is offset by {kv_cache.data_ptr() % 16} "
+                         f"bytes)")
+    lay_k = gl.NVMMASharedLayout.get_default_for([BN, 64], gl.float8e4nv)
+    kv_desc = TensorDescriptor.from_tensor(kv_cache.view(num_blocks * page, D), [BN, 64], lay_k)
+    out, lse, o1, l1 = stage1_outputs(B, s_q, H, 512, splits, torch.bfloat16, q.device)
+    mla_decode_fp8_cache_kernel[(B, splits)](
+        q.contiguous(), kv_desc, block_table, cache_seqlens, k_scale, o1, l1,
+        softmax_scale * LOG2E, block_table.stride(0), block_table.shape[1], num_blocks, splits,
+        S_Q=s_q, H=H, PAGE=page, BN=BN, NR=NR, STAGES=STAGES,
+        DIRECT=splits == 1, CAUSAL=causal, num_warps=NUM_WARPS)
+    if splits > 1:
+        _merge(o1, l1, out, lse, splits)
     return out, lse
 
 
@@ -206,11 +297,17 @@ def _fake(q, kv_cache, *args):
 
 
 gluon_decode_op.register_fake(_fake)
+gluon_decode_fp8_cache_op.register_fake(_fake)
 gluon_decode_fp8q_op.register_fake(_fake)
 
 
 def run_gluon(call):
     """Route "gluon" of lowering.mla_decode (a checked DecodeCall)."""
+    if call.kind == "fp8":
+        compiling = torch.compiler.is_compiling()
+        decode = gluon_decode_fp8_cache_op if compiling else gluon_decode_fp8_cache
+        return decode(call.q, call.kv_cache, call.block_table, call.cache_seqlens,
+                      call.k_scale.reshape(1), call.softmax_scale, call.causal)
     decode = gluon_decode_op if torch.compiler.is_compiling() else gluon_decode
     return decode(call.q, call.kv_cache, call.block_table, call.cache_seqlens,
                   call.softmax_scale, call.causal)

@@ -305,12 +305,12 @@ _chosen: dict = {}
 
 
 def call_class(call: DecodeCall, query: str, backend: str) -> tuple:
-    """What a route's unmet() reads of a call: devices, dtypes, widths, settings, and
-    the answer of flashmla_pays for its batch and table width."""
+    """What a route's unmet() reads of a call: devices, dtypes, query tokens, heads,
+    widths, settings, and the answer of flashmla_pays for its batch and table width."""
     q, kv = call.q, call.kv_cache
     device = q.device
-    return (query, backend, device, q.dtype, kv.dtype, call.kind, q.shape[2], q.shape[3],
-            kv.shape[1], call.head_dim_v, call.out_dtype, call.schedule is None,
+    return (query, backend, device, q.dtype, kv.dtype, call.kind, q.shape[1], q.shape[2],
+            q.shape[3], kv.shape[1], call.head_dim_v, call.out_dtype, call.schedule is None,
             call.q_scale is None, config.batch_invariant,
             device.type == "cuda" or _interpreting(), _pays(call))
 

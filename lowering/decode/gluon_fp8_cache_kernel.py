@@ -1,0 +1,286 @@
+"""Hopper MLA decode of a bf16 query over an fp8 cache at up to 32 query rows, in Gluon:
+the "gluon" route's kernel for kv_cache_dtype="fp8" (launcher: gluon_decode.py).
+
+At 16 heads (DeepSeek-V3 at tensor parallel 8, V2-Lite) a cache byte takes part in few
+FLOPs, so a call is bound by how fast its tiles stream in. The Triton kernel widens each
+fp8 tile from a load into registers, which cannot be issued ahead of use: DRAM stayed 22 %
+busy (docs/notes/NOTES-decode-fp8.md). Here:
+  - a one-warp producer copies each tile of BN = 64 keys (9 TMA boxes of 64 columns) into
+    a ring of STAGES fp8 buffers, ahead of the consumer;
+  - the consumer warpgroup widens the tile to fp16 (exact for e4m3) into one shared
+    buffer and frees the ring slot at once;
+  - both products run transposed, keys as the M side of the warpgroup MMA (whose M is at
+    least 64; 16 query rows as M would waste three quarters of it):
+        S^T [BN, NR]       = K [BN, 576] . q^T [576, NR]      (A: the widened tile)
+        O^T [512, NR]     += V^T [512, BN] . P^T [BN, NR]     (A: the same tile, MN-major)
+    q^T and P^T are the small B operands in shared memory; O^T is eight [64, NR]
+    accumulators, one per 64 value columns;
+  - the online softmax reduces along S^T's rows (keys): one max across the warpgroup per
+    tile; the sums stay per key slot and are reduced once at the end.
+The shared-memory indices of the MMA operands carry a runtime zero (z), as in
+gluon_pair_kernel.py: with constant indices ptxas hoists every MMA descriptor out of the
+loop and spills them. NR is the query rows (s_q * H, token-major) padded to 16 or 32;
+padded rows are zero and never stored. q is scaled by 1/16 before its cast to fp16 (|q| up to ~1e6 stays finite)
+and P is rounded to fp16, as the Triton kernel's kind 1 does. Output as the other stage-1
+kernels: DIRECT -> out [B, ROWS, 512] bf16 + lse [B, H, S_Q]; else fp32 partials (out /
+l) + lse for triton_merge_kernel.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+from lowering.decode.gluon_common import tma_load
+
+
+@gluon.jit
+def _producer(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
+              num_blocks, BN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+              NCH: gl.constexpr):
+    """Tile i (keys start + i BN ...) of this split into ring slot i % STAGES."""
+    nxt = gl.load(table_ptr + b * stride_bt + start // PAGE, mask=n_tiles > 0, other=0)
+    for i in range(n_tiles):
+        s = i % STAGES
+        key = start + i * BN
+        page = nxt
+        nxt = gl.load(table_ptr + b * stride_bt + (key + BN) // PAGE, mask=i + 1 < n_tiles,
+                      other=0)
+        mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)
+        page = gl.minimum(gl.maximum(page, 0), num_blocks - 1)
+        row = page * PAGE + key % PAGE
+        mbarrier.expect(kv_full.index(s), NCH * BN * 64)
+        for c in gl.static_range(NCH):
+            tma_load(kv_desc, [row, c * 64], kv_full.index(s), sK.index(s * NCH + c))
+
+
+@gluon.jit
+def _widen(sK, s, sW, key0, end, BN: gl.constexpr):
+    """Ring slot s [BN, 576] e4m3 -> sW fp16; in a split's last tile keys at or past end
+    become 0 (unwritten rows may hold NaN, and 0 x NaN is NaN). All nine chunks are read
+    before the first is written back, so the shared-memory loads overlap."""
+    w_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])      # [32, 64]
+    x0 = sK.index(s * 9 + 0).load(w_l)                                    # [BN, 64] each
+    x1 = sK.index(s * 9 + 1).load(w_l)
+    x2 = sK.index(s * 9 + 2).load(w_l)
+    x3 = sK.index(s * 9 + 3).load(w_l)
+    x4 = sK.index(s * 9 + 4).load(w_l)
+    x5 = sK.index(s * 9 + 5).load(w_l)
+    x6 = sK.index(s * 9 + 6).load(w_l)
+    x7 = sK.index(s * 9 + 7).load(w_l)
+    x8 = sK.index(s * 9 + 8).load(w_l)
+    keep = (key0 + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l)) < end)[:, None]
+    if key0 + BN > end:
+        _put(sW, 0, x0, keep, True)
+        _put(sW, 1, x1, keep, True)
+        _put(sW, 2, x2, keep, True)
+        _put(sW, 3, x3, keep, True)
+        _put(sW, 4, x4, keep, True)
+        _put(sW, 5, x5, keep, True)
+        _put(sW, 6, x6, keep, True)
+        _put(sW, 7, x7, keep, True)
+        _put(sW, 8, x8, keep, True)
+    else:
+        _put(sW, 0, x0, keep, False)
+        _put(sW, 1, x1, keep, False)
+        _put(sW, 2, x2, keep, False)
+        _put(sW, 3, x3, keep, False)
+        _put(sW, 4, x4, keep, False)
+        _put(sW, 5, x5, keep, False)
+        _put(sW, 6, x6, keep, False)
+        _put(sW, 7, x7, keep, False)
+        _put(sW, 8, x8, keep, False)
+
+
+@gluon.jit
+def _put(sW, c: gl.constexpr, x, keep, MASKED: gl.constexpr):
+    """Chunk c of the widened tile: x [BN, 64] e4m3 as fp16, rows not kept 0 where MASKED."""
+    y = x.to(gl.float16)
+    if MASKED:
+        y = gl.where(keep, y, gl.zeros_like(y))
+    sW.index(c).store(y)
+
+
+@gluon.jit
+def _store_chunk(acc, inv, c: gl.constexpr, o_ptr, o_row0, ROWS: gl.constexpr,
+                 NR: gl.constexpr, DIRECT: gl.constexpr):
+    """Value columns [64 c, 64 c + 64) of the rows: acc [64, NR] (O^T) times inv [NR]."""
+    st_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])     # [8, 64]
+    o = gl.convert_layout(gl.permute(acc * inv[None, :], [1, 0]), st_l)         # [NR, 64]
+    r = gl.arange(0, NR, layout=gl.SliceLayout(1, st_l))
+    col = gl.arange(0, 64, layout=gl.SliceLayout(0, st_l))
+    ptrs = o_ptr + (o_row0 + r)[:, None].to(gl.int64) * 512 + 64 * c + col[None, :]
+    mask = (r[:, None] < ROWS) & (col[None, :] < 64)
+    if DIRECT:
+        gl.store(ptrs, o.to(gl.bfloat16), mask=mask)
+    else:
+        gl.store(ptrs, o, mask=mask)
+
+
+@gluon.jit
+def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split,
+              seqlen, start, end, n_tiles, sm_scale_log2, num_splits, S_Q: gl.constexpr,
+              H: gl.constexpr, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
+              NCH: gl.constexpr, DIRECT: gl.constexpr, CAUSAL: gl.constexpr):
+    ROWS: gl.constexpr = S_Q * H
+    f16: gl.constexpr = gl.float16
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                 instr_shape=[16, NR, 16])
+    row_l: gl.constexpr = gl.SliceLayout(0, s_l)             # [NR] query rows (S^T columns)
+    key_l: gl.constexpr = gl.SliceLayout(1, s_l)             # [BN] keys
+
+    # ---- q [NR, 576] / 16 as fp16 into sQ (9 chunks of 64 columns; padded rows 0) --------
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])       # [16, 64]
+    qr = gl.arange(0, NR, layout=gl.SliceLayout(1, q_l))
+    qc = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
+    q_rows = q_ptr + (b * ROWS + qr)[:, None].to(gl.int64) * 576 + qc[None, :]
+    q_mask = (qr[:, None] < ROWS) & (qc[None, :] < 64)
+    for c in gl.static_range(NCH):
+        x = gl.load(q_rows + 64 * c, mask=q_mask, other=0.0)
+        sQ.index(c).store((x.to(gl.float32) * 0.0625).to(f16))
+    fence_async_shared()
+
+    k_scale = gl.load(ks_ptr)
+    scale_log2 = sm_scale_log2 * 16.0 * k_scale
+    rows = gl.arange(0, NR, layout=row_l)
+    if CAUSAL:
+        limit = seqlen - S_Q + rows // H + 1                 # keys visible to each row
+    else:
+        limit = rows * 0 + seqlen
+    m_i = gl.full([NR], float("-inf"), gl.float32, row_l)   # running max (base 2)
+    l_acc = gl.zeros([BN, NR], gl.float32, s_l)             # running sums of p, per key slot
+    acc0 = gl.zeros([64, NR], gl.float32, s_l)              # O^T, value columns 0-63
+    acc1 = gl.zeros([64, NR], gl.float32, s_l)
+    acc2 = gl.zeros([64, NR], gl.float32, s_l)
+    acc3 = gl.zeros([64, NR], gl.float32, s_l)
+    acc4 = gl.zeros([64, NR], gl.float32, s_l)
+    acc5 = gl.zeros([64, NR], gl.float32, s_l)
+    acc6 = gl.zeros([64, NR], gl.float32, s_l)
+    acc7 = gl.zeros([64, NR], gl.float32, s_l)              # value columns 448-511
+    for i in range(n_tiles):
+        s = i % STAGES
+        key0 = start + i * BN
+        mbarrier.wait(kv_full.index(s), (i // STAGES) & 1)
+        _widen(sK, s, sW, key0, end, BN)
+        mbarrier.arrive(kv_empty.index(s), count=1)
+        fence_async_shared()
+        # S^T = K q^T: 9 chained MMAs over the 576 columns
+        z = gl.minimum(key0, 0)     # a runtime 0 in the MMA operands' indices (below)
+        tok = warpgroup_mma(sW.index(z), sQ.index(z).permute((1, 0)),
+                            gl.zeros([BN, NR], gl.float32, s_l), is_async=True)
+        for c in gl.static_range(1, NCH):
+            tok = warpgroup_mma(sW.index(c + z), sQ.index(c + z).permute((1, 0)), tok,
+                                is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=[tok])             # [BN, NR]
+        keys = key0 + gl.arange(0, BN, layout=key_l)
+        vis = (keys[:, None] < end) & (keys[:, None] < limit[None, :])
+        sc = gl.where(vis, sc * scale_log2, float("-inf"))
+        # online softmax along the keys; a row with nothing visible yet keeps m = -inf
+        m_new = gl.maximum(m_i, gl.max(sc, axis=0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(sc - m_use[None, :])
+        l_acc = l_acc * alpha[None, :] + p          # summed over keys once, at the end
+        m_i = m_new
+        sP.store(gl.permute(p.to(f16), [1, 0]))                             # P [NR, BN]
+        fence_async_shared()
+        # O^T += V^T P^T, per 64 value columns (V^T: the widened tile read MN-major)
+        a = alpha[None, :]
+        pt = sP.permute((1, 0))
+        acc0 = warpgroup_mma(sW.index(0 + z).permute((1, 0)), pt, acc0 * a, is_async=True)
+        acc1 = warpgroup_mma(sW.index(1 + z).permute((1, 0)), pt, acc1 * a, is_async=True)
+        acc2 = warpgroup_mma(sW.index(2 + z).permute((1, 0)), pt, acc2 * a, is_async=True)
+        acc3 = warpgroup_mma(sW.index(3 + z).permute((1, 0)), pt, acc3 * a, is_async=True)
+        acc4 = warpgroup_mma(sW.index(4 + z).permute((1, 0)), pt, acc4 * a, is_async=True)
+        acc5 = warpgroup_mma(sW.index(5 + z).permute((1, 0)), pt, acc5 * a, is_async=True)
+        acc6 = warpgroup_mma(sW.index(6 + z).permute((1, 0)), pt, acc6 * a, is_async=True)
+        acc7 = warpgroup_mma(sW.index(7 + z).permute((1, 0)), pt, acc7 * a, is_async=True)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
+            num_outstanding=0, deps=[acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7])
+
+    # ---- epilogue ---------------------------------------------------------------------
+    l_i = gl.sum(l_acc, axis=0)
+    has = l_i > 0.0
+    l_safe = gl.where(has, l_i, 1.0)
+    lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    inv = k_scale / l_safe
+    if DIRECT:
+        o_row0 = b * ROWS
+        lse_off = b * ROWS + (rows % H) * S_Q + rows // H        # lse [B, H, S_Q]
+    else:
+        o_row0 = (b * num_splits + split) * ROWS
+        lse_off = o_row0 + rows
+    gl.store(lse_ptr + lse_off, lse, mask=rows < ROWS)
+    _store_chunk(acc0, inv, 0, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc1, inv, 1, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc2, inv, 2, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc3, inv, 3, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc4, inv, 4, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc5, inv, 5, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc6, inv, 6, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc7, inv, 7, o_ptr, o_row0, ROWS, NR, DIRECT)
+
+
+@gluon.jit
+def _consume(cargs, pargs, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
+             NCH: gl.constexpr, S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
+             DIRECT: gl.constexpr, CAUSAL: gl.constexpr):
+    (q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split, seqlen, start,
+     end, n_tiles, sm_scale_log2, num_splits) = cargs
+    _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split,
+              seqlen, start, end, n_tiles, sm_scale_log2, num_splits, S_Q, H, BN, NR, STAGES,
+              NCH, DIRECT, CAUSAL)
+
+
+@gluon.jit
+def _load(cargs, pargs, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
+          NCH: gl.constexpr, S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
+          DIRECT: gl.constexpr, CAUSAL: gl.constexpr):
+    kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt, num_blocks = pargs
+    _producer(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
+              num_blocks, BN, PAGE, STAGES, NCH)
+
+
+@gluon.jit
+def mla_decode_fp8_cache_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, lse_ptr,
+                                sm_scale_log2, stride_bt, max_blocks, num_blocks, num_splits,
+                                S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
+                                BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
+                                DIRECT: gl.constexpr, CAUSAL: gl.constexpr):
+    """grid (B, num_splits); 4 warps (the consumer) plus the producer warp."""
+    NCH: gl.constexpr = 9                       # 576 = 8 value chunks of 64 + the rope chunk
+    b = gl.program_id(0)
+    split = gl.program_id(1)
+    # lengths bounded here (CUDA-graph replays are not checked on the host)
+    seqlen = gl.minimum(gl.maximum(gl.load(lens_ptr + b), 1), max_blocks * PAGE)
+    chunk = gl.cdiv(gl.cdiv(seqlen, num_splits), BN) * BN
+    start = split * chunk
+    end = gl.minimum(start + chunk, seqlen)
+    n_tiles = gl.maximum(gl.cdiv(end - start, BN), 0)
+
+    f8: gl.constexpr = gl.float8e4nv
+    f16: gl.constexpr = gl.float16
+    sK = gl.allocate_shared_memory(f8, [STAGES * NCH, BN, 64],
+                                   gl.NVMMASharedLayout.get_default_for([BN, 64], f8))
+    sW = gl.allocate_shared_memory(f16, [NCH, BN, 64],
+                                   gl.NVMMASharedLayout.get_default_for([BN, 64], f16))
+    sQ = gl.allocate_shared_memory(f16, [NCH, NR, 64],
+                                   gl.NVMMASharedLayout.get_default_for([NR, 64], f16))
+    sP = gl.allocate_shared_memory(f16, [NR, BN],
+                                   gl.NVMMASharedLayout.get_default_for([NR, BN], f16))
+    kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(kv_full.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=1)
+
+    cargs = (q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split, seqlen,
+             start, end, n_tiles, sm_scale_log2, num_splits)
+    pargs = (kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
+             num_blocks)
+    gl.warp_specialize([(_consume, (cargs, pargs, BN, NR, STAGES, NCH, S_Q, H, PAGE, DIRECT,
+                                    CAUSAL)),
+                        (_load, (cargs, pargs, BN, NR, STAGES, NCH, S_Q, H, PAGE, DIRECT,
+                                 CAUSAL))],
+                       [1], [24])
