@@ -7,19 +7,14 @@ fp8 tile from a load into registers, which cannot be issued ahead of use: DRAM s
 busy (docs/notes/NOTES-decode-fp8.md). Here:
   - a one-warp producer copies each tile of BN = 64 keys (9 TMA boxes of 64 columns) into
     a ring of STAGES fp8 buffers, ahead of the consumer;
-  - two consumer warpgroups share each tile: warpgroup 0 owns its 64-column chunks 0-3
-    and the rope chunk 8, warpgroup 1 chunks 4-7. Each widens its own chunks to fp16
-    (exact for e4m3) into one shared buffer (the ring slot is freed once both have read
-    it), computes its part of the scores over them, and the two parts are summed through
-    shared memory (both warpgroups then hold the same scores and run the same softmax);
-    each computes the output's value columns of its own chunks. So no warpgroup reads a
-    chunk the other writes, and the two run their small MMAs side by side;
+  - the consumer warpgroup widens the tile to fp16 (exact for e4m3) into one shared
+    buffer and frees the ring slot at once;
   - both products run transposed, keys as the M side of the warpgroup MMA (whose M is at
     least 64; 16 query rows as M would waste three quarters of it):
         S^T [BN, NR]       = K [BN, 576] . q^T [576, NR]      (A: the widened tile)
         O^T [512, NR]     += V^T [512, BN] . P^T [BN, NR]     (A: the same tile, MN-major)
-    q^T and P^T are the small B operands in shared memory; O^T is four [64, NR]
-    accumulators per warpgroup, one per 64 value columns;
+    q^T and P^T are the small B operands in shared memory; O^T is eight [64, NR]
+    accumulators, one per 64 value columns;
   - the online softmax reduces along S^T's rows (keys): one max across the warpgroup per
     tile; the sums stay per key slot and are reduced once at the end.
 The shared-memory indices of the MMA operands carry a runtime zero (z), as in
@@ -61,34 +56,41 @@ def _producer(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stri
 
 
 @gluon.jit
-def _widen(sK, s, sW, key0, end, W: gl.constexpr, BN: gl.constexpr):
-    """Warpgroup W's chunks of ring slot s [BN, 576] e4m3 as fp16 into sW (W 0: chunks
-    0-3 and 8, W 1: chunks 4-7); keys at or past end become 0 (unwritten rows may hold
-    NaN, and 0 x NaN is NaN). Its chunks are all read before the first is written back,
-    so the shared-memory loads overlap."""
+def _widen(sK, s, sW, key0, end, BN: gl.constexpr):
+    """Ring slot s [BN, 576] e4m3 -> sW fp16; in a split's last tile keys at or past end
+    become 0 (unwritten rows may hold NaN, and 0 x NaN is NaN). All nine chunks are read
+    before the first is written back, so the shared-memory loads overlap."""
     w_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])      # [32, 64]
-    c0: gl.constexpr = 4 * W
-    x0 = sK.index(s * 9 + c0 + 0).load(w_l)                               # [BN, 64] each
-    x1 = sK.index(s * 9 + c0 + 1).load(w_l)
-    x2 = sK.index(s * 9 + c0 + 2).load(w_l)
-    x3 = sK.index(s * 9 + c0 + 3).load(w_l)
-    if W == 0:
-        xr = sK.index(s * 9 + 8).load(w_l)
+    x0 = sK.index(s * 9 + 0).load(w_l)                                    # [BN, 64] each
+    x1 = sK.index(s * 9 + 1).load(w_l)
+    x2 = sK.index(s * 9 + 2).load(w_l)
+    x3 = sK.index(s * 9 + 3).load(w_l)
+    x4 = sK.index(s * 9 + 4).load(w_l)
+    x5 = sK.index(s * 9 + 5).load(w_l)
+    x6 = sK.index(s * 9 + 6).load(w_l)
+    x7 = sK.index(s * 9 + 7).load(w_l)
+    x8 = sK.index(s * 9 + 8).load(w_l)
     keep = (key0 + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l)) < end)[:, None]
     if key0 + BN > end:
-        _put(sW, c0 + 0, x0, keep, True)
-        _put(sW, c0 + 1, x1, keep, True)
-        _put(sW, c0 + 2, x2, keep, True)
-        _put(sW, c0 + 3, x3, keep, True)
-        if W == 0:
-            _put(sW, 8, xr, keep, True)
+        _put(sW, 0, x0, keep, True)
+        _put(sW, 1, x1, keep, True)
+        _put(sW, 2, x2, keep, True)
+        _put(sW, 3, x3, keep, True)
+        _put(sW, 4, x4, keep, True)
+        _put(sW, 5, x5, keep, True)
+        _put(sW, 6, x6, keep, True)
+        _put(sW, 7, x7, keep, True)
+        _put(sW, 8, x8, keep, True)
     else:
-        _put(sW, c0 + 0, x0, keep, False)
-        _put(sW, c0 + 1, x1, keep, False)
-        _put(sW, c0 + 2, x2, keep, False)
-        _put(sW, c0 + 3, x3, keep, False)
-        if W == 0:
-            _put(sW, 8, xr, keep, False)
+        _put(sW, 0, x0, keep, False)
+        _put(sW, 1, x1, keep, False)
+        _put(sW, 2, x2, keep, False)
+        _put(sW, 3, x3, keep, False)
+        _put(sW, 4, x4, keep, False)
+        _put(sW, 5, x5, keep, False)
+        _put(sW, 6, x6, keep, False)
+        _put(sW, 7, x7, keep, False)
+        _put(sW, 8, x8, keep, False)
 
 
 @gluon.jit
@@ -117,31 +119,26 @@ def _store_chunk(acc, inv, c: gl.constexpr, o_ptr, o_row0, ROWS: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(W: gl.constexpr, q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, s_full, sK,
-              sW, sQ, sP, sS, b, split, seqlen, start, end, n_tiles, sm_scale_log2,
-              num_splits, S_Q: gl.constexpr, H: gl.constexpr, BN: gl.constexpr,
-              NR: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
-              CAUSAL: gl.constexpr):
+def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split,
+              seqlen, start, end, n_tiles, sm_scale_log2, num_splits, S_Q: gl.constexpr,
+              H: gl.constexpr, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
+              NCH: gl.constexpr, DIRECT: gl.constexpr, CAUSAL: gl.constexpr):
     ROWS: gl.constexpr = S_Q * H
     f16: gl.constexpr = gl.float16
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, NR, 16])
     row_l: gl.constexpr = gl.SliceLayout(0, s_l)             # [NR] query rows (S^T columns)
     key_l: gl.constexpr = gl.SliceLayout(1, s_l)             # [BN] keys
-    c0: gl.constexpr = 4 * W                                 # this warpgroup's value chunks
 
-    # ---- q [NR, 576] / 16 as fp16: this warpgroup's chunks into sQ (padded rows 0) -----
+    # ---- q [NR, 576] / 16 as fp16 into sQ (9 chunks of 64 columns; padded rows 0) --------
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])       # [16, 64]
     qr = gl.arange(0, NR, layout=gl.SliceLayout(1, q_l))
     qc = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
     q_rows = q_ptr + (b * ROWS + qr)[:, None].to(gl.int64) * 576 + qc[None, :]
     q_mask = (qr[:, None] < ROWS) & (qc[None, :] < 64)
-    for c in gl.static_range(c0, c0 + 4):
+    for c in gl.static_range(NCH):
         x = gl.load(q_rows + 64 * c, mask=q_mask, other=0.0)
         sQ.index(c).store((x.to(gl.float32) * 0.0625).to(f16))
-    if W == 0:
-        x = gl.load(q_rows + 512, mask=q_mask, other=0.0)
-        sQ.index(8).store((x.to(gl.float32) * 0.0625).to(f16))
     fence_async_shared()
 
     k_scale = gl.load(ks_ptr)
@@ -153,40 +150,29 @@ def _consumer(W: gl.constexpr, q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty,
         limit = rows * 0 + seqlen
     m_i = gl.full([NR], float("-inf"), gl.float32, row_l)   # running max (base 2)
     l_acc = gl.zeros([BN, NR], gl.float32, s_l)             # running sums of p, per key slot
-    acc0 = gl.zeros([64, NR], gl.float32, s_l)              # O^T, value chunk c0
+    acc0 = gl.zeros([64, NR], gl.float32, s_l)              # O^T, value columns 0-63
     acc1 = gl.zeros([64, NR], gl.float32, s_l)
     acc2 = gl.zeros([64, NR], gl.float32, s_l)
-    acc3 = gl.zeros([64, NR], gl.float32, s_l)              # value chunk c0 + 3
+    acc3 = gl.zeros([64, NR], gl.float32, s_l)
+    acc4 = gl.zeros([64, NR], gl.float32, s_l)
+    acc5 = gl.zeros([64, NR], gl.float32, s_l)
+    acc6 = gl.zeros([64, NR], gl.float32, s_l)
+    acc7 = gl.zeros([64, NR], gl.float32, s_l)              # value columns 448-511
     for i in range(n_tiles):
         s = i % STAGES
         key0 = start + i * BN
         mbarrier.wait(kv_full.index(s), (i // STAGES) & 1)
-        _widen(sK, s, sW, key0, end, W, BN)
+        _widen(sK, s, sW, key0, end, BN)
         mbarrier.arrive(kv_empty.index(s), count=1)
         fence_async_shared()
-        # this warpgroup's part of S^T = K q^T: 4 or 5 chained MMAs over its chunks
+        # S^T = K q^T: 9 chained MMAs over the 576 columns
         z = gl.minimum(key0, 0)     # a runtime 0 in the MMA operands' indices (below)
-        tok = warpgroup_mma(sW.index(c0 + z), sQ.index(c0 + z).permute((1, 0)),
+        tok = warpgroup_mma(sW.index(z), sQ.index(z).permute((1, 0)),
                             gl.zeros([BN, NR], gl.float32, s_l), is_async=True)
-        for c in gl.static_range(c0 + 1, c0 + 4):
+        for c in gl.static_range(1, NCH):
             tok = warpgroup_mma(sW.index(c + z), sQ.index(c + z).permute((1, 0)), tok,
                                 is_async=True)
-        if W == 0:
-            tok = warpgroup_mma(sW.index(8 + z), sQ.index(8 + z).permute((1, 0)), tok,
-                                is_async=True)
-        part = warpgroup_mma_wait(num_outstanding=0, deps=[tok])           # [BN, NR]
-        # the two parts summed in the same order in both warpgroups. Slots and barriers by
-        # tile parity: a warpgroup reuses them two tiles on, which it reaches only after
-        # the other has passed this tile's wait (and read the part)
-        slot = (i % 2) * 2
-        sS.index(slot + W).store(part)
-        mbarrier.arrive(s_full.index(slot + W), count=1)
-        mbarrier.wait(s_full.index(slot + 1 - W), (i // 2) & 1)
-        other = sS.index(slot + 1 - W).load(s_l)
-        if W == 0:
-            sc = part + other
-        else:
-            sc = other + part
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=[tok])             # [BN, NR]
         keys = key0 + gl.arange(0, BN, layout=key_l)
         vis = (keys[:, None] < end) & (keys[:, None] < limit[None, :])
         sc = gl.where(vis, sc * scale_log2, float("-inf"))
@@ -197,22 +183,27 @@ def _consumer(W: gl.constexpr, q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty,
         p = gl.exp2(sc - m_use[None, :])
         l_acc = l_acc * alpha[None, :] + p          # summed over keys once, at the end
         m_i = m_new
-        sP.index(W).store(gl.permute(p.to(f16), [1, 0]))                    # P [NR, BN]
+        sP.store(gl.permute(p.to(f16), [1, 0]))                             # P [NR, BN]
         fence_async_shared()
-        # O^T += V^T P^T over this warpgroup's value chunks (V^T: sW read MN-major)
+        # O^T += V^T P^T, per 64 value columns (V^T: the widened tile read MN-major)
         a = alpha[None, :]
-        pt = sP.index(W + z).permute((1, 0))
-        acc0 = warpgroup_mma(sW.index(c0 + 0 + z).permute((1, 0)), pt, acc0 * a, is_async=True)
-        acc1 = warpgroup_mma(sW.index(c0 + 1 + z).permute((1, 0)), pt, acc1 * a, is_async=True)
-        acc2 = warpgroup_mma(sW.index(c0 + 2 + z).permute((1, 0)), pt, acc2 * a, is_async=True)
-        acc3 = warpgroup_mma(sW.index(c0 + 3 + z).permute((1, 0)), pt, acc3 * a, is_async=True)
-        acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0,
-                                                    deps=[acc0, acc1, acc2, acc3])
+        pt = sP.permute((1, 0))
+        acc0 = warpgroup_mma(sW.index(0 + z).permute((1, 0)), pt, acc0 * a, is_async=True)
+        acc1 = warpgroup_mma(sW.index(1 + z).permute((1, 0)), pt, acc1 * a, is_async=True)
+        acc2 = warpgroup_mma(sW.index(2 + z).permute((1, 0)), pt, acc2 * a, is_async=True)
+        acc3 = warpgroup_mma(sW.index(3 + z).permute((1, 0)), pt, acc3 * a, is_async=True)
+        acc4 = warpgroup_mma(sW.index(4 + z).permute((1, 0)), pt, acc4 * a, is_async=True)
+        acc5 = warpgroup_mma(sW.index(5 + z).permute((1, 0)), pt, acc5 * a, is_async=True)
+        acc6 = warpgroup_mma(sW.index(6 + z).permute((1, 0)), pt, acc6 * a, is_async=True)
+        acc7 = warpgroup_mma(sW.index(7 + z).permute((1, 0)), pt, acc7 * a, is_async=True)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
+            num_outstanding=0, deps=[acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7])
 
-    # ---- epilogue: this warpgroup's 256 value columns (warpgroup 0 writes the LSE) ----
+    # ---- epilogue ---------------------------------------------------------------------
     l_i = gl.sum(l_acc, axis=0)
     has = l_i > 0.0
     l_safe = gl.where(has, l_i, 1.0)
+    lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     inv = k_scale / l_safe
     if DIRECT:
         o_row0 = b * ROWS
@@ -220,33 +211,35 @@ def _consumer(W: gl.constexpr, q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty,
     else:
         o_row0 = (b * num_splits + split) * ROWS
         lse_off = o_row0 + rows
-    if W == 0:
-        lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        gl.store(lse_ptr + lse_off, lse, mask=rows < ROWS)
-    _store_chunk(acc0, inv, c0 + 0, o_ptr, o_row0, ROWS, NR, DIRECT)
-    _store_chunk(acc1, inv, c0 + 1, o_ptr, o_row0, ROWS, NR, DIRECT)
-    _store_chunk(acc2, inv, c0 + 2, o_ptr, o_row0, ROWS, NR, DIRECT)
-    _store_chunk(acc3, inv, c0 + 3, o_ptr, o_row0, ROWS, NR, DIRECT)
+    gl.store(lse_ptr + lse_off, lse, mask=rows < ROWS)
+    _store_chunk(acc0, inv, 0, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc1, inv, 1, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc2, inv, 2, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc3, inv, 3, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc4, inv, 4, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc5, inv, 5, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc6, inv, 6, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc7, inv, 7, o_ptr, o_row0, ROWS, NR, DIRECT)
 
 
 @gluon.jit
-def _wg(cargs, pargs, W: gl.constexpr, BN: gl.constexpr, NR: gl.constexpr,
-        STAGES: gl.constexpr, S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
-        DIRECT: gl.constexpr, CAUSAL: gl.constexpr):
-    (q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, s_full, sK, sW, sQ, sP, sS, b, split,
-     seqlen, start, end, n_tiles, sm_scale_log2, num_splits) = cargs
-    _consumer(W, q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, s_full, sK, sW, sQ, sP, sS,
-              b, split, seqlen, start, end, n_tiles, sm_scale_log2, num_splits, S_Q, H, BN,
-              NR, STAGES, DIRECT, CAUSAL)
+def _consume(cargs, pargs, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
+             NCH: gl.constexpr, S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
+             DIRECT: gl.constexpr, CAUSAL: gl.constexpr):
+    (q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split, seqlen, start,
+     end, n_tiles, sm_scale_log2, num_splits) = cargs
+    _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split,
+              seqlen, start, end, n_tiles, sm_scale_log2, num_splits, S_Q, H, BN, NR, STAGES,
+              NCH, DIRECT, CAUSAL)
 
 
 @gluon.jit
-def _load(cargs, pargs, W: gl.constexpr, BN: gl.constexpr, NR: gl.constexpr,
-          STAGES: gl.constexpr, S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
+def _load(cargs, pargs, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
+          NCH: gl.constexpr, S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
           DIRECT: gl.constexpr, CAUSAL: gl.constexpr):
     kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt, num_blocks = pargs
     _producer(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
-              num_blocks, BN, PAGE, STAGES, 9)
+              num_blocks, BN, PAGE, STAGES, NCH)
 
 
 @gluon.jit
@@ -255,8 +248,7 @@ def mla_decode_fp8_cache_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_p
                                 S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
                                 BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
                                 DIRECT: gl.constexpr, CAUSAL: gl.constexpr):
-    """grid (B, num_splits); 4 warps (consumer warpgroup 0), consumer warpgroup 1 and the
-    producer warp."""
+    """grid (B, num_splits); 4 warps (the consumer) plus the producer warp."""
     NCH: gl.constexpr = 9                       # 576 = 8 value chunks of 64 + the rope chunk
     b = gl.program_id(0)
     split = gl.program_id(1)
@@ -275,25 +267,20 @@ def mla_decode_fp8_cache_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_p
                                    gl.NVMMASharedLayout.get_default_for([BN, 64], f16))
     sQ = gl.allocate_shared_memory(f16, [NCH, NR, 64],
                                    gl.NVMMASharedLayout.get_default_for([NR, 64], f16))
-    sP = gl.allocate_shared_memory(f16, [2, NR, BN],                      # one per warpgroup
+    sP = gl.allocate_shared_memory(f16, [NR, BN],
                                    gl.NVMMASharedLayout.get_default_for([NR, BN], f16))
-    sS = gl.allocate_shared_memory(gl.float32, [4, BN, NR],        # score parts: 2 x 2 slots
-                                   gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    s_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_full.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)          # both warpgroups read a slot
-    for i in gl.static_range(4):
-        mbarrier.init(s_full.index(i), count=1)         # a part published: 2 tiles x 2 WGs
+        mbarrier.init(kv_empty.index(i), count=1)
 
-    cargs = (q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, s_full, sK, sW, sQ, sP, sS, b,
-             split, seqlen, start, end, n_tiles, sm_scale_log2, num_splits)
+    cargs = (q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split, seqlen,
+             start, end, n_tiles, sm_scale_log2, num_splits)
     pargs = (kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
              num_blocks)
-    gl.warp_specialize([(_wg, (cargs, pargs, 0, BN, NR, STAGES, S_Q, H, PAGE, DIRECT, CAUSAL)),
-                        (_wg, (cargs, pargs, 1, BN, NR, STAGES, S_Q, H, PAGE, DIRECT, CAUSAL)),
-                        (_load, (cargs, pargs, 1, BN, NR, STAGES, S_Q, H, PAGE, DIRECT,
+    gl.warp_specialize([(_consume, (cargs, pargs, BN, NR, STAGES, NCH, S_Q, H, PAGE, DIRECT,
+                                    CAUSAL)),
+                        (_load, (cargs, pargs, BN, NR, STAGES, NCH, S_Q, H, PAGE, DIRECT,
                                  CAUSAL))],
-                       [4, 1], [240, 24])
+                       [1], [24])
