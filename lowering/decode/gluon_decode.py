@@ -49,7 +49,7 @@ NUM_WARPS = 4           # the default partition: consumer warpgroup 0
 # The fp8-cache kernel (bf16 q), by query rows padded to NR = 16 or 32: tiles of 64 keys
 # (the M side of its MMAs) in a ring of STAGES. A ring of 2 ran 1-7 % faster than 3 at
 # 16 heads on an H200 (docs/notes/probe_fp8_cache16.py); 32 rows fit a ring of 2 only.
-FP8_CACHE_CONFIGS = {16: dict(BN=64, STAGES=3), 32: dict(BN=64, STAGES=2)}
+FP8_CACHE_CONFIGS = {16: dict(BN=64, STAGES=2), 32: dict(BN=64, STAGES=2)}
 FP8_CACHE_MAX_ROWS = 32
 
 
@@ -277,9 +277,8 @@ def _launch_fp8_cache(q, kv_cache, block_table, cache_seqlens, k_scale, softmax_
         raise ValueError(f"kv_cache must start at a 16-byte aligned address for the gluon "
                          f"backend's TMA loads (it is offset by {kv_cache.data_ptr() % 16} "
                          f"bytes)")
-    lay_k = gl.NVMMASharedLayout.get_default_for([BN // 2, 64], gl.float8e4nv)
-    kv_desc = TensorDescriptor.from_tensor(kv_cache.view(num_blocks * page, D), [BN // 2, 64],
-                                           lay_k)                          # half-tile boxes
+    lay_k = gl.NVMMASharedLayout.get_default_for([BN, 64], gl.float8e4nv)
+    kv_desc = TensorDescriptor.from_tensor(kv_cache.view(num_blocks * page, D), [BN, 64], lay_k)
     out, lse, o1, l1 = stage1_outputs(B, s_q, H, 512, splits, torch.bfloat16, q.device)
     mla_decode_fp8_cache_kernel[(B, splits)](
         q.contiguous(), kv_desc, block_table, cache_seqlens, k_scale, o1, l1,

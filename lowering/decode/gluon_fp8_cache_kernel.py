@@ -5,11 +5,10 @@ At 16 heads (DeepSeek-V3 at tensor parallel 8, V2-Lite) a cache byte takes part 
 FLOPs, so a call is bound by how fast its tiles stream in. The Triton kernel widens each
 fp8 tile from a load into registers, which cannot be issued ahead of use: DRAM stayed 22 %
 busy (docs/notes/NOTES-decode-fp8.md). Here:
-  - a one-warp producer copies each half tile (32 keys, 9 TMA boxes of 64 columns) into
-    a ring of STAGES fp8 half-tile slots, ahead of the consumer;
-  - the consumer warpgroup widens each tile of BN = 64 keys to fp16 (exact for e4m3) into
-    one of two shared buffers, freeing each ring slot at once; tile i + 1 is widened
-    while tile i's P V runs on the tensor cores;
+  - a one-warp producer copies each tile of BN = 64 keys (9 TMA boxes of 64 columns) into
+    a ring of STAGES fp8 buffers, ahead of the consumer;
+  - the consumer warpgroup widens the tile to fp16 (exact for e4m3) into one shared
+    buffer and frees the ring slot at once;
   - both products run transposed, keys as the M side of the warpgroup MMA (whose M is at
     least 64; 16 query rows as M would waste three quarters of it):
         S^T [BN, NR]       = K [BN, 576] . q^T [576, NR]      (A: the widened tile)
@@ -38,95 +37,81 @@ from lowering.decode.gluon_common import tma_load
 
 @gluon.jit
 def _producer(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
-              num_blocks, BN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr):
-    """Half h of tile i (keys start + i BN + h BN / 2 ...) into ring slot (2 i + h) % STAGES."""
-    HB: gl.constexpr = BN // 2
+              num_blocks, BN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+              NCH: gl.constexpr):
+    """Tile i (keys start + i BN ...) of this split into ring slot i % STAGES."""
     nxt = gl.load(table_ptr + b * stride_bt + start // PAGE, mask=n_tiles > 0, other=0)
     for i in range(n_tiles):
+        s = i % STAGES
         key = start + i * BN
         page = nxt
         nxt = gl.load(table_ptr + b * stride_bt + (key + BN) // PAGE, mask=i + 1 < n_tiles,
                       other=0)
+        mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)
         page = gl.minimum(gl.maximum(page, 0), num_blocks - 1)
         row = page * PAGE + key % PAGE
-        for h in gl.static_range(2):
-            j = 2 * i + h
-            s = j % STAGES
-            mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
-            mbarrier.expect(kv_full.index(s), 9 * HB * 64)
-            for c in gl.static_range(9):
-                tma_load(kv_desc, [row + h * HB, c * 64], kv_full.index(s), sK.index(s * 9 + c))
+        mbarrier.expect(kv_full.index(s), NCH * BN * 64)
+        for c in gl.static_range(NCH):
+            tma_load(kv_desc, [row, c * 64], kv_full.index(s), sK.index(s * NCH + c))
 
 
 @gluon.jit
-def _widen(sK, kv_full, kv_empty, i, sW, w, key0, end, BN: gl.constexpr,
-           STAGES: gl.constexpr):
-    """Tile i (keys key0 ...) from its two ring slots as fp16 into buffer w of sW (9 [BN, 64]
-    chunks each); keys at or past end become 0 (unwritten rows may hold NaN, and 0 x NaN
-    is NaN). A half's nine chunks are all read before the first is written back, so the
-    shared-memory loads overlap; each slot is freed as soon as it is read."""
-    HB: gl.constexpr = BN // 2
+def _widen(sK, s, sW, key0, end, BN: gl.constexpr):
+    """Ring slot s [BN, 576] e4m3 -> sW fp16; in a split's last tile keys at or past end
+    become 0 (unwritten rows may hold NaN, and 0 x NaN is NaN). All nine chunks are read
+    before the first is written back, so the shared-memory loads overlap."""
     w_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])      # [32, 64]
-    for h in gl.static_range(2):
-        j = 2 * i + h
-        s = j % STAGES
-        mbarrier.wait(kv_full.index(s), (j // STAGES) & 1)
-        x0 = sK.index(s * 9 + 0).load(w_l)                                # [HB, 64] each
-        x1 = sK.index(s * 9 + 1).load(w_l)
-        x2 = sK.index(s * 9 + 2).load(w_l)
-        x3 = sK.index(s * 9 + 3).load(w_l)
-        x4 = sK.index(s * 9 + 4).load(w_l)
-        x5 = sK.index(s * 9 + 5).load(w_l)
-        x6 = sK.index(s * 9 + 6).load(w_l)
-        x7 = sK.index(s * 9 + 7).load(w_l)
-        x8 = sK.index(s * 9 + 8).load(w_l)
-        mbarrier.arrive(kv_empty.index(s), count=1)
-        k0 = key0 + h * HB
-        keep = (k0 + gl.arange(0, HB, layout=gl.SliceLayout(1, w_l)) < end)[:, None]
-        if k0 + HB > end:
-            _put(sW, w * 9 + 0, h, x0, keep, True, HB)
-            _put(sW, w * 9 + 1, h, x1, keep, True, HB)
-            _put(sW, w * 9 + 2, h, x2, keep, True, HB)
-            _put(sW, w * 9 + 3, h, x3, keep, True, HB)
-            _put(sW, w * 9 + 4, h, x4, keep, True, HB)
-            _put(sW, w * 9 + 5, h, x5, keep, True, HB)
-            _put(sW, w * 9 + 6, h, x6, keep, True, HB)
-            _put(sW, w * 9 + 7, h, x7, keep, True, HB)
-            _put(sW, w * 9 + 8, h, x8, keep, True, HB)
-        else:
-            _put(sW, w * 9 + 0, h, x0, keep, False, HB)
-            _put(sW, w * 9 + 1, h, x1, keep, False, HB)
-            _put(sW, w * 9 + 2, h, x2, keep, False, HB)
-            _put(sW, w * 9 + 3, h, x3, keep, False, HB)
-            _put(sW, w * 9 + 4, h, x4, keep, False, HB)
-            _put(sW, w * 9 + 5, h, x5, keep, False, HB)
-            _put(sW, w * 9 + 6, h, x6, keep, False, HB)
-            _put(sW, w * 9 + 7, h, x7, keep, False, HB)
-            _put(sW, w * 9 + 8, h, x8, keep, False, HB)
-    fence_async_shared()
+    x0 = sK.index(s * 9 + 0).load(w_l)                                    # [BN, 64] each
+    x1 = sK.index(s * 9 + 1).load(w_l)
+    x2 = sK.index(s * 9 + 2).load(w_l)
+    x3 = sK.index(s * 9 + 3).load(w_l)
+    x4 = sK.index(s * 9 + 4).load(w_l)
+    x5 = sK.index(s * 9 + 5).load(w_l)
+    x6 = sK.index(s * 9 + 6).load(w_l)
+    x7 = sK.index(s * 9 + 7).load(w_l)
+    x8 = sK.index(s * 9 + 8).load(w_l)
+    keep = (key0 + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l)) < end)[:, None]
+    if key0 + BN > end:
+        _put(sW, 0, x0, keep, True)
+        _put(sW, 1, x1, keep, True)
+        _put(sW, 2, x2, keep, True)
+        _put(sW, 3, x3, keep, True)
+        _put(sW, 4, x4, keep, True)
+        _put(sW, 5, x5, keep, True)
+        _put(sW, 6, x6, keep, True)
+        _put(sW, 7, x7, keep, True)
+        _put(sW, 8, x8, keep, True)
+    else:
+        _put(sW, 0, x0, keep, False)
+        _put(sW, 1, x1, keep, False)
+        _put(sW, 2, x2, keep, False)
+        _put(sW, 3, x3, keep, False)
+        _put(sW, 4, x4, keep, False)
+        _put(sW, 5, x5, keep, False)
+        _put(sW, 6, x6, keep, False)
+        _put(sW, 7, x7, keep, False)
+        _put(sW, 8, x8, keep, False)
 
 
 @gluon.jit
-def _put(sW, c, h: gl.constexpr, x, keep, MASKED: gl.constexpr, HB: gl.constexpr):
-    """Rows [h HB, h HB + HB) of chunk c of sW: x [HB, 64] e4m3 as fp16 (rows not kept 0
-    where MASKED)."""
+def _put(sW, c: gl.constexpr, x, keep, MASKED: gl.constexpr):
+    """Chunk c of the widened tile: x [BN, 64] e4m3 as fp16, rows not kept 0 where MASKED."""
     y = x.to(gl.float16)
     if MASKED:
         y = gl.where(keep, y, gl.zeros_like(y))
-    sW.index(c).slice(h * HB, HB, dim=0).store(y)
+    sW.index(c).store(y)
 
 
 @gluon.jit
 def _store_chunk(acc, inv, c: gl.constexpr, o_ptr, o_row0, ROWS: gl.constexpr,
-                 NR: gl.constexpr, DIRECT: gl.constexpr, s_l: gl.constexpr):
-    """Value columns [64 c, 64 c + 64) of the rows: acc [64, NR] (O^T) times inv [NR],
-    stored from the accumulator's layout (a layout change would need shared memory that
-    the ring and the two widened tiles leave no room for at 32 rows)."""
-    col = gl.arange(0, 64, layout=gl.SliceLayout(1, s_l))
-    r = gl.arange(0, NR, layout=gl.SliceLayout(0, s_l))
-    ptrs = o_ptr + (o_row0 + r)[None, :].to(gl.int64) * 512 + 64 * c + col[:, None]
-    mask = (r[None, :] < ROWS) & (col[:, None] < 64)
-    o = acc * inv[None, :]                                                    # [64, NR]
+                 NR: gl.constexpr, DIRECT: gl.constexpr):
+    """Value columns [64 c, 64 c + 64) of the rows: acc [64, NR] (O^T) times inv [NR]."""
+    st_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])     # [8, 64]
+    o = gl.convert_layout(gl.permute(acc * inv[None, :], [1, 0]), st_l)         # [NR, 64]
+    r = gl.arange(0, NR, layout=gl.SliceLayout(1, st_l))
+    col = gl.arange(0, 64, layout=gl.SliceLayout(0, st_l))
+    ptrs = o_ptr + (o_row0 + r)[:, None].to(gl.int64) * 512 + 64 * c + col[None, :]
+    mask = (r[:, None] < ROWS) & (col[None, :] < 64)
     if DIRECT:
         gl.store(ptrs, o.to(gl.bfloat16), mask=mask)
     else:
@@ -173,17 +158,19 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
     acc5 = gl.zeros([64, NR], gl.float32, s_l)
     acc6 = gl.zeros([64, NR], gl.float32, s_l)
     acc7 = gl.zeros([64, NR], gl.float32, s_l)              # value columns 448-511
-    if n_tiles > 0:
-        _widen(sK, kv_full, kv_empty, 0, sW, 0, start, end, BN, STAGES)
     for i in range(n_tiles):
+        s = i % STAGES
         key0 = start + i * BN
-        w = i % 2
-        # S^T = K q^T: 9 chained MMAs over the 576 columns of buffer w
+        mbarrier.wait(kv_full.index(s), (i // STAGES) & 1)
+        _widen(sK, s, sW, key0, end, BN)
+        mbarrier.arrive(kv_empty.index(s), count=1)
+        fence_async_shared()
+        # S^T = K q^T: 9 chained MMAs over the 576 columns
         z = gl.minimum(key0, 0)     # a runtime 0 in the MMA operands' indices (below)
-        tok = warpgroup_mma(sW.index(w * 9 + z), sQ.index(z).permute((1, 0)),
+        tok = warpgroup_mma(sW.index(z), sQ.index(z).permute((1, 0)),
                             gl.zeros([BN, NR], gl.float32, s_l), is_async=True)
         for c in gl.static_range(1, NCH):
-            tok = warpgroup_mma(sW.index(w * 9 + c + z), sQ.index(c + z).permute((1, 0)), tok,
+            tok = warpgroup_mma(sW.index(c + z), sQ.index(c + z).permute((1, 0)), tok,
                                 is_async=True)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=[tok])             # [BN, NR]
         keys = key0 + gl.arange(0, BN, layout=key_l)
@@ -198,22 +185,17 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
         m_i = m_new
         sP.store(gl.permute(p.to(f16), [1, 0]))                             # P [NR, BN]
         fence_async_shared()
-        # O^T += V^T P^T, per 64 value columns (V^T: buffer w read MN-major)
+        # O^T += V^T P^T, per 64 value columns (V^T: the widened tile read MN-major)
         a = alpha[None, :]
         pt = sP.permute((1, 0))
-        v = w * 9 + z
-        acc0 = warpgroup_mma(sW.index(v + 0).permute((1, 0)), pt, acc0 * a, is_async=True)
-        acc1 = warpgroup_mma(sW.index(v + 1).permute((1, 0)), pt, acc1 * a, is_async=True)
-        acc2 = warpgroup_mma(sW.index(v + 2).permute((1, 0)), pt, acc2 * a, is_async=True)
-        acc3 = warpgroup_mma(sW.index(v + 3).permute((1, 0)), pt, acc3 * a, is_async=True)
-        acc4 = warpgroup_mma(sW.index(v + 4).permute((1, 0)), pt, acc4 * a, is_async=True)
-        acc5 = warpgroup_mma(sW.index(v + 5).permute((1, 0)), pt, acc5 * a, is_async=True)
-        acc6 = warpgroup_mma(sW.index(v + 6).permute((1, 0)), pt, acc6 * a, is_async=True)
-        acc7 = warpgroup_mma(sW.index(v + 7).permute((1, 0)), pt, acc7 * a, is_async=True)
-        # the next tile into the other buffer while these run (its last reader, tile
-        # i - 1's P V, has completed)
-        if i + 1 < n_tiles:
-            _widen(sK, kv_full, kv_empty, i + 1, sW, 1 - w, key0 + BN, end, BN, STAGES)
+        acc0 = warpgroup_mma(sW.index(0 + z).permute((1, 0)), pt, acc0 * a, is_async=True)
+        acc1 = warpgroup_mma(sW.index(1 + z).permute((1, 0)), pt, acc1 * a, is_async=True)
+        acc2 = warpgroup_mma(sW.index(2 + z).permute((1, 0)), pt, acc2 * a, is_async=True)
+        acc3 = warpgroup_mma(sW.index(3 + z).permute((1, 0)), pt, acc3 * a, is_async=True)
+        acc4 = warpgroup_mma(sW.index(4 + z).permute((1, 0)), pt, acc4 * a, is_async=True)
+        acc5 = warpgroup_mma(sW.index(5 + z).permute((1, 0)), pt, acc5 * a, is_async=True)
+        acc6 = warpgroup_mma(sW.index(6 + z).permute((1, 0)), pt, acc6 * a, is_async=True)
+        acc7 = warpgroup_mma(sW.index(7 + z).permute((1, 0)), pt, acc7 * a, is_async=True)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
             num_outstanding=0, deps=[acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7])
 
@@ -230,14 +212,14 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
         o_row0 = (b * num_splits + split) * ROWS
         lse_off = o_row0 + rows
     gl.store(lse_ptr + lse_off, lse, mask=rows < ROWS)
-    _store_chunk(acc0, inv, 0, o_ptr, o_row0, ROWS, NR, DIRECT, s_l)
-    _store_chunk(acc1, inv, 1, o_ptr, o_row0, ROWS, NR, DIRECT, s_l)
-    _store_chunk(acc2, inv, 2, o_ptr, o_row0, ROWS, NR, DIRECT, s_l)
-    _store_chunk(acc3, inv, 3, o_ptr, o_row0, ROWS, NR, DIRECT, s_l)
-    _store_chunk(acc4, inv, 4, o_ptr, o_row0, ROWS, NR, DIRECT, s_l)
-    _store_chunk(acc5, inv, 5, o_ptr, o_row0, ROWS, NR, DIRECT, s_l)
-    _store_chunk(acc6, inv, 6, o_ptr, o_row0, ROWS, NR, DIRECT, s_l)
-    _store_chunk(acc7, inv, 7, o_ptr, o_row0, ROWS, NR, DIRECT, s_l)
+    _store_chunk(acc0, inv, 0, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc1, inv, 1, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc2, inv, 2, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc3, inv, 3, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc4, inv, 4, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc5, inv, 5, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc6, inv, 6, o_ptr, o_row0, ROWS, NR, DIRECT)
+    _store_chunk(acc7, inv, 7, o_ptr, o_row0, ROWS, NR, DIRECT)
 
 
 @gluon.jit
@@ -257,7 +239,7 @@ def _load(cargs, pargs, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr
           DIRECT: gl.constexpr, CAUSAL: gl.constexpr):
     kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt, num_blocks = pargs
     _producer(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
-              num_blocks, BN, PAGE, STAGES)
+              num_blocks, BN, PAGE, STAGES, NCH)
 
 
 @gluon.jit
@@ -279,9 +261,9 @@ def mla_decode_fp8_cache_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_p
 
     f8: gl.constexpr = gl.float8e4nv
     f16: gl.constexpr = gl.float16
-    sK = gl.allocate_shared_memory(f8, [STAGES * NCH, BN // 2, 64],       # half tiles
-                                   gl.NVMMASharedLayout.get_default_for([BN // 2, 64], f8))
-    sW = gl.allocate_shared_memory(f16, [2 * NCH, BN, 64],                # two widened tiles
+    sK = gl.allocate_shared_memory(f8, [STAGES * NCH, BN, 64],
+                                   gl.NVMMASharedLayout.get_default_for([BN, 64], f8))
+    sW = gl.allocate_shared_memory(f16, [NCH, BN, 64],
                                    gl.NVMMASharedLayout.get_default_for([BN, 64], f16))
     sQ = gl.allocate_shared_memory(f16, [NCH, NR, 64],
                                    gl.NVMMASharedLayout.get_default_for([NR, 64], f16))
