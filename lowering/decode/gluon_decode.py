@@ -13,7 +13,9 @@ producer warp; 0.75-0.79x). Helpers both share: gluon_common.py.
 
 Serves: q on an SM90 GPU, triton with Gluon's Hopper API, q bf16 with a bf16 cache
 (kind "auto"), rows of 576 = 512 + 64, head_dim_v 512, H a multiple of 64, a page size
-that is a multiple of 32 (the SM90 check is the registry's). Anything else is named by
+that is a multiple of 32 (the SM90 check is the registry's); with an fp8 cache (kind
+"fp8", fp8_cache_unmet()): q bf16, up to 32 query rows (s_q x H), pages of whole 64-key
+tiles. Anything else is named by
 gluon_unmet() (so backend="auto" moves on to the next backend). q and the cache must
 also start 16-byte aligned (TMA); the op checks that (a ValueError) where it sees the
 real tensors.
