@@ -1,6 +1,7 @@
 """Where the fp8-cache kernel's time goes (H200 probe, not maintained): a copy of the
-first version of lowering/decode/gluon_fp8_cache_kernel.py (commit 2bb3eaf's parent
-state: the widening chunk by chunk, the row sums per tile) with switches that leave parts out (the
+first version of lowering/decode/gluon_fp8_cache_kernel.py (the widening chunk by
+chunk, the row sums per tile; the landed kernel reads all chunks first and sums once)
+with switches that leave parts out (the
 widening, the QK MMAs, the P V MMAs; values then wrong: timing only) or sum the row sums
 once at the end instead of per tile (LAZY_L, correct), timed as the library's launcher
 runs it at (B, 16, S).
