@@ -18,27 +18,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from lowering.decode.gluon_common import tma_load
-
-
-@gluon.jit
-def _producer(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
-              num_blocks, BN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-              NCH: gl.constexpr):
-    """Tile i (keys start + i BN ...) of this split into ring slot i % STAGES."""
-    nxt = gl.load(table_ptr + b * stride_bt + start // PAGE, mask=n_tiles > 0, other=0)
-    for i in range(n_tiles):
-        s = i % STAGES
-        key = start + i * BN
-        page = nxt
-        nxt = gl.load(table_ptr + b * stride_bt + (key + BN) // PAGE, mask=i + 1 < n_tiles,
-                      other=0)
-        mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)
-        page = gl.minimum(gl.maximum(page, 0), num_blocks - 1)
-        row = page * PAGE + key % PAGE
-        mbarrier.expect(kv_full.index(s), NCH * BN * 64)
-        for c in gl.static_range(NCH):
-            tma_load(kv_desc, [row, c * 64], kv_full.index(s), sK.index(s * NCH + c))
+from lowering.decode.gluon_common import load_ring
+from lowering.decode.gluon_fp8_cache_kernel import _store_chunk
 
 
 @gluon.jit
@@ -54,22 +35,6 @@ def _widen(sK, s, sW, key0, end, BN: gl.constexpr, NCH: gl.constexpr):
     else:
         for c in gl.static_range(NCH):
             sW.index(c).store(sK.index(s * NCH + c).load(w_l).to(gl.float16))
-
-
-@gluon.jit
-def _store_chunk(acc, inv, c: gl.constexpr, o_ptr, o_row0, ROWS: gl.constexpr,
-                 NR: gl.constexpr, DIRECT: gl.constexpr):
-    """Value columns [64 c, 64 c + 64) of the rows: acc [64, NR] (O^T) times inv [NR]."""
-    st_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])     # [8, 64]
-    o = gl.convert_layout(gl.permute(acc * inv[None, :], [1, 0]), st_l)         # [NR, 64]
-    r = gl.arange(0, NR, layout=gl.SliceLayout(1, st_l))
-    col = gl.arange(0, 64, layout=gl.SliceLayout(0, st_l))
-    ptrs = o_ptr + (o_row0 + r)[:, None].to(gl.int64) * 512 + 64 * c + col[None, :]
-    mask = (r[:, None] < ROWS) & (col[None, :] < 64)
-    if DIRECT:
-        gl.store(ptrs, o.to(gl.bfloat16), mask=mask)
-    else:
-        gl.store(ptrs, o, mask=mask)
 
 
 @gluon.jit
@@ -203,7 +168,7 @@ def _load(cargs, pargs, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr
           DIRECT: gl.constexpr, CAUSAL: gl.constexpr,
         SKIP_WIDEN: gl.constexpr, SKIP_QK: gl.constexpr, SKIP_PV: gl.constexpr, LAZY_L: gl.constexpr):
     kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt, num_blocks = pargs
-    _producer(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
+    load_ring(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
               num_blocks, BN, PAGE, STAGES, NCH)
 
 

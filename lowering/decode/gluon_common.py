@@ -1,6 +1,6 @@
 """Gluon helpers shared by the Hopper decode kernels (gluon_ring_kernel.py,
-gluon_pair_kernel.py, gluon_fp8_kernel.py): which work a CTA does, its barriers, and
-how it finishes and stores its rows.
+gluon_pair_kernel.py, gluon_fp8_kernel.py, gluon_fp8_cache_kernel.py): which work a CTA
+does, its barriers, the producer's ring of tiles, and how it finishes and stores its rows.
 """
 from __future__ import annotations
 
@@ -33,6 +33,28 @@ def store_half(W: gl.constexpr, acc0, acc1, acc2, acc3, inv, o_ptr, o_row0, o_l:
         gl.store(base + 64, acc1 * inv)
         gl.store(base + 128, acc2 * inv)
         gl.store(base + 192, acc3 * inv)
+
+
+@gluon.jit
+def load_ring(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
+              num_blocks, BN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+              NCH: gl.constexpr):
+    """An fp8 producer's loop: tile i (keys start + i BN ..., within one page) of request
+    b, NCH TMA boxes of [BN, 64] one-byte elements, into ring slot i % STAGES once the
+    consumers freed it (page ids bounded into the cache)."""
+    nxt = gl.load(table_ptr + b * stride_bt + start // PAGE, mask=n_tiles > 0, other=0)
+    for i in range(n_tiles):
+        s = i % STAGES
+        key = start + i * BN
+        page = nxt
+        nxt = gl.load(table_ptr + b * stride_bt + (key + BN) // PAGE, mask=i + 1 < n_tiles,
+                      other=0)
+        mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)
+        page = gl.minimum(gl.maximum(page, 0), num_blocks - 1)
+        row = page * PAGE + key % PAGE
+        mbarrier.expect(kv_full.index(s), NCH * BN * 64)
+        for c in gl.static_range(NCH):
+            tma_load(kv_desc, [row, c * 64], kv_full.index(s), sK.index(s * NCH + c))
 
 
 @gluon.jit

@@ -32,27 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from lowering.decode.gluon_common import tma_load
-
-
-@gluon.jit
-def _producer(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
-              num_blocks, BN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-              NCH: gl.constexpr):
-    """Tile i (keys start + i BN ...) of this split into ring slot i % STAGES."""
-    nxt = gl.load(table_ptr + b * stride_bt + start // PAGE, mask=n_tiles > 0, other=0)
-    for i in range(n_tiles):
-        s = i % STAGES
-        key = start + i * BN
-        page = nxt
-        nxt = gl.load(table_ptr + b * stride_bt + (key + BN) // PAGE, mask=i + 1 < n_tiles,
-                      other=0)
-        mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)
-        page = gl.minimum(gl.maximum(page, 0), num_blocks - 1)
-        row = page * PAGE + key % PAGE
-        mbarrier.expect(kv_full.index(s), NCH * BN * 64)
-        for c in gl.static_range(NCH):
-            tma_load(kv_desc, [row, c * 64], kv_full.index(s), sK.index(s * NCH + c))
+from lowering.decode.gluon_common import load_ring
 
 
 @gluon.jit
@@ -72,25 +52,22 @@ def _widen(sK, s, sW, key0, end, BN: gl.constexpr):
     x8 = sK.index(s * 9 + 8).load(w_l)
     keep = (key0 + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l)) < end)[:, None]
     if key0 + BN > end:
-        _put(sW, 0, x0, keep, True)
-        _put(sW, 1, x1, keep, True)
-        _put(sW, 2, x2, keep, True)
-        _put(sW, 3, x3, keep, True)
-        _put(sW, 4, x4, keep, True)
-        _put(sW, 5, x5, keep, True)
-        _put(sW, 6, x6, keep, True)
-        _put(sW, 7, x7, keep, True)
-        _put(sW, 8, x8, keep, True)
+        _put_all(sW, x0, x1, x2, x3, x4, x5, x6, x7, x8, keep, True)
     else:
-        _put(sW, 0, x0, keep, False)
-        _put(sW, 1, x1, keep, False)
-        _put(sW, 2, x2, keep, False)
-        _put(sW, 3, x3, keep, False)
-        _put(sW, 4, x4, keep, False)
-        _put(sW, 5, x5, keep, False)
-        _put(sW, 6, x6, keep, False)
-        _put(sW, 7, x7, keep, False)
-        _put(sW, 8, x8, keep, False)
+        _put_all(sW, x0, x1, x2, x3, x4, x5, x6, x7, x8, keep, False)
+
+
+@gluon.jit
+def _put_all(sW, x0, x1, x2, x3, x4, x5, x6, x7, x8, keep, MASKED: gl.constexpr):
+    _put(sW, 0, x0, keep, MASKED)
+    _put(sW, 1, x1, keep, MASKED)
+    _put(sW, 2, x2, keep, MASKED)
+    _put(sW, 3, x3, keep, MASKED)
+    _put(sW, 4, x4, keep, MASKED)
+    _put(sW, 5, x5, keep, MASKED)
+    _put(sW, 6, x6, keep, MASKED)
+    _put(sW, 7, x7, keep, MASKED)
+    _put(sW, 8, x8, keep, MASKED)
 
 
 @gluon.jit
@@ -238,7 +215,7 @@ def _load(cargs, pargs, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr
           NCH: gl.constexpr, S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
           DIRECT: gl.constexpr, CAUSAL: gl.constexpr):
     kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt, num_blocks = pargs
-    _producer(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
+    load_ring(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
               num_blocks, BN, PAGE, STAGES, NCH)
 
 

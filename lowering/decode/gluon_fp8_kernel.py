@@ -24,7 +24,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from lowering.decode.gluon_common import tma_load, cta_work, finish_rows, ring_barriers
+from lowering.decode.gluon_common import (tma_load, cta_work, finish_rows, load_ring,
+                                          ring_barriers)
 
 P_SCALE = gl.constexpr(256.0)      # P to e4m3 as p * P_SCALE
 
@@ -36,19 +37,8 @@ def _producer(q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sK, q_ro
     mbarrier.expect(q_bar, NCH * 64 * 64)
     for c in gl.static_range(NCH):
         tma_load(q_desc, [q_row0, c * 64], q_bar, sQ.index(c))
-    nxt = gl.load(table_ptr + b * stride_bt + start // PAGE, mask=n_tiles > 0, other=0)
-    for i in range(n_tiles):
-        s = i % STAGES
-        key = start + i * BN
-        page = nxt
-        nxt = gl.load(table_ptr + b * stride_bt + (key + BN) // PAGE, mask=i + 1 < n_tiles,
-                      other=0)
-        mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)
-        page = gl.minimum(gl.maximum(page, 0), num_blocks - 1)
-        row = page * PAGE + key % PAGE
-        mbarrier.expect(kv_full.index(s), NCH * BN * 64)
-        for c in gl.static_range(NCH):
-            tma_load(kv_desc, [row, c * 64], kv_full.index(s), sK.index(s * NCH + c))
+    load_ring(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
+              num_blocks, BN, PAGE, STAGES, NCH)
 
 
 @gluon.jit
