@@ -147,15 +147,14 @@ def test_fp8_cache_kernel_compiles_for_sm90(s_q, H, page, direct, causal):
     """The fp8-cache kernel at both row paddings: 9 QK and 8 P V chunks of 4 MMAs (k = 16)
     each, TMA tile copies, and its ring within a Hopper CTA's shared memory."""
     pytest.importorskip("triton")
-    from lowering.decode.gluon_decode import FP8_CACHE_CONFIGS
+    from lowering.decode.gluon_decode import fp8_cache_config
     try:
         import triton.experimental.gluon._runtime  # noqa: F401
         from triton.backends.compiler import GPUTarget  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"this triton cannot compile Gluon kernels offline: {exc}")
-    nr = 16 if s_q * H <= 16 else 32
-    cs = dict(S_Q=s_q, H=H, PAGE=page, NR=nr, DIRECT=direct, CAUSAL=causal,
-              **FP8_CACHE_CONFIGS[nr])
+    nr, config = fp8_cache_config(s_q * H)
+    cs = dict(S_Q=s_q, H=H, PAGE=page, NR=nr, DIRECT=direct, CAUSAL=causal, **config)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])

@@ -113,11 +113,23 @@ def fp8_cache_unmet(call):
     if rows > FP8_CACHE_MAX_ROWS:
         return (f"the gluon fp8-cache kernel serves up to {FP8_CACHE_MAX_ROWS} query rows "
                 f"(s_q x heads), got {rows}")
-    bn = FP8_CACHE_CONFIGS[16 if rows <= 16 else 32]["BN"]
+    bn = fp8_cache_config(rows)[1]["BN"]
     if kv_cache.shape[1] % bn:
         return (f"the gluon fp8-cache kernel needs block_size to be a multiple of {bn}, "
                 f"kv_cache has block_size {kv_cache.shape[1]}")
     return None
+
+
+def fp8_cache_config(rows: int) -> tuple[int, dict]:
+    """(NR, config) of the fp8-cache kernel for rows = s_q x H <= FP8_CACHE_MAX_ROWS."""
+    nr = 16 if rows <= 16 else 32
+    return nr, FP8_CACHE_CONFIGS[nr]
+
+
+def _check_tma_aligned(name: str, t: torch.Tensor) -> None:
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must start at a 16-byte aligned address for the gluon "
+                         f"backend's TMA loads (it is offset by {t.data_ptr() % 16} bytes)")
 
 
 def gluon_fp8q_unmet(call):
@@ -223,10 +235,8 @@ def _launch(pick, q, kv_cache, block_table, cache_seqlens, scales, softmax_scale
     kernel, config = pick(page, -(-capacity // splits))
     L, BN = 512, config["BN"]
     q2 = q.contiguous().view(B * rows, D)                                       # [B * rows, 576]
-    for name, t in (("q", q2), ("kv_cache", kv_cache)):
-        if t.data_ptr() % 16:
-            raise ValueError(f"{name} must start at a 16-byte aligned address for the gluon "
-                             f"backend's TMA loads (it is offset by {t.data_ptr() % 16} bytes)")
+    _check_tma_aligned("q", q2)
+    _check_tma_aligned("kv_cache", kv_cache)
     el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float8e4nv
     lay_q = gl.NVMMASharedLayout.get_default_for([64, 64], el)
     lay_k = gl.NVMMASharedLayout.get_default_for([BN, 64], el)
@@ -271,14 +281,11 @@ def _launch_fp8_cache(q, kv_cache, block_table, cache_seqlens, k_scale, softmax_
 
     B, s_q, H, D = q.shape
     num_blocks, page, _ = kv_cache.shape
-    NR = 16 if s_q * H <= 16 else 32
-    BN, STAGES = FP8_CACHE_CONFIGS[NR]["BN"], FP8_CACHE_CONFIGS[NR]["STAGES"]
+    NR, config = fp8_cache_config(s_q * H)
+    BN, STAGES = config["BN"], config["STAGES"]
     splits = num_splits or choose_num_splits(B, 1, block_table.shape[1] * page,
                                              sm_count(q.device), min_split_keys=MIN_SPLIT_KEYS)
-    if kv_cache.data_ptr() % 16:
-        raise ValueError(f"kv_cache must start at a 16-byte aligned address for the gluon "
-                         f"backend's TMA loads (it is offset by {kv_cache.data_ptr() % 16} "
-                         f"bytes)")
+    _check_tma_aligned("kv_cache", kv_cache)
     lay_k = gl.NVMMASharedLayout.get_default_for([BN, 64], gl.float8e4nv)
     kv_desc = TensorDescriptor.from_tensor(kv_cache.view(num_blocks * page, D), [BN, 64], lay_k)
     out, lse, o1, l1 = stage1_outputs(B, s_q, H, 512, splits, torch.bfloat16, q.device)
