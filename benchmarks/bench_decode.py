@@ -30,7 +30,8 @@ from lowering.decode.reference import mla_decode_reference
 from lowering.decode.registry import route_unmet
 
 SHAPES = [(1, 128, 4096), (32, 128, 4096), (64, 128, 8192), (128, 16, 4096),
-          (8, 128, 32768), (256, 16, 1024), (64, 16, 8192), (32, 16, 4096), (1, 16, 4096)]
+          (8, 128, 32768), (256, 16, 1024), (64, 16, 8192), (32, 16, 4096), (1, 16, 4096),
+          (32, 16, 1024), (8, 16, 4096)]
 FLASHMLA_NOTES = {(1, 128, 4096): 24.6, (32, 128, 4096): 74.9, (64, 128, 8192): 238.0,
                   (128, 16, 4096): 165.5}
 L, R, PAGE = 512, 64, 64
@@ -132,12 +133,14 @@ def bench_shape(B, H, S, args, ceilings, log):
     reason = route_unmet("gluon", q, kv)
     if reason is None:
         from lowering.decode.gluon_decode import gluon_decode_op
+        # up to 32 query rows the few-rows kernel, else the pair kernel (pages of 64)
         record("gluon_bf16", lambda: gluon_decode_op(q, kv, bt, lens, scale, True), "bf16")
-        # the ring kernel, which pages of 32 take: the same cache seen as pages of 32
-        kv32 = kv.view(-1, PAGE // 2, L + R)                                 # [2 * blocks, 32, 576]
-        bt32 = torch.stack([2 * bt, 2 * bt + 1], dim=-1).reshape(B, -1).contiguous()
-        record("gluon_bf16[ring]", lambda: gluon_decode_op(q, kv32, bt32, lens, scale, True),
-               "bf16")
+        if H >= 64:
+            # the ring kernel, which pages of 32 take: the same cache seen as pages of 32
+            kv32 = kv.view(-1, PAGE // 2, L + R)                         # [2 * blocks, 32, 576]
+            bt32 = torch.stack([2 * bt, 2 * bt + 1], dim=-1).reshape(B, -1).contiguous()
+            record("gluon_bf16[ring]", lambda: gluon_decode_op(q, kv32, bt32, lens, scale, True),
+                   "bf16")
     else:
         log(f"  gluon: {reason}")
     reason = route_unmet("gluon", q, kv8, kind="fp8")

@@ -58,10 +58,11 @@ def _compile_for_sm90(constexprs, kind):
 
 
 def _compile_fp8_cache(constexprs, triton, GPUTarget, gl, GluonASTSource):
-    from lowering.decode.gluon_fp8_cache_kernel import mla_decode_fp8_cache_kernel as kernel
+    from lowering.decode.gluon_rows_kernel import mla_decode_rows_kernel as kernel
     bn = constexprs["BN"]
-    lay = gl.NVMMASharedLayout.get_default_for([bn, 64], gl.float8e4nv)
-    sig = {"q_ptr": "*bf16", "kv_desc": f"tensordesc<fp8e4nv[{bn}, 64],{lay!r}>",
+    el, ty = (gl.float8e4nv, "fp8e4nv") if constexprs["FP8"] else (gl.bfloat16, "bf16")
+    lay = gl.NVMMASharedLayout.get_default_for([bn, 64], el)
+    sig = {"q_ptr": "*bf16", "kv_desc": f"tensordesc<{ty}[{bn}, 64],{lay!r}>",
            "table_ptr": "*i32", "lens_ptr": "*i32", "ks_ptr": "*fp32",
            "o_ptr": "*bf16" if constexprs["DIRECT"] else "*fp32", "lse_ptr": "*fp32",
            "sm_scale_log2": "fp32", "stride_bt": "i32", "max_blocks": "i32",
@@ -93,6 +94,23 @@ def _facts(k):
             "tma": "cp.async.bulk.tensor" in ptx, "shared": k.metadata.shared, "stack": stack}
 
 
+def _compiled_facts(cs, kind):
+    """_compile_for_sm90(cs, kind) in a child process (skips where this triton cannot
+    compile Gluon kernels offline)."""
+    try:
+        import triton.experimental.gluon._runtime  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"this triton cannot compile Gluon kernels offline: {exc}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, __file__, json.dumps(cs), json.dumps(kind)], env=env,
+                         cwd=root, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("kind,s_q,H,page,direct,causal", [
     ("pair", 1, 128, 64, False, True), ("pair", 2, 64, 128, True, False),
     ("ring", 1, 128, 64, False, True), ("ring", 2, 64, 32, True, False),
@@ -101,21 +119,10 @@ def test_kernel_compiles_for_sm90(kind, s_q, H, page, direct, causal):
     """Each kernel at its configs: fp8 with 64-key tiles (page 64) and with 32-key ones."""
     pytest.importorskip("triton")
     from lowering.decode.gluon_decode import CONFIG, PAIR_CONFIG, fp8_config
-    try:
-        import triton.experimental.gluon._runtime  # noqa: F401
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(f"this triton cannot compile Gluon kernels offline: {exc}")
     config = {"fp8": fp8_config(page, 4096), "pair": PAIR_CONFIG, "ring": CONFIG}[kind]
     cs = dict(S_Q=s_q, H=H, PAGE=page, BN=config["BN"], STAGES=config["STAGES"],
               DIRECT=direct, CAUSAL=causal)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, __file__, json.dumps(cs), json.dumps(kind)], env=env,
-                         cwd=root, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    facts = json.loads(run.stdout.strip().splitlines()[-1])
+    facts = _compiled_facts(cs, kind)
     if kind == "fp8":
         assert config["BN"] == page
         # per consumer step 9 QK instructions (k = 32) and one P V of N = 256 per tile, in
@@ -148,20 +155,9 @@ def test_fp8_cache_kernel_compiles_for_sm90(s_q, H, page, direct, causal):
     each, TMA tile copies, and its ring within a Hopper CTA's shared memory."""
     pytest.importorskip("triton")
     from lowering.decode.gluon_decode import fp8_cache_config
-    try:
-        import triton.experimental.gluon._runtime  # noqa: F401
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(f"this triton cannot compile Gluon kernels offline: {exc}")
     nr, config = fp8_cache_config(s_q * H)
-    cs = dict(S_Q=s_q, H=H, PAGE=page, NR=nr, DIRECT=direct, CAUSAL=causal, **config)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, __file__, json.dumps(cs), json.dumps("fp8-cache")],
-                         env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    facts = json.loads(run.stdout.strip().splitlines()[-1])
+    cs = dict(S_Q=s_q, H=H, PAGE=page, NR=nr, DIRECT=direct, CAUSAL=causal, FP8=True, **config)
+    facts = _compiled_facts(cs, "fp8-cache")
     assert facts["wgmma"] == 9 * 4 + 8 * 4
     assert facts["tma"]
     assert 0 < facts["shared"] <= HOPPER_SMEM
@@ -186,6 +182,54 @@ def test_fp8_cache_kernel_conditions():
     assert "multiple of 64" in unmet(page=32)
     assert "bfloat16" in unmet(dtype=torch.float16)
     assert "576" in unmet(width=192, head_dim_v=128)
+
+
+def test_few_rows_bf16_conditions_and_auto_preference(monkeypatch):
+    """Over a bf16 cache the few-rows kernel serves up to 32 query rows on pages of whole
+    64-key tiles (more rows: the pair / ring kernels' rule, H a multiple of 64); where it
+    serves, backend="auto" passes over FlashMLA (checked as on an SM90 GPU: the GPU checks
+    stubbed), which still serves it by name and keeps the calls of more rows."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from lowering.decode import gluon_decode as gd
+    from lowering.decode import registry
+    from lowering.decode.registry import DecodeCall
+
+    def call(s_q=1, H=16, page=64, width=576):
+        q = torch.empty(2, s_q, H, width, dtype=torch.bfloat16)
+        kv = torch.empty(4, page, width, dtype=torch.bfloat16)
+        return DecodeCall(q, kv, torch.zeros(2, 4, dtype=torch.int32), None, 1.0, True, "auto",
+                          None, width - 64)
+
+    assert gd.gluon_unmet(call()) is None and gd.gluon_unmet(call(s_q=2)) is None
+    assert gd.gluon_unmet(call(H=4, page=128)) is None
+    assert "block_size to be a multiple of 64" in gd.gluon_unmet(call(page=32))
+    assert "head count to be a multiple of 64" in gd.gluon_unmet(call(s_q=3))      # 48 rows
+    assert gd.gluon_unmet(call(H=128)) is None                                    # pair kernel
+    monkeypatch.setattr(registry, "hopper_unmet", lambda q, what: None)           # as on an H100
+    monkeypatch.setattr(registry, "_flashmla_check", lambda: lambda call: None)
+    assert "few-rows kernel is faster" in registry._flashmla_unmet(call(), True)
+    assert "few-rows kernel is faster" in registry._flashmla_unmet(call(s_q=2), True)
+    assert registry._flashmla_unmet(call(), False) is None                      # asked by name
+    assert registry._flashmla_unmet(call(H=128), True) is None
+    assert registry.choose_route(call(), "bf16", "auto").name == "gluon"
+    assert registry.choose_route(call(H=128), "bf16", "auto").name == "flashmla"
+    # pages the kernel cannot tile: the Triton / FlashMLA size rule decides as before
+    assert "few-rows" not in (registry._flashmla_unmet(call(page=32), True) or "")
+
+
+@pytest.mark.parametrize("s_q,H,page,direct,causal", [(1, 16, 64, False, True),
+                                                      (2, 16, 128, True, False)])
+def test_few_rows_bf16_kernel_compiles_for_sm90(s_q, H, page, direct, causal):
+    """The few-rows kernel over a bf16 cache: the MMAs read the ring slots (no widened
+    copy), the same 68 MMAs, without spills, within a CTA's shared memory."""
+    pytest.importorskip("triton")
+    from lowering.decode.gluon_decode import rows_config
+    nr, config = rows_config(s_q * H)
+    cs = dict(S_Q=s_q, H=H, PAGE=page, NR=nr, DIRECT=direct, CAUSAL=causal, FP8=False, **config)
+    facts = _compiled_facts(cs, "fp8-cache")
+    assert facts["wgmma"] == 9 * 4 + 8 * 4
+    assert facts["tma"] and facts["stack"] in (0, None)
+    assert 0 < facts["shared"] <= HOPPER_SMEM
 
 
 def test_backend_names_what_is_missing_on_cpu():

@@ -128,7 +128,10 @@ def test_flashmla_schedule_once_per_step(B, H, S):
     from lowering.decode.flashmla import schedule_rows
     lens = _lens(B, S + 1, seed=B + H)
     q, kv, bt, cl = make_case(B, 1, H, L, R, 64, lens, "cuda", seed=B * H)
-    assert lowering.uses_flashmla(q.device, q.dtype, H, L + R, 64)
+    # up to 32 query rows "auto" takes the Gluon few-rows kernel where it serves
+    few = H <= 32 and lowering.decode.registry.route_unmet("gluon", q, kv) is None
+    assert lowering.uses_flashmla(q.device, q.dtype, H, L + R, 64) == (not few)
+    assert lowering.uses_flashmla(q.device, q.dtype, H, L + R, 64, backend="flashmla")
     assert not lowering.uses_flashmla(q.device, q.dtype, H, L + R, 64, backend="triton")
     assert not lowering.uses_flashmla(q.device, q.dtype, H, L + R, 16)
     sched = lowering.decode_schedule(kv, bt, cl, num_heads=H)

@@ -82,7 +82,7 @@ def test_gluon_not_causal(page):
 
 
 def test_gluon_capability_errors_and_auto_choice():
-    q, kv, bt, cl = make_case(2, 1, 16, L, R, 64, [100, 40], "cuda")
+    q, kv, bt, cl = make_case(2, 1, 48, L, R, 64, [100, 40], "cuda")   # 48 rows: not few
     with pytest.raises(lowering.BackendUnavailable, match="multiple of 64"):
         lowering.mla_decode(q, kv, bt, cl, SCALE, backend="gluon")
     q, kv, bt, cl = make_case(2, 1, 64, L, R, 16, [100, 40], "cuda")

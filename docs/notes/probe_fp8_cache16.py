@@ -1,5 +1,5 @@
 """fp8 cache at 16 heads (H200 probe, not maintained): the Gluon fp8-cache kernel
-(gluon_fp8_cache_kernel.py) at ring depths 2 and 3 against our bf16 decode (FlashMLA's
+(gluon_rows_kernel.py) at ring depths 2 and 3 against our bf16 decode (FlashMLA's
 kernels with the schedule outside the call, and the Triton kernel), the Triton fp8-cache
 kernel and FlashMLA's fp8 kernel (fp8 query), each call captured in a CUDA graph and
 timed by the profiler's kernel span (benchmarks/timing.py); the fp8 outputs checked

@@ -1,5 +1,5 @@
 """Where the fp8-cache kernel's time goes (H200 probe, not maintained): a copy of the
-first version of lowering/decode/gluon_fp8_cache_kernel.py (the widening chunk by
+first version of lowering/decode/gluon_rows_kernel.py (the widening chunk by
 chunk, the row sums per tile; the landed kernel reads all chunks first and sums once)
 with switches that leave parts out (the
 widening, the QK MMAs, the P V MMAs; values then wrong: timing only) or sum the row sums
@@ -19,7 +19,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from lowering.decode.gluon_common import load_ring
-from lowering.decode.gluon_fp8_cache_kernel import _store_chunk
+from lowering.decode.gluon_rows_kernel import _store_chunk
 
 
 @gluon.jit

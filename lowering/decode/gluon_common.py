@@ -1,5 +1,5 @@
 """Gluon helpers shared by the Hopper decode kernels (gluon_ring_kernel.py,
-gluon_pair_kernel.py, gluon_fp8_kernel.py, gluon_fp8_cache_kernel.py): which work a CTA
+gluon_pair_kernel.py, gluon_fp8_kernel.py, gluon_rows_kernel.py): which work a CTA
 does, its barriers, the producer's ring of tiles, and how it finishes and stores its rows.
 """
 from __future__ import annotations
@@ -38,9 +38,9 @@ def store_half(W: gl.constexpr, acc0, acc1, acc2, acc3, inv, o_ptr, o_row0, o_l:
 @gluon.jit
 def load_ring(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
               num_blocks, BN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-              NCH: gl.constexpr):
-    """An fp8 producer's loop: tile i (keys start + i BN ..., within one page) of request
-    b, NCH TMA boxes of [BN, 64] one-byte elements, into ring slot i % STAGES once the
+              NCH: gl.constexpr, ELEM_BYTES: gl.constexpr = 1):
+    """A producer's loop: tile i (keys start + i BN ..., within one page) of request b,
+    NCH TMA boxes of [BN, 64] elements of ELEM_BYTES, into ring slot i % STAGES once the
     consumers freed it (page ids bounded into the cache)."""
     nxt = gl.load(table_ptr + b * stride_bt + start // PAGE, mask=n_tiles > 0, other=0)
     for i in range(n_tiles):
@@ -52,7 +52,7 @@ def load_ring(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stri
         mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)
         page = gl.minimum(gl.maximum(page, 0), num_blocks - 1)
         row = page * PAGE + key % PAGE
-        mbarrier.expect(kv_full.index(s), NCH * BN * 64)
+        mbarrier.expect(kv_full.index(s), NCH * BN * 64 * ELEM_BYTES)
         for c in gl.static_range(NCH):
             tma_load(kv_desc, [row, c * 64], kv_full.index(s), sK.index(s * NCH + c))
 

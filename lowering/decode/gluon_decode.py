@@ -1,24 +1,24 @@
 """Backend "gluon": the Hopper decode kernels as custom ops: mla::gluon_decode (bf16 q
-and cache), mla::gluon_decode_fp8_cache (bf16 q, fp8 cache, up to 32 query rows:
-gluon_fp8_cache_kernel.py; both are the "gluon" route of lowering.mla_decode, conditions
-in gluon_unmet()) and mla::gluon_decode_fp8q (fp8 q and cache with per-tensor scales,
-gluon_fp8_kernel.py; the "gluon-fp8q" route of lowering.mla_decode_fp8q, conditions in
-gluon_fp8q_unmet()).
+and cache), mla::gluon_decode_fp8_cache (bf16 q, fp8 cache, up to 32 query rows; both are
+the "gluon" route of lowering.mla_decode, conditions in gluon_unmet()) and
+mla::gluon_decode_fp8q (fp8 q and cache with per-tensor scales, gluon_fp8_kernel.py; the
+"gluon-fp8q" route of lowering.mla_decode_fp8q, conditions in gluon_fp8q_unmet()).
 
-bf16 has two kernels, picked by the page size (bf16_kernel()): where a page holds whole
-64-key blocks, gluon_pair_kernel.py (64-key blocks in pairs, two buffers refilled by
-halves; 0.81-0.86x of FlashMLA's kernels at the compute-bound 128-head shapes on an
-H200); with pages of 32, gluon_ring_kernel.py (32-key tiles in a ring of 4 fed by a
-producer warp; 0.75-0.79x). Helpers both share: gluon_common.py.
+Up to 32 query rows (s_q x H: 16 heads) both caches take gluon_rows_kernel.py, keys as
+the MMAs' M side (1.0-1.09x FlashMLA's kernels at 16 heads on an H200, its scheduler not
+counted). More rows over a bf16 cache take one of two kernels, picked by the page size
+(bf16_kernel()): where a page holds whole 64-key blocks, gluon_pair_kernel.py (64-key
+blocks in pairs, two buffers refilled by halves; 0.81-0.86x of FlashMLA's kernels at the
+compute-bound 128-head shapes); with pages of 32, gluon_ring_kernel.py (32-key tiles in a
+ring of 4 fed by a producer warp; 0.75-0.79x). Helpers they share: gluon_common.py.
 
-Serves: q on an SM90 GPU, triton with Gluon's Hopper API, q bf16 with a bf16 cache
-(kind "auto"), rows of 576 = 512 + 64, head_dim_v 512, H a multiple of 64, a page size
-that is a multiple of 32 (the SM90 check is the registry's); with an fp8 cache (kind
-"fp8", fp8_cache_unmet()): q bf16, up to 32 query rows (s_q x H), pages of whole 64-key
-tiles. Anything else is named by
-gluon_unmet() (so backend="auto" moves on to the next backend). q and the cache must
-also start 16-byte aligned (TMA); the op checks that (a ValueError) where it sees the
-real tensors.
+Serves: q on an SM90 GPU, triton with Gluon's Hopper API, q bf16, rows of 576 = 512 +
+64, head_dim_v 512; a bf16 cache (kind "auto") at up to 32 query rows with pages of whole
+64-key tiles, else H a multiple of 64 and pages a multiple of 32; an fp8 cache (kind
+"fp8", fp8_cache_unmet()) up to 32 query rows, pages of whole 64-key tiles. Anything else
+is named by gluon_unmet() (so backend="auto" moves on to the next backend). q and the
+cache must also start 16-byte aligned (TMA); the op checks that (a ValueError) where it
+sees the real tensors.
 
 The ops are opaque to torch.compile (Gluon kernels cannot go through wrap_triton); they
 have fake impls (eager calls run the launchers directly, no dispatch), and they capture
@@ -53,6 +53,10 @@ NUM_WARPS = 4           # the default partition: consumer warpgroup 0
 # 16 heads on an H200 (docs/notes/probe_fp8_cache16.py); 32 rows fit a ring of 2 only.
 FP8_CACHE_CONFIGS = {16: dict(BN=64, STAGES=2), 32: dict(BN=64, STAGES=2)}
 FP8_CACHE_MAX_ROWS = 32
+# The same kernel over a bf16 cache: the ring slots are the MMAs' tiles (72 KB a 64-key
+# tile), so a ring of 2 is what fits beside q.
+ROWS_CONFIGS = {16: dict(BN=64, STAGES=2), 32: dict(BN=64, STAGES=2)}
+ROWS_MAX = 32
 
 
 def _gluon_import_error():
@@ -96,7 +100,23 @@ def gluon_unmet(call):
         return f"the gluon backend needs q in bfloat16, got {call.q.dtype}"
     if call.head_dim_v != 512:
         return f"the gluon backend needs head_dim_v 512, got {call.head_dim_v}"
+    if call.q.shape[1] * call.q.shape[2] <= ROWS_MAX:
+        return _rows_unmet(call.q, call.kv_cache)
     return _kernel_unmet(call.q, call.kv_cache, CONFIG["BN"])
+
+
+def _rows_unmet(q, kv_cache):
+    """What the few-rows kernel needs over a bf16 cache (rows <= ROWS_MAX): Gluon's API,
+    rows of 576, pages of whole 64-key tiles. None if all hold."""
+    if IMPORT_ERROR is not None:
+        return IMPORT_ERROR
+    if q.shape[-1] != 576:
+        return f"the gluon backend needs q/cache rows of 576 (512 + 64), got {q.shape[-1]}"
+    bn = rows_config(q.shape[1] * q.shape[2])[1]["BN"]
+    if kv_cache.shape[1] % bn:
+        return (f"the gluon backend needs block_size to be a multiple of {bn}, "
+                f"kv_cache has block_size {kv_cache.shape[1]}")
+    return None
 
 
 def fp8_cache_unmet(call):
@@ -126,6 +146,12 @@ def fp8_cache_config(rows: int) -> tuple[int, dict]:
     return nr, FP8_CACHE_CONFIGS[nr]
 
 
+def rows_config(rows: int) -> tuple[int, dict]:
+    """(NR, config) of the few-rows kernel over a bf16 cache, rows = s_q x H <= ROWS_MAX."""
+    nr = 16 if rows <= 16 else 32
+    return nr, ROWS_CONFIGS[nr]
+
+
 def _check_tma_aligned(name: str, t: torch.Tensor) -> None:
     if t.data_ptr() % 16:
         raise ValueError(f"{name} must start at a 16-byte aligned address for the gluon "
@@ -150,6 +176,9 @@ def gluon_decode(
     causal: bool,
     num_splits: int = 0,          # 0: from the shapes and SM count
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.shape[1] * q.shape[2] <= ROWS_MAX:
+        return _launch_rows(q, kv_cache, block_table, cache_seqlens, None, softmax_scale,
+                            causal, num_splits)
     return _launch(bf16_kernel, q, kv_cache, block_table, cache_seqlens, (), softmax_scale,
                    causal, num_splits)
 
@@ -179,8 +208,8 @@ def gluon_decode_fp8_cache(
     causal: bool,
     num_splits: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_fp8_cache(q, kv_cache, block_table, cache_seqlens, k_scale, softmax_scale,
-                             causal, num_splits)
+    return _launch_rows(q, kv_cache, block_table, cache_seqlens, k_scale, softmax_scale,
+                        causal, num_splits)
 
 
 gluon_decode_op = torch.library.custom_op("mla::gluon_decode", mutates_args=())(gluon_decode)
@@ -268,32 +297,38 @@ def _merge(o1, l1, out, lse, splits):
         SPLIT_BLOCK=min(16, triton.next_power_of_2(splits)), BLOCK_L=bl, num_warps=4)
 
 
-def _launch_fp8_cache(q, kv_cache, block_table, cache_seqlens, k_scale, softmax_scale, causal,
-                      num_splits):
-    """The fp8-cache kernel (one CTA per request and split) and the merge."""
+def _launch_rows(q, kv_cache, block_table, cache_seqlens, k_scale, softmax_scale, causal,
+                 num_splits):
+    """gluon_rows_kernel.py (one CTA per request and split; an fp8 cache where k_scale is
+    given, else bf16) and the merge."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from lowering.decode.gluon_common import LOG2E
-    from lowering.decode.gluon_fp8_cache_kernel import mla_decode_fp8_cache_kernel
+    from lowering.decode.gluon_rows_kernel import mla_decode_rows_kernel
     from lowering.decode.registry import sm_count
     from lowering.decode.triton_decode import choose_num_splits, stage1_outputs
 
     B, s_q, H, D = q.shape
     num_blocks, page, _ = kv_cache.shape
-    NR, config = fp8_cache_config(s_q * H)
+    fp8 = k_scale is not None
+    NR, config = (fp8_cache_config if fp8 else rows_config)(s_q * H)
     BN, STAGES = config["BN"], config["STAGES"]
+    if page % BN:
+        raise ValueError(f"the gluon few-rows kernel needs block_size to be a multiple of {BN}, "
+                         f"kv_cache has block_size {page}")
     splits = num_splits or choose_num_splits(B, 1, block_table.shape[1] * page,
                                              sm_count(q.device), min_split_keys=MIN_SPLIT_KEYS)
     _check_tma_aligned("kv_cache", kv_cache)
-    lay_k = gl.NVMMASharedLayout.get_default_for([BN, 64], gl.float8e4nv)
+    el = gl.float8e4nv if fp8 else gl.bfloat16
+    lay_k = gl.NVMMASharedLayout.get_default_for([BN, 64], el)
     kv_desc = TensorDescriptor.from_tensor(kv_cache.view(num_blocks * page, D), [BN, 64], lay_k)
     out, lse, o1, l1 = stage1_outputs(B, s_q, H, 512, splits, torch.bfloat16, q.device)
-    mla_decode_fp8_cache_kernel[(B, splits)](
-        q.contiguous(), kv_desc, block_table, cache_seqlens, k_scale, o1, l1,
-        softmax_scale * LOG2E, block_table.stride(0), block_table.shape[1], num_blocks, splits,
-        S_Q=s_q, H=H, PAGE=page, BN=BN, NR=NR, STAGES=STAGES,
-        DIRECT=splits == 1, CAUSAL=causal, num_warps=NUM_WARPS)
+    mla_decode_rows_kernel[(B, splits)](
+        q.contiguous(), kv_desc, block_table, cache_seqlens, k_scale if fp8 else cache_seqlens,
+        o1, l1, softmax_scale * LOG2E, block_table.stride(0), block_table.shape[1], num_blocks,
+        splits, S_Q=s_q, H=H, PAGE=page, BN=BN, NR=NR, STAGES=STAGES,
+        DIRECT=splits == 1, CAUSAL=causal, FP8=fp8, num_warps=NUM_WARPS)
     if splits > 1:
         _merge(o1, l1, out, lse, splits)
     return out, lse

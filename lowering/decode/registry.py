@@ -162,7 +162,8 @@ def _gluon_fp8q_check():
 
 
 # Below 64 heads FlashMLA's tile still holds 64 query rows, and its scheduler and combine
-# kernels cost 10-25 µs a step. At 16 heads on an H200 (BENCHMARKS.md, "16-head decode")
+# kernels cost 10-25 µs a step. Where the Gluon few-rows kernel cannot serve (_few_rows_gluon),
+# at 16 heads on an H200 (BENCHMARKS.md, "16-head decode")
 # the Triton kernel was as fast or faster up to this many cached positions a call
 # (batch x block-table width: 15.6 vs 23.2 µs at 1 x 4096, 18.4 vs 18.3 at 8 x 2048,
 # FlashMLA's schedule not counted), and slower past it (25.6 vs 22.3 at 32 x 1024).
@@ -184,8 +185,22 @@ def _pays(call) -> Optional[bool]:
                          call.block_table.shape[1] * call.kv_cache.shape[1])
 
 
+def _few_rows_gluon(call, auto) -> bool:
+    """Whether "auto" gives this bf16 call to the Gluon few-rows kernel before FlashMLA:
+    up to gluon_decode.ROWS_MAX query rows (s_q x heads), where it read the cache faster
+    than FlashMLA's 64-row tiles at 16 heads on an H200 at every batch measured
+    (BENCHMARKS.md, "16-head decode in Gluon")."""
+    if not auto or call.kind != "auto" or _gluon_unmet(call, auto) is not None:
+        return False
+    from lowering.decode.gluon_decode import ROWS_MAX
+    return call.q.shape[1] * call.q.shape[2] <= ROWS_MAX
+
+
 def _flashmla_unmet(call, auto):
     reason = _hopper_route_unmet(call, auto, "FlashMLA's dense decode", _flashmla_check)
+    if reason is None and _few_rows_gluon(call, auto):
+        return ("at up to 32 query rows (s_q x heads) the gluon few-rows kernel is faster "
+                "(lowering.decode.registry._few_rows_gluon)")
     pays = _pays(call) if reason is None and auto else None
     if pays is not None and not pays:          # (a traced SymBool is not `False`)
         B, H = call.q.shape[0], call.q.shape[2]

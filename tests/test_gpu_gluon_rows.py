@@ -1,8 +1,8 @@
-"""GPU tests of the Gluon fp8-cache decode kernel (bf16 query over an e4m3 cache with a
-per-tensor scale, up to 32 query rows: gluon_fp8_cache_kernel.py) against float64 on
-the dequantized cache: lengths at tile edges, empty and many splits, the direct path,
-rows padded to 16 and 32, s_q > 1 causal or not, NaN in unwritten rows, the route
-backend="auto" takes, refusals, torch.compile and CUDA graphs.
+"""GPU tests of the Gluon few-rows decode kernel (a bf16 query over an e4m3 cache with a
+per-tensor scale, or over a bf16 cache, up to 32 query rows: gluon_rows_kernel.py)
+against float64 on the (dequantized) cache: lengths at tile edges, empty and many splits,
+the direct path, rows padded to 16 and 32, s_q > 1 causal or not, NaN in unwritten rows,
+the route backend="auto" takes, refusals, torch.compile and CUDA graphs.
 
 Skipped cleanly without a CUDA device, and where the kernel cannot serve (not SM90, or
 a triton without Gluon's Hopper API).
@@ -45,25 +45,33 @@ def _needs_kernel():
         pytest.skip(f"the gluon fp8-cache kernel cannot serve here: {reason}")
 
 
-def _case(B, s_q, H, page, lens, seed):
+def _case(B, s_q, H, page, lens, seed, fp8=True):
+    """q, the cache (e4m3 where fp8, else bf16), its scale (None for bf16), table, lengths."""
     q, kv, bt, cl = make_case(B, s_q, H, L, R, page, lens, "cuda", seed=seed)
+    if not fp8:
+        return q, kv, None, bt, cl
     kv8, k_scale = quantize_e4m3(kv)
     return q, kv8, k_scale, bt, cl
 
 
 def _ref(q, kv8, k_scale, bt, cl, causal=True):
-    return decode_ref64(q.double(), kv8.double() * k_scale.double(), bt, cl, SCALE, causal, L)
+    kv = kv8.double() if k_scale is None else kv8.double() * k_scale.double()
+    return decode_ref64(q.double(), kv, bt, cl, SCALE, causal, L)
 
 
 def _run(q, kv8, bt, cl, k_scale, causal=True, num_splits=0):
-    """The op (mla::gluon_decode_fp8_cache), as compiled callers see it."""
-    from lowering.decode.gluon_decode import gluon_decode_fp8_cache_op
+    """The op (mla::gluon_decode_fp8_cache; over a bf16 cache mla::gluon_decode, which
+    takes the same kernel at up to 32 rows), as compiled callers see it."""
+    from lowering.decode.gluon_decode import gluon_decode_fp8_cache_op, gluon_decode_op
+    if k_scale is None:
+        return gluon_decode_op(q, kv8, bt, cl, SCALE, causal, num_splits)
     return gluon_decode_fp8_cache_op(q, kv8, bt, cl, k_scale, SCALE, causal, num_splits)
 
 
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("B,s_q,H,page,lens,splits", CASES)
-def test_fp8_cache_vs_fp64(B, s_q, H, page, lens, splits):
-    q, kv8, k_scale, bt, cl = _case(B, s_q, H, page, lens, B * 13 + H + page)
+def test_few_rows_vs_fp64(B, s_q, H, page, lens, splits, fp8):
+    q, kv8, k_scale, bt, cl = _case(B, s_q, H, page, lens, B * 13 + H + page, fp8)
     ref, ref_lse = _ref(q, kv8, k_scale, bt, cl)
     out, lse = _run(q, poison_unwritten_rows(kv8, bt, cl), bt, cl, k_scale, num_splits=splits)
     assert out.dtype == torch.bfloat16 and out.shape == (B, s_q, H, L)
@@ -73,11 +81,13 @@ def test_fp8_cache_vs_fp64(B, s_q, H, page, lens, splits):
     assert (lse.double() - ref_lse).abs().max().item() < 2e-3
 
 
-def test_fp8_cache_not_causal():
-    q, kv8, k_scale, bt, cl = _case(2, 2, 16, 64, [900, 130], seed=3)
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_few_rows_not_causal(fp8):
+    q, kv8, k_scale, bt, cl = _case(2, 2, 16, 64, [900, 130], seed=3, fp8=fp8)
     ref, ref_lse = _ref(q, kv8, k_scale, bt, cl, causal=False)
-    out, lse = lowering.mla_decode(q, kv8, bt, cl, SCALE, causal=False, kv_cache_dtype="fp8",
-                                   k_scale=k_scale, backend="gluon")
+    out, lse = lowering.mla_decode(q, kv8, bt, cl, SCALE, causal=False,
+                                   kv_cache_dtype="fp8" if fp8 else "auto", k_scale=k_scale,
+                                   backend="gluon")
     assert rel_err(out, ref) < 1e-2
     assert (lse.double() - ref_lse).abs().max().item() < 2e-3
 
@@ -107,7 +117,9 @@ def test_auto_takes_the_kernel_at_16_heads_and_names_what_it_cannot_serve():
         assert rel_err(out, ref) < 2e-2
 
 
-def test_fp8_cache_under_compile_and_cuda_graphs():
-    q, kv8, k_scale, bt, cl = _case(4, 1, 16, 64, [1500] * 4, seed=21)
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_few_rows_under_compile_and_cuda_graphs(fp8):
+    q, kv8, k_scale, bt, cl = _case(4, 1, 16, 64, [1500] * 4, seed=21, fp8=fp8)
     check_compiled_and_graphed(lambda q, kv, bt, cl: _run(q, kv, bt, cl, k_scale),
-                               "gluon_decode_fp8_cache", q, kv8, bt, cl)
+                               "gluon_decode_fp8_cache" if fp8 else "gluon_decode",
+                               q, kv8, bt, cl)

@@ -1,17 +1,19 @@
-"""Hopper MLA decode of a bf16 query over an fp8 cache at up to 32 query rows, in Gluon:
-the "gluon" route's kernel for kv_cache_dtype="fp8" (launcher: gluon_decode.py).
+"""Hopper MLA decode of a bf16 query at up to 32 query rows over an fp8 or a bf16 cache, in
+Gluon: the "gluon" route's kernel for kv_cache_dtype="fp8", and for a bf16 cache up to 32
+rows (launcher: gluon_decode.py).
 
 At 16 heads (DeepSeek-V3 at tensor parallel 8, V2-Lite) a cache byte takes part in few
 FLOPs, so a call is bound by how fast its tiles stream in. The Triton kernel widens each
 fp8 tile from a load into registers, which cannot be issued ahead of use: DRAM stayed 22 %
-busy (docs/notes/NOTES-decode-fp8.md). Here:
+busy (docs/notes/NOTES-decode-fp8.md); FlashMLA's bf16 kernel runs 64-row query tiles. Here:
   - a one-warp producer copies each tile of BN = 64 keys (9 TMA boxes of 64 columns) into
-    a ring of STAGES fp8 buffers, ahead of the consumer;
-  - the consumer warpgroup widens the tile to fp16 (exact for e4m3) into one shared
-    buffer and frees the ring slot at once;
+    a ring of STAGES buffers, ahead of the consumer;
+  - FP8: the consumer warpgroup widens the tile to fp16 (exact for e4m3) into one shared
+    buffer and frees the ring slot at once; bf16: the MMAs read the ring slot itself,
+    freed after the tile's P V;
   - both products run transposed, keys as the M side of the warpgroup MMA (whose M is at
     least 64; 16 query rows as M would waste three quarters of it):
-        S^T [BN, NR]       = K [BN, 576] . q^T [576, NR]      (A: the widened tile)
+        S^T [BN, NR]       = K [BN, 576] . q^T [576, NR]      (A: the tile)
         O^T [512, NR]     += V^T [512, BN] . P^T [BN, NR]     (A: the same tile, MN-major)
     q^T and P^T are the small B operands in shared memory; O^T is eight [64, NR]
     accumulators, one per 64 value columns;
@@ -20,8 +22,10 @@ busy (docs/notes/NOTES-decode-fp8.md). Here:
 The shared-memory indices of the MMA operands carry a runtime zero (z), as in
 gluon_pair_kernel.py: with constant indices ptxas hoists every MMA descriptor out of the
 loop and spills them. NR is the query rows (s_q * H, token-major) padded to 16 or 32;
-padded rows are zero and never stored. q is scaled by 1/16 before its cast to fp16 (|q| up to ~1e6 stays finite)
-and P is rounded to fp16, as the Triton kernel's kind 1 does. Output as the other stage-1
+padded rows are zero and never stored. FP8: q is scaled by 1/16 before its cast to fp16
+(|q| up to ~1e6 stays finite) and P is rounded to fp16, as the Triton kernel's kind 1
+does; bf16: q and P in bf16. Keys past a split's end in its last tile are zeroed in the
+tile (unwritten rows may hold NaN, and 0 x NaN is NaN). Output as the other stage-1
 kernels: DIRECT -> out [B, ROWS, 512] bf16 + lse [B, H, S_Q]; else fp32 partials (out /
 l) + lse for triton_merge_kernel.
 """
@@ -80,6 +84,18 @@ def _put(sW, c: gl.constexpr, x, keep, MASKED: gl.constexpr):
 
 
 @gluon.jit
+def _zero_tail(sK, s, key0, end, BN: gl.constexpr, NCH: gl.constexpr):
+    """A bf16 ring slot's rows at keys >= end to 0 (another split's keys, or whatever an
+    unwritten page holds, must not reach P V as NaN x 0)."""
+    z_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])       # [16, 64]
+    keep = (key0 + gl.arange(0, BN, layout=gl.SliceLayout(1, z_l)) < end)[:, None]
+    for c in gl.static_range(NCH):
+        box = sK.index(s * NCH + c)
+        x = box.load(z_l)
+        box.store(gl.where(keep, x, gl.zeros_like(x)))
+
+
+@gluon.jit
 def _store_chunk(acc, inv, c: gl.constexpr, o_ptr, o_row0, ROWS: gl.constexpr,
                  NR: gl.constexpr, DIRECT: gl.constexpr):
     """Value columns [64 c, 64 c + 64) of the rows: acc [64, NR] (O^T) times inv [NR]."""
@@ -99,9 +115,13 @@ def _store_chunk(acc, inv, c: gl.constexpr, o_ptr, o_row0, ROWS: gl.constexpr,
 def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split,
               seqlen, start, end, n_tiles, sm_scale_log2, num_splits, S_Q: gl.constexpr,
               H: gl.constexpr, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
-              NCH: gl.constexpr, DIRECT: gl.constexpr, CAUSAL: gl.constexpr):
+              NCH: gl.constexpr, DIRECT: gl.constexpr, CAUSAL: gl.constexpr,
+              FP8: gl.constexpr):
     ROWS: gl.constexpr = S_Q * H
-    f16: gl.constexpr = gl.float16
+    if FP8:
+        f16: gl.constexpr = gl.float16
+    else:
+        f16: gl.constexpr = gl.bfloat16
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, NR, 16])
     row_l: gl.constexpr = gl.SliceLayout(0, s_l)             # [NR] query rows (S^T columns)
@@ -115,11 +135,18 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
     q_mask = (qr[:, None] < ROWS) & (qc[None, :] < 64)
     for c in gl.static_range(NCH):
         x = gl.load(q_rows + 64 * c, mask=q_mask, other=0.0)
-        sQ.index(c).store((x.to(gl.float32) * 0.0625).to(f16))
+        if FP8:
+            sQ.index(c).store((x.to(gl.float32) * 0.0625).to(f16))
+        else:
+            sQ.index(c).store(x)
     fence_async_shared()
 
-    k_scale = gl.load(ks_ptr)
-    scale_log2 = sm_scale_log2 * 16.0 * k_scale
+    if FP8:
+        k_scale = gl.load(ks_ptr)
+        scale_log2 = sm_scale_log2 * 16.0 * k_scale
+    else:
+        k_scale = 1.0
+        scale_log2 = sm_scale_log2
     rows = gl.arange(0, NR, layout=row_l)
     if CAUSAL:
         limit = seqlen - S_Q + rows // H + 1                 # keys visible to each row
@@ -139,15 +166,23 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
         s = i % STAGES
         key0 = start + i * BN
         mbarrier.wait(kv_full.index(s), (i // STAGES) & 1)
-        _widen(sK, s, sW, key0, end, BN)
-        mbarrier.arrive(kv_empty.index(s), count=1)
+        if FP8:
+            _widen(sK, s, sW, key0, end, BN)
+            mbarrier.arrive(kv_empty.index(s), count=1)
+            sA = sW                                 # the MMAs' tile: the widened copy
+            a0 = gl.minimum(key0, 0)  # a runtime 0 in the MMA operands' indices (below)
+        else:
+            if key0 + BN > end:
+                _zero_tail(sK, s, key0, end, BN, NCH)
+            sA = sK                                 # the MMAs' tile: the ring slot itself
+            a0 = s * NCH + gl.minimum(key0, 0)
         fence_async_shared()
+        z = gl.minimum(key0, 0)
         # S^T = K q^T: 9 chained MMAs over the 576 columns
-        z = gl.minimum(key0, 0)     # a runtime 0 in the MMA operands' indices (below)
-        tok = warpgroup_mma(sW.index(z), sQ.index(z).permute((1, 0)),
+        tok = warpgroup_mma(sA.index(a0), sQ.index(z).permute((1, 0)),
                             gl.zeros([BN, NR], gl.float32, s_l), is_async=True)
         for c in gl.static_range(1, NCH):
-            tok = warpgroup_mma(sW.index(c + z), sQ.index(c + z).permute((1, 0)), tok,
+            tok = warpgroup_mma(sA.index(a0 + c), sQ.index(c + z).permute((1, 0)), tok,
                                 is_async=True)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=[tok])             # [BN, NR]
         keys = key0 + gl.arange(0, BN, layout=key_l)
@@ -165,16 +200,18 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
         # O^T += V^T P^T, per 64 value columns (V^T: the widened tile read MN-major)
         a = alpha[None, :]
         pt = sP.permute((1, 0))
-        acc0 = warpgroup_mma(sW.index(0 + z).permute((1, 0)), pt, acc0 * a, is_async=True)
-        acc1 = warpgroup_mma(sW.index(1 + z).permute((1, 0)), pt, acc1 * a, is_async=True)
-        acc2 = warpgroup_mma(sW.index(2 + z).permute((1, 0)), pt, acc2 * a, is_async=True)
-        acc3 = warpgroup_mma(sW.index(3 + z).permute((1, 0)), pt, acc3 * a, is_async=True)
-        acc4 = warpgroup_mma(sW.index(4 + z).permute((1, 0)), pt, acc4 * a, is_async=True)
-        acc5 = warpgroup_mma(sW.index(5 + z).permute((1, 0)), pt, acc5 * a, is_async=True)
-        acc6 = warpgroup_mma(sW.index(6 + z).permute((1, 0)), pt, acc6 * a, is_async=True)
-        acc7 = warpgroup_mma(sW.index(7 + z).permute((1, 0)), pt, acc7 * a, is_async=True)
+        acc0 = warpgroup_mma(sA.index(a0 + 0).permute((1, 0)), pt, acc0 * a, is_async=True)
+        acc1 = warpgroup_mma(sA.index(a0 + 1).permute((1, 0)), pt, acc1 * a, is_async=True)
+        acc2 = warpgroup_mma(sA.index(a0 + 2).permute((1, 0)), pt, acc2 * a, is_async=True)
+        acc3 = warpgroup_mma(sA.index(a0 + 3).permute((1, 0)), pt, acc3 * a, is_async=True)
+        acc4 = warpgroup_mma(sA.index(a0 + 4).permute((1, 0)), pt, acc4 * a, is_async=True)
+        acc5 = warpgroup_mma(sA.index(a0 + 5).permute((1, 0)), pt, acc5 * a, is_async=True)
+        acc6 = warpgroup_mma(sA.index(a0 + 6).permute((1, 0)), pt, acc6 * a, is_async=True)
+        acc7 = warpgroup_mma(sA.index(a0 + 7).permute((1, 0)), pt, acc7 * a, is_async=True)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
             num_outstanding=0, deps=[acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7])
+        if not FP8:
+            mbarrier.arrive(kv_empty.index(s), count=1)
 
     # ---- epilogue ---------------------------------------------------------------------
     l_i = gl.sum(l_acc, axis=0)
@@ -202,30 +239,36 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
 @gluon.jit
 def _consume(cargs, pargs, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
              NCH: gl.constexpr, S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
-             DIRECT: gl.constexpr, CAUSAL: gl.constexpr):
+             DIRECT: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
     (q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split, seqlen, start,
      end, n_tiles, sm_scale_log2, num_splits) = cargs
     _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split,
               seqlen, start, end, n_tiles, sm_scale_log2, num_splits, S_Q, H, BN, NR, STAGES,
-              NCH, DIRECT, CAUSAL)
+              NCH, DIRECT, CAUSAL, FP8)
 
 
 @gluon.jit
 def _load(cargs, pargs, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
           NCH: gl.constexpr, S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
-          DIRECT: gl.constexpr, CAUSAL: gl.constexpr):
+          DIRECT: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
     kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt, num_blocks = pargs
-    load_ring(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
-              num_blocks, BN, PAGE, STAGES, NCH)
+    if FP8:
+        load_ring(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
+                  num_blocks, BN, PAGE, STAGES, NCH, 1)
+    else:
+        load_ring(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
+                  num_blocks, BN, PAGE, STAGES, NCH, 2)
 
 
 @gluon.jit
-def mla_decode_fp8_cache_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, lse_ptr,
+def mla_decode_rows_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, lse_ptr,
                                 sm_scale_log2, stride_bt, max_blocks, num_blocks, num_splits,
                                 S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
                                 BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
-                                DIRECT: gl.constexpr, CAUSAL: gl.constexpr):
-    """grid (B, num_splits); 4 warps (the consumer) plus the producer warp."""
+                                DIRECT: gl.constexpr, CAUSAL: gl.constexpr,
+                                FP8: gl.constexpr):
+    """grid (B, num_splits); 4 warps (the consumer) plus the producer warp. FP8: an e4m3
+    cache (widened), else bf16 (the ring slots are the MMAs' tiles)."""
     NCH: gl.constexpr = 9                       # 576 = 8 value chunks of 64 + the rope chunk
     b = gl.program_id(0)
     split = gl.program_id(1)
@@ -236,12 +279,17 @@ def mla_decode_fp8_cache_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_p
     end = gl.minimum(start + chunk, seqlen)
     n_tiles = gl.maximum(gl.cdiv(end - start, BN), 0)
 
-    f8: gl.constexpr = gl.float8e4nv
-    f16: gl.constexpr = gl.float16
-    sK = gl.allocate_shared_memory(f8, [STAGES * NCH, BN, 64],
-                                   gl.NVMMASharedLayout.get_default_for([BN, 64], f8))
-    sW = gl.allocate_shared_memory(f16, [NCH, BN, 64],
-                                   gl.NVMMASharedLayout.get_default_for([BN, 64], f16))
+    if FP8:
+        kv: gl.constexpr = gl.float8e4nv
+        f16: gl.constexpr = gl.float16
+        sW = gl.allocate_shared_memory(f16, [NCH, BN, 64],
+                                       gl.NVMMASharedLayout.get_default_for([BN, 64], f16))
+    else:
+        kv: gl.constexpr = gl.bfloat16
+        f16: gl.constexpr = gl.bfloat16
+        sW = 0                                      # no widened copy: MMAs read the ring
+    sK = gl.allocate_shared_memory(kv, [STAGES * NCH, BN, 64],
+                                   gl.NVMMASharedLayout.get_default_for([BN, 64], kv))
     sQ = gl.allocate_shared_memory(f16, [NCH, NR, 64],
                                    gl.NVMMASharedLayout.get_default_for([NR, 64], f16))
     sP = gl.allocate_shared_memory(f16, [NR, BN],
@@ -257,7 +305,7 @@ def mla_decode_fp8_cache_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_p
     pargs = (kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
              num_blocks)
     gl.warp_specialize([(_consume, (cargs, pargs, BN, NR, STAGES, NCH, S_Q, H, PAGE, DIRECT,
-                                    CAUSAL)),
+                                    CAUSAL, FP8)),
                         (_load, (cargs, pargs, BN, NR, STAGES, NCH, S_Q, H, PAGE, DIRECT,
-                                 CAUSAL))],
+                                 CAUSAL, FP8))],
                        [1], [24])
