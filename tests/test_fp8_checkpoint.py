@@ -14,6 +14,7 @@ fg = pytest.importorskip("transformers.integrations.finegrained_fp8")
 
 import mla_ops.hf as H  # noqa: E402
 from hf_models import build_pair, left_padded, logit_err, tiny_config  # noqa: E402
+from mla_reference import nan_empty  # noqa: E402
 from lowering import config as mla_config  # noqa: E402
 from lowering.gemm import fp8_linear  # noqa: E402
 from mla_ops.hf import fp8_linear as hf_fp8  # noqa: E402
@@ -193,6 +194,18 @@ def test_moe_fp8_kernels_vs_fp64(T, E, K, I, H):
     got = fp8_experts.run_kernels(xs, idx.to(DEV), wts.to(DEV), gu.to(DEV), gus.to(DEV),
                                   dn.to(DEV), dns.to(DEV), 128, 128)
     assert rel(got, ref) < tol
+    # a pair whose expert is outside [0, E) adds zero (its output row is written as zeros;
+    # the buffers are NaN-filled here so an unwritten row shows)
+    bad = idx.clone()
+    bad[0, 0] = -1
+    keep = torch.ones(T, K)
+    keep[0, 0] = 0
+    with pytest.MonkeyPatch.context() as mp:
+        nan_empty(mp)
+        got = fp8_experts.run_kernels(xs, bad.to(DEV), wts.to(DEV), gu.to(DEV), gus.to(DEV),
+                                      dn.to(DEV), dns.to(DEV), 128, 128)
+    assert torch.isfinite(got).all()
+    assert rel(got, moe_w8a8_ref(xs.cpu().float(), idx, wts * keep, gu, gus, dn, dns, cast)) < tol
     # the torch path: the chosen experts dequantized, no activation quant
     dequantized = fp8_experts.reference(x, idx, wts, gu, gus, dn, dns, 128, 128)
     half = gus.shape[1] // 2

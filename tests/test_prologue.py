@@ -10,6 +10,7 @@ pytest.importorskip("triton")
 pytest.importorskip("transformers")
 
 from lowering.fused import prologue, q_rope  # noqa: E402
+from lowering.fused.decode_rows import angle_rows  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -174,8 +175,11 @@ V2_CASES = [
 ]
 
 
+@pytest.mark.parametrize("views", [False, True], ids=["rows", "freqs_cis"])
 @pytest.mark.parametrize("S,T,N,P,R,L", V2_CASES)
-def test_v2_kernel_vs_fp64(S, T, N, P, R, L):
+def test_v2_kernel_vs_fp64(S, T, N, P, R, L, views):
+    """views: the angles as freqs_cis.real / .imag (a column stride of 2), as a V2 model
+    hands them, read in place (angle_rows(strided=True) copies nothing)."""
     g = torch.Generator().manual_seed(S * 100 + T + N)
     dt, tol = (torch.bfloat16, 2e-2) if DEV == "cuda" else (torch.float32, 1e-5)
     NQ = N * (P + R)
@@ -190,8 +194,12 @@ def test_v2_kernel_vs_fp64(S, T, N, P, R, L):
     ref_k = _rope_complex64(k, cos, sin)
     q_out = torch.empty(T, NQ, dtype=dt, device=DEV)
     kv_out = torch.empty(T, L + R, dtype=dt, device=DEV)
-    prologue.launch_v2(part.float().to(DEV), w_kv.to(DEV), cos.to(DEV), sin.to(DEV), 1e-6, N,
-                       q_out, kv_out)
+    c, s = cos.to(DEV), sin.to(DEV)
+    if views:
+        z = torch.complex(c, s)                                           # [T, R/2]
+        c, s = angle_rows(z.real, z.imag, T, torch.float32, strided=True)
+        assert c.stride(-1) == 2 and c.data_ptr() == z.real.data_ptr()
+    prologue.launch_v2(part.float().to(DEV), w_kv.to(DEV), c, s, 1e-6, N, q_out, kv_out)
     q_out = q_out.view(T, N, P + R)
     assert _rel(q_out[..., :P], ref_q[..., :P]) < tol
     assert _rel(q_out[..., P:], ref_q[..., P:]) < tol

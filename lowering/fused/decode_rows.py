@@ -42,7 +42,12 @@ def check_angles(cos: torch.Tensor, sin: torch.Tensor) -> None:
             raise TypeError(f"{name} must be a floating tensor (HF's rotary rows), got {c.dtype}")
 
 
-def angle_rows(cos: torch.Tensor, sin: torch.Tensor, T: int, dtype) -> tuple:
-    """cos / sin [*lead, R] as [T, R] rows in dtype with a unit last stride, for a kernel."""
-    rows = (a.reshape(T, a.shape[-1]).to(dtype) for a in (cos, sin))
-    return tuple(a if a.stride(-1) == 1 else a.contiguous() for a in rows)
+def angle_rows(cos: torch.Tensor, sin: torch.Tensor, T: int, dtype,
+               strided: bool = False) -> tuple:
+    """cos / sin [*lead, R] as [T, R] rows in dtype, for a kernel: with a unit last stride,
+    or (strided: for kernels that take a column stride) as they are where both are views
+    of the same strides, e.g. V2's freqs_cis.real / .imag, so no copy runs per layer."""
+    c, s = (a.reshape(T, a.shape[-1]).to(dtype) for a in (cos, sin))
+    if strided and c.stride() == s.stride():
+        return c, s
+    return tuple(a if a.stride(-1) == 1 else a.contiguous() for a in (c, s))

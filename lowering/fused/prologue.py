@@ -78,15 +78,15 @@ HEADS = 16          # V2 query heads per program of the prologue kernel
 
 def launch(part, w_q, w_kv, cos, sin, eps_q, eps_kv, rope, q_out, kv_out):
     """Run qkv_prologue_kernel with q_a's norm: part [S, T, NQ + L + R] fp32 contiguous,
-    cos / sin [T, R] ([T, R / 2] with rope 2; last dim contiguous), q_out [T, NQ], kv_out
-    [T, L + R] contiguous."""
+    cos / sin [T, R] ([T, R / 2] with rope 2; both of the same strides), q_out [T, NQ],
+    kv_out [T, L + R] contiguous."""
     S, T, _ = part.shape
     NQ, L = w_q.shape[0], w_kv.shape[0]
     R = part.shape[-1] - NQ - L
     kernel = torch.library.wrap_triton(qkv_prologue_kernel)
     kernel[(T, 2)](
         part, w_q, w_kv, cos, sin, q_out, kv_out,
-        part.stride(0), cos.stride(0), eps_q, eps_kv,
+        part.stride(0), cos.stride(0), cos.stride(1), eps_q, eps_kv,
         SPLIT=S, NQ=NQ, L=L, R=R, BLOCK_Q=triton.next_power_of_2(NQ),
         BLOCK_L=triton.next_power_of_2(L), BLOCK_H=triton.next_power_of_2(R // 2),
         ROPE=int(rope), Q_ROPE=False, NH=1, HEADS=1, BLOCK_P=1, num_warps=4)
@@ -94,7 +94,7 @@ def launch(part, w_q, w_kv, cos, sin, eps_q, eps_kv, rope, q_out, kv_out):
 
 def launch_v2(part, w_kv, cos, sin, eps_kv, num_heads, q_out, kv_out):
     """Run qkv_prologue_kernel for V2: part [S, T, NQ + L + R] fp32 contiguous, cos / sin
-    [T, >= R / 2] (last dim contiguous), q_out [T, NQ], kv_out [T, L + R] contiguous."""
+    [T, >= R / 2] (both of the same strides), q_out [T, NQ], kv_out [T, L + R] contiguous."""
     S, T, W = part.shape
     NQ, L = q_out.shape[-1], w_kv.shape[0]
     R = W - NQ - L
@@ -102,7 +102,7 @@ def launch_v2(part, w_kv, cos, sin, eps_kv, num_heads, q_out, kv_out):
     kernel = torch.library.wrap_triton(qkv_prologue_kernel)
     kernel[(T, 1 + triton.cdiv(num_heads, heads))](
         part, w_kv, w_kv, cos, sin, q_out, kv_out,
-        part.stride(0), cos.stride(0), 0.0, eps_kv,
+        part.stride(0), cos.stride(0), cos.stride(1), 0.0, eps_kv,
         SPLIT=S, NQ=NQ, L=L, R=R, BLOCK_Q=1, BLOCK_L=triton.next_power_of_2(L),
         BLOCK_H=triton.next_power_of_2(R // 2), ROPE=2, Q_ROPE=True, NH=num_heads,
         HEADS=heads, BLOCK_P=triton.next_power_of_2(NQ // num_heads - R), num_warps=4)
@@ -123,7 +123,7 @@ def decode_qkv_prologue(part: torch.Tensor, w_q: torch.Tensor, w_kv: torch.Tenso
         return rms_norm_torch(q, w_q, eps_q), kv_row
     p = part.reshape(part.shape[0], -1, part.shape[-1]).contiguous()      # [S, T, NQ+L+R]
     T = p.shape[1]
-    c, s = angle_rows(cos, sin, T, torch.float32 if rope == 2 else w_q.dtype)
+    c, s = angle_rows(cos, sin, T, torch.float32 if rope == 2 else w_q.dtype, strided=True)
     q_out = torch.empty((T, NQ), dtype=w_q.dtype, device=part.device)
     kv_out = torch.empty((T, L + R), dtype=w_q.dtype, device=part.device)
     launch(p, w_q, w_kv, c, s, float(eps_q), float(eps_kv), int(rope), q_out, kv_out)
@@ -162,7 +162,7 @@ def decode_q_kv_rope(part: torch.Tensor, w_kv: torch.Tensor, cos: torch.Tensor,
                            dim=-1)
         return q, kv_row
     p = part.reshape(part.shape[0], -1, part.shape[-1]).contiguous()      # [S, T, NQ+L+R]
-    c, s = angle_rows(cos, sin, T, torch.float32)                          # fp32, as V2's
+    c, s = angle_rows(cos, sin, T, torch.float32, strided=True)            # fp32, as V2's
     q_out = torch.empty((T, NQ), dtype=dt, device=part.device)
     kv_out = torch.empty((T, L + R), dtype=dt, device=part.device)
     launch_v2(p, w_kv, c, s, float(eps_kv), num_heads, q_out, kv_out)

@@ -51,7 +51,7 @@ def _rms_norm(x, w_ptr, offs, mask, n, eps, dt):
 
 
 @triton.jit
-def _rope(src, dst, cols, ok, cos_row, sin_row, stride_split, dt,
+def _rope(src, dst, cols, ok, cos_row, sin_row, stride_cc, stride_split, dt,
           SPLIT: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, ROPE: tl.constexpr):
     """RoPE of the R-wide rope parts that start at columns cols [HB] of the partials row src,
     written at the same columns of the output row dst (ok [HB]: which parts are real)."""
@@ -65,10 +65,10 @@ def _rope(src, dst, cols, ok, cos_row, sin_row, stride_split, dt,
     m = ok[:, None] & mh[None, :]                                         # [HB, BLOCK_H]
     x1 = _row_sum(src, cols[:, None] + i1[None, :], m, stride_split, SPLIT).to(dt).to(tl.float32)
     x2 = _row_sum(src, cols[:, None] + i2[None, :], m, stride_split, SPLIT).to(dt).to(tl.float32)
-    cos1 = tl.load(cos_row + j, mask=mh, other=0.0).to(tl.float32)[None, :]
-    sin1 = tl.load(sin_row + j, mask=mh, other=0.0).to(tl.float32)[None, :]
-    cos2 = tl.load(cos_row + c2, mask=mh, other=0.0).to(tl.float32)[None, :]
-    sin2 = tl.load(sin_row + c2, mask=mh, other=0.0).to(tl.float32)[None, :]
+    cos1 = tl.load(cos_row + j * stride_cc, mask=mh, other=0.0).to(tl.float32)[None, :]
+    sin1 = tl.load(sin_row + j * stride_cc, mask=mh, other=0.0).to(tl.float32)[None, :]
+    cos2 = tl.load(cos_row + c2 * stride_cc, mask=mh, other=0.0).to(tl.float32)[None, :]
+    sin2 = tl.load(sin_row + c2 * stride_cc, mask=mh, other=0.0).to(tl.float32)[None, :]
     o1, o2 = rotate(x1, x2, cos1, sin1, cos2, sin2, dt)
     if ROPE == 2:
         d1, d2 = i1, i2
@@ -82,10 +82,10 @@ def _rope(src, dst, cols, ok, cos_row, sin_row, stride_split, dt,
 def qkv_prologue_kernel(
     part_ptr,                  # [SPLIT, T, NQ + L + R] fp32, contiguous
     wq_ptr, wkv_ptr,           # [NQ] (unused with Q_ROPE), [L]: the norms' weights
-    cos_ptr, sin_ptr,          # [T, R] or [T, R / 2] rows, stride stride_cs (last dim contiguous)
+    cos_ptr, sin_ptr,          # [T, R] or [T, R / 2] rows, strides (stride_cs, stride_cc)
     q_out_ptr,                 # [T, NQ]
     kv_out_ptr,                # [T, L + R]
-    stride_split, stride_cs, eps_q, eps_kv,
+    stride_split, stride_cs, stride_cc, eps_q, eps_kv,
     SPLIT: tl.constexpr, NQ: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
     ROPE: tl.constexpr, Q_ROPE: tl.constexpr,
@@ -107,7 +107,7 @@ def qkv_prologue_kernel(
         tl.store(out + ol, _rms_norm(kv, wkv_ptr, ol, ml, L, eps_kv, dt), mask=ml)
         # k_pe -> RoPE, into the last R columns
         one = tl.full([1], 0, tl.int32)
-        _rope(row + NQ + L, out + L, one, one == 0, cos_row, sin_row, stride_split, dt,
+        _rope(row + NQ + L, out + L, one, one == 0, cos_row, sin_row, stride_cc, stride_split, dt,
               SPLIT, R, BLOCK_H, ROPE)
     elif Q_ROPE:
         # heads [h0, h0 + HEADS) of q: the first P columns copied (rounded), RoPE on the rest
@@ -119,7 +119,7 @@ def qkv_prologue_kernel(
         offs = h[:, None] * HW + p[None, :]                               # [HEADS, BLOCK_P]
         m = ok[:, None] & (p < P)[None, :]
         tl.store(q_row + offs, _row_sum(row, offs, m, stride_split, SPLIT).to(dt), mask=m)
-        _rope(row, q_row, h * HW + P, ok, cos_row, sin_row, stride_split, dt,
+        _rope(row, q_row, h * HW + P, ok, cos_row, sin_row, stride_cc, stride_split, dt,
               SPLIT, R, BLOCK_H, ROPE)
     else:
         # q_a -> q_a_layernorm

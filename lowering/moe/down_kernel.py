@@ -4,7 +4,9 @@ out[p] = weight[p] * (h[p] @ W_down[e_p].T), streaming only the chosen experts' 
     h [P, I] (gate_up_kernel.py's output), down [E, H, I] (HF's DeepseekV3Experts.down_proj),
     weight [P] fp32 routing weights, out [P, H] fp32; P = T * TOP_K pairs
 
-Grid (P, cdiv(H, BLOCK_N)) over the pairs, as gate_up_kernel.py. Each product is rounded
+Grid (P, cdiv(H, BLOCK_N)) over the pairs, as gate_up_kernel.py. Every row of out is
+written (a pair whose expert is outside [0, E) by its own program, as zeros), so out
+needs no zero fill. Each product is rounded
 to h's dtype (HF's linear output) before the fp32 multiply by its routing weight; the caller
 sums out over k per token in fp32 and rounds once (HF's grouped_mm experts do the same).
 """
@@ -55,3 +57,6 @@ def moe_down_kernel(
         y = acc.to(dt).to(tl.float32) * wt[None, :]
         o_ptrs = out_ptr + pair.to(tl.int64)[None, :] * stride_op + offs_n[:, None]  # out.T tile
         tl.store(o_ptrs, y, mask=m_ok[None, :] & n_ok[:, None])
+    if (e < 0) | (e >= E):          # no program serves this pair: its row adds zero
+        tl.store(out_ptr + s.to(tl.int64) * stride_op + offs_n,
+                 tl.zeros([BLOCK_N], dtype=tl.float32), mask=n_ok)

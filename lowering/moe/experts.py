@@ -137,7 +137,7 @@ def run_kernels(x, topk_idx, topk_weight, gate_up, down) -> torch.Tensor:
     weight = topk_weight.reshape(-1).to(torch.float32)                       # [P]
     h = torch.empty((T * K, I), dtype=x.dtype, device=x.device)              # [P, I]
     launch_gate_up(x, gate_up, pairs, K, h, pick_config("gate_up", I, H, T))
-    out = torch.zeros((T * K, H), dtype=torch.float32, device=x.device)      # [P, H]
+    out = torch.empty((T * K, H), dtype=torch.float32, device=x.device)      # [P, H], all written
     launch_down(h, down, weight, pairs, K, out, pick_config("down", H, I, T))
     return out.view(T, K, H).sum(1).to(x.dtype)                              # [T, H]
 

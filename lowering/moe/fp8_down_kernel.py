@@ -61,3 +61,6 @@ def moe_down_fp8_kernel(
         y = acc.to(dt).to(tl.float32) * wt[None, :]
         o_ptrs = out_ptr + pair.to(tl.int64)[None, :] * stride_op + offs_n[:, None]  # out.T tile
         tl.store(o_ptrs, y, mask=m_ok[None, :] & n_ok[:, None])
+    if (e < 0) | (e >= E):          # no program serves this pair: its row adds zero
+        tl.store(out_ptr + s.to(tl.int64) * stride_op + offs_n,
+                 tl.zeros([BLOCK_N], dtype=tl.float32), mask=n_ok)

@@ -112,7 +112,7 @@ def run_kernels(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_sca
         gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0),
         BLOCK_R=block_r, BLOCK_M=moe.BLOCK_M, BLOCK_N=bn, BLOCK_K=gk, GROUP_N=gn,
         EVEN_K=H % gk == 0, DOT_F32=not x.is_cuda, num_warps=warps, num_stages=stages)
-    out = torch.zeros((P, H), dtype=torch.float32, device=x.device)          # [P, H]
+    out = torch.empty((P, H), dtype=torch.float32, device=x.device)          # [P, H], all written
     bn, warps, stages = pick_config("down", H, I, T)
     torch.library.wrap_triton(moe_down_fp8_kernel)[(P, triton.cdiv(H, bn))](
         h, down, down_scale, weight, out, pairs, P, E, H, I, K,
