@@ -58,8 +58,8 @@ def attention(H=16, s_q=1):
 
 def sweep_splits(H=16):
     """The Gluon kernel at fixed split counts: µs from its first kernel's start to the
-    merge's end (profiler; no launch overhead), each after an L2 flush."""
-    from timing import kernel_time_us
+    merge's end in a CUDA-graph replay (profiler; no launch gaps), each after an L2 flush."""
+    from timing import capture, kernel_time_us
     from lowering.decode.gluon_decode import gluon_decode_op
     from lowering.decode.registry import sm_count
     from lowering.decode.triton_decode import choose_num_splits
@@ -69,7 +69,8 @@ def sweep_splits(H=16):
         auto = choose_num_splits(B, 1, S, sm_count(q.device), min_split_keys=256)
         line = []
         for n in sorted({1, 2, 3, 4, 5, 6, 8, 12, 16, auto}):
-            us = kernel_time_us(lambda: gluon_decode_op(q, kv, bt, lens, scale, True, n))
+            g = capture(lambda: gluon_decode_op(q, kv, bt, lens, scale, True, n), 2)
+            us = kernel_time_us(g.replay, reps=20)
             line.append(f"{n}{'*' if n == auto else ''}: {us:.1f}")
         print(f"splits B{B} S{S} (µs): " + ", ".join(line), flush=True)
         del q, kv, bt, lens
