@@ -197,7 +197,7 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
         m_i = m_new
         sP.store(gl.permute(p.to(f16), [1, 0]))                             # P [NR, BN]
         fence_async_shared()
-        # O^T += V^T P^T, per 64 value columns (V^T: the widened tile read MN-major)
+        # O^T += V^T P^T, per 64 value columns (V^T: the tile read MN-major)
         a = alpha[None, :]
         pt = sP.permute((1, 0))
         acc0 = warpgroup_mma(sA.index(a0 + 0).permute((1, 0)), pt, acc0 * a, is_async=True)
@@ -262,11 +262,10 @@ def _load(cargs, pargs, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr
 
 @gluon.jit
 def mla_decode_rows_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, lse_ptr,
-                                sm_scale_log2, stride_bt, max_blocks, num_blocks, num_splits,
-                                S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
-                                BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
-                                DIRECT: gl.constexpr, CAUSAL: gl.constexpr,
-                                FP8: gl.constexpr):
+                           sm_scale_log2, stride_bt, max_blocks, num_blocks, num_splits,
+                           S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
+                           BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
+                           DIRECT: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
     """grid (B, num_splits); 4 warps (the consumer) plus the producer warp. FP8: an e4m3
     cache (widened), else bf16 (the ring slots are the MMAs' tiles)."""
     NCH: gl.constexpr = 9                       # 576 = 8 value chunks of 64 + the rope chunk
