@@ -5,30 +5,21 @@ threshold raised so the Triton kernel takes every call; step µs from events ove
 replays, each compiled once (rounds: ROUNDS, alternating).
 
     python docs/notes/probe_decode16_route.py v2-lite:32:1024,v2-lite:8:4096 [ROUNDS]
+
+Since the Gluon few-rows kernel (2026-12-04, later) "auto" gives these calls to it on
+SM90 before either: probe_decode16_rows.py forces each route instead.
 """
 import sys, torch
 sys.path[:0] = ["benchmarks", "docs/notes"]         # run from the repository root
 from lowering.decode import registry
-from probe_step_kernels import decode_graph
+from probe_step_kernels import replay_us
 
 SHIPPED = registry.SMALL_DECODE_POSITIONS
 
 
 def step_us(shape, B, S, positions):
     registry.SMALL_DECODE_POSITIONS = positions
-    torch.manual_seed(0)
-    model, cache, runner, ids = decode_graph(shape, B, S)
-    for _ in range(5):
-        runner(ids)
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(100):
-        runner(ids)
-    b.record(); torch.cuda.synchronize()
-    del model, cache, runner
-    torch.cuda.empty_cache()
-    return a.elapsed_time(b) / 100 * 1000
+    return replay_us(shape, B, S)
 
 
 for item in sys.argv[1].split(","):

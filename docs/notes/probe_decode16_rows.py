@@ -78,25 +78,14 @@ def sweep_splits(H=16):
 
 
 def step_us(shape, B, S, only):
-    from probe_step_kernels import decode_graph
+    """A DecodeGraph step's µs with the bf16 decode route `only` (and the reference)."""
+    from probe_step_kernels import replay_us
     saved = dict(registry.TABLE["bf16"])
     registry.TABLE["bf16"].clear()
     registry.TABLE["bf16"].update({only: saved[only], "reference": saved["reference"]})
     registry._chosen.clear()
     try:
-        torch.manual_seed(0)
-        model, cache, runner, ids = decode_graph(shape, B, S)
-        for _ in range(5):
-            runner(ids)
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(100):
-            runner(ids)
-        b.record(); torch.cuda.synchronize()
-        del model, cache, runner
-        torch.cuda.empty_cache()
-        return a.elapsed_time(b) / 100 * 1000
+        return replay_us(shape, B, S)
     finally:
         registry.TABLE["bf16"].clear()
         registry.TABLE["bf16"].update(saved)

@@ -27,6 +27,23 @@ def decode_graph(shape: str, B: int, S: int):
     return model, cache, runner, ids
 
 
+def replay_us(shape: str, B: int, S: int, n: int = 100) -> float:
+    """µs a step of decode_graph(shape, B, S) from events over n replays (after 5), seed 0."""
+    torch.manual_seed(0)
+    model, cache, runner, ids = decode_graph(shape, B, S)
+    for _ in range(5):
+        runner(ids)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        runner(ids)
+    b.record(); torch.cuda.synchronize()
+    del model, cache, runner
+    torch.cuda.empty_cache()
+    return a.elapsed_time(b) / n * 1000
+
+
 def main(spec):
     for shape, B, S in (r.split(":") for r in spec.split(",")):
         B, S = int(B), int(S)
