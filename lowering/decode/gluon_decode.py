@@ -48,7 +48,7 @@ FP8_CONFIGS = (dict(BN=64, STAGES=3), dict(BN=32, STAGES=8))
 FP8_LONG_SPLIT = 1024
 MIN_SPLIT_KEYS = 256
 NUM_WARPS = 4           # the default partition: consumer warpgroup 0
-# The fp8-cache kernel (bf16 q), by query rows padded to NR = 16 or 32: tiles of 64 keys
+# The few-rows kernel over an fp8 cache (bf16 q), by query rows padded to NR = 16 or 32: tiles of 64 keys
 # (the M side of its MMAs) in a ring of STAGES. A ring of 2 ran 1-7 % faster than 3 at
 # 16 heads on an H200 (docs/notes/probe_fp8_cache16.py); 32 rows fit a ring of 2 only.
 FP8_CACHE_CONFIGS = {16: dict(BN=64, STAGES=2), 32: dict(BN=64, STAGES=2)}
@@ -91,7 +91,7 @@ def _kernel_unmet(q, kv_cache, block_n):
 
 def gluon_unmet(call):
     """None if a Gluon kernel serves this mla_decode DecodeCall (the bf16 kernels, or the
-    fp8-cache kernel for kind "fp8"), else why not."""
+    few-rows kernel over an fp8 cache for kind "fp8"), else why not."""
     if call.kind == "fp8":
         return fp8_cache_unmet(call)
     if call.kind != "auto":
@@ -120,7 +120,7 @@ def _rows_unmet(q, kv_cache):
 
 
 def fp8_cache_unmet(call):
-    """None if the fp8-cache kernel serves this DecodeCall (kind "fp8", bf16 q), else why not."""
+    """None if the few-rows kernel over an fp8 cache serves this DecodeCall (kind "fp8", bf16 q), else why not."""
     q, kv_cache = call.q, call.kv_cache
     if IMPORT_ERROR is not None:
         return IMPORT_ERROR
@@ -141,7 +141,7 @@ def fp8_cache_unmet(call):
 
 
 def fp8_cache_config(rows: int) -> tuple[int, dict]:
-    """(NR, config) of the fp8-cache kernel for rows = s_q x H <= FP8_CACHE_MAX_ROWS."""
+    """(NR, config) of the few-rows kernel over an fp8 cache for rows = s_q x H <= FP8_CACHE_MAX_ROWS."""
     nr = 16 if rows <= 16 else 32
     return nr, FP8_CACHE_CONFIGS[nr]
 
