@@ -48,9 +48,9 @@ FP8_CONFIGS = (dict(BN=64, STAGES=3), dict(BN=32, STAGES=8))
 FP8_LONG_SPLIT = 1024
 MIN_SPLIT_KEYS = 256
 NUM_WARPS = 4           # the default partition: consumer warpgroup 0
-# The few-rows kernel over an fp8 cache (bf16 q), by query rows padded to NR = 16 or 32: tiles of 64 keys
-# (the M side of its MMAs) in a ring of STAGES. A ring of 2 ran 1-7 % faster than 3 at
-# 16 heads on an H200 (docs/notes/probe_fp8_cache16.py); 32 rows fit a ring of 2 only.
+# The few-rows kernel over an fp8 cache (bf16 q), by query rows padded to NR = 16 or 32:
+# tiles of 64 keys (the M side of its MMAs) in a ring of STAGES. A ring of 2 ran 1-7 %
+# faster than 3 at 16 heads on an H200 (docs/notes/probe_fp8_cache16.py); 32 rows fit a ring of 2 only.
 FP8_CACHE_CONFIGS = {16: dict(BN=64, STAGES=2), 32: dict(BN=64, STAGES=2)}
 FP8_CACHE_MAX_ROWS = 32
 # The same kernel over a bf16 cache: the ring slots are the MMAs' tiles (72 KB a 64-key
