@@ -19,15 +19,15 @@ HOPPER_SMEM = 232448        # bytes of shared memory one Hopper CTA may use
 
 
 def _compile_for_sm90(constexprs, kind):
-    """Compile a kernel ("pair", "ring" or "fp8") for SM90 and return its facts (run in a
+    """Compile a kernel ("pair", "ring", "fp8" or "rows") for SM90 and return its facts (run in a
     child process: the test session's TRITON_INTERPRET=1 turns triton's own helpers into
     interpreted ones, which a compiled kernel cannot call)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
-    if kind == "fp8-cache":
-        return _compile_fp8_cache(constexprs, triton, GPUTarget, gl, GluonASTSource)
+    if kind == "rows":
+        return _compile_rows(constexprs, triton, GPUTarget, gl, GluonASTSource)
     fp8 = kind == "fp8"
     if fp8:
         from lowering.decode.gluon_fp8_kernel import mla_decode_fp8_kernel as kernel
@@ -57,7 +57,7 @@ def _compile_for_sm90(constexprs, kind):
     return _facts(k)
 
 
-def _compile_fp8_cache(constexprs, triton, GPUTarget, gl, GluonASTSource):
+def _compile_rows(constexprs, triton, GPUTarget, gl, GluonASTSource):
     from lowering.decode.gluon_rows_kernel import mla_decode_rows_kernel as kernel
     bn = constexprs["BN"]
     el, ty = (gl.float8e4nv, "fp8e4nv") if constexprs["FP8"] else (gl.bfloat16, "bf16")
@@ -154,10 +154,10 @@ def test_fp8_cache_kernel_compiles_for_sm90(s_q, H, page, direct, causal):
     """The fp8-cache kernel at both row paddings: 9 QK and 8 P V chunks of 4 MMAs (k = 16)
     each, TMA tile copies, and its ring within a Hopper CTA's shared memory."""
     pytest.importorskip("triton")
-    from lowering.decode.gluon_decode import fp8_cache_config
-    nr, config = fp8_cache_config(s_q * H)
+    from lowering.decode.gluon_decode import rows_config
+    nr, config = rows_config(s_q * H, True)
     cs = dict(S_Q=s_q, H=H, PAGE=page, NR=nr, DIRECT=direct, CAUSAL=causal, FP8=True, **config)
-    facts = _compiled_facts(cs, "fp8-cache")
+    facts = _compiled_facts(cs, "rows")
     assert facts["wgmma"] == 9 * 4 + 8 * 4
     assert facts["tma"]
     assert 0 < facts["shared"] <= HOPPER_SMEM
@@ -224,9 +224,9 @@ def test_few_rows_bf16_kernel_compiles_for_sm90(s_q, H, page, direct, causal):
     copy), the same 68 MMAs, without spills, within a CTA's shared memory."""
     pytest.importorskip("triton")
     from lowering.decode.gluon_decode import rows_config
-    nr, config = rows_config(s_q * H)
+    nr, config = rows_config(s_q * H, False)
     cs = dict(S_Q=s_q, H=H, PAGE=page, NR=nr, DIRECT=direct, CAUSAL=causal, FP8=False, **config)
-    facts = _compiled_facts(cs, "fp8-cache")
+    facts = _compiled_facts(cs, "rows")
     assert facts["wgmma"] == 9 * 4 + 8 * 4
     assert facts["tma"] and facts["stack"] in (0, None)
     assert 0 < facts["shared"] <= HOPPER_SMEM

@@ -48,15 +48,14 @@ FP8_CONFIGS = (dict(BN=64, STAGES=3), dict(BN=32, STAGES=8))
 FP8_LONG_SPLIT = 1024
 MIN_SPLIT_KEYS = 256
 NUM_WARPS = 4           # the default partition: consumer warpgroup 0
-# The few-rows kernel over an fp8 cache (bf16 q), by query rows padded to NR = 16 or 32:
-# tiles of 64 keys (the M side of its MMAs) in a ring of STAGES. A ring of 2 ran 1-7 %
-# faster than 3 at 16 heads on an H200 (docs/notes/probe_fp8_cache16.py); 32 rows fit a ring of 2 only.
+# The few-rows kernel (gluon_rows_kernel.py, bf16 q), by cache and query rows padded to NR
+# = 16 or 32: tiles of 64 keys (the M side of its MMAs) in a ring of STAGES. Over an fp8
+# cache a ring of 2 ran 1-7 % faster than 3 at 16 heads on an H200
+# (docs/notes/probe_fp8_cache16.py); over a bf16 cache a 64-key tile is 72 KB, so a ring
+# of 2 is what fits beside q.
 FP8_CACHE_CONFIGS = {16: dict(BN=64, STAGES=2), 32: dict(BN=64, STAGES=2)}
-FP8_CACHE_MAX_ROWS = 32
-# The same kernel over a bf16 cache: the ring slots are the MMAs' tiles (72 KB a 64-key
-# tile), so a ring of 2 is what fits beside q.
 ROWS_CONFIGS = {16: dict(BN=64, STAGES=2), 32: dict(BN=64, STAGES=2)}
-ROWS_MAX = 32
+ROWS_MAX = 32           # query rows (s_q x H) the few-rows kernel serves, either cache
 
 
 def _gluon_import_error():
@@ -101,20 +100,21 @@ def gluon_unmet(call):
     if call.head_dim_v != 512:
         return f"the gluon backend needs head_dim_v 512, got {call.head_dim_v}"
     if call.q.shape[1] * call.q.shape[2] <= ROWS_MAX:
-        return _rows_unmet(call.q, call.kv_cache)
+        if IMPORT_ERROR is not None:
+            return IMPORT_ERROR
+        if call.q.shape[-1] != 576:
+            return (f"the gluon backend needs q/cache rows of 576 (512 + 64), got "
+                    f"{call.q.shape[-1]}")
+        return _rows_page_unmet(call.q, call.kv_cache, False, "the gluon backend")
     return _kernel_unmet(call.q, call.kv_cache, CONFIG["BN"])
 
 
-def _rows_unmet(q, kv_cache):
-    """What the few-rows kernel needs over a bf16 cache (rows <= ROWS_MAX): Gluon's API,
-    rows of 576, pages of whole 64-key tiles. None if all hold."""
-    if IMPORT_ERROR is not None:
-        return IMPORT_ERROR
-    if q.shape[-1] != 576:
-        return f"the gluon backend needs q/cache rows of 576 (512 + 64), got {q.shape[-1]}"
-    bn = rows_config(q.shape[1] * q.shape[2])[1]["BN"]
+def _rows_page_unmet(q, kv_cache, fp8: bool, what: str):
+    """The few-rows kernel's page condition (whole tiles of its config's BN keys), named
+    for `what`; None if it holds."""
+    bn = rows_config(q.shape[1] * q.shape[2], fp8)[1]["BN"]
     if kv_cache.shape[1] % bn:
-        return (f"the gluon backend needs block_size to be a multiple of {bn}, "
+        return (f"{what} needs block_size to be a multiple of {bn}, "
                 f"kv_cache has block_size {kv_cache.shape[1]}")
     return None
 
@@ -130,26 +130,17 @@ def fp8_cache_unmet(call):
         return (f"the gluon fp8-cache kernel needs q/cache rows of 576 (512 + 64) and "
                 f"head_dim_v 512, got {q.shape[-1]} and {call.head_dim_v}")
     rows = q.shape[1] * q.shape[2]
-    if rows > FP8_CACHE_MAX_ROWS:
-        return (f"the gluon fp8-cache kernel serves up to {FP8_CACHE_MAX_ROWS} query rows "
+    if rows > ROWS_MAX:
+        return (f"the gluon fp8-cache kernel serves up to {ROWS_MAX} query rows "
                 f"(s_q x heads), got {rows}")
-    bn = fp8_cache_config(rows)[1]["BN"]
-    if kv_cache.shape[1] % bn:
-        return (f"the gluon fp8-cache kernel needs block_size to be a multiple of {bn}, "
-                f"kv_cache has block_size {kv_cache.shape[1]}")
-    return None
+    return _rows_page_unmet(q, kv_cache, True, "the gluon fp8-cache kernel")
 
 
-def fp8_cache_config(rows: int) -> tuple[int, dict]:
-    """(NR, config) of the few-rows kernel over an fp8 cache for rows = s_q x H <= FP8_CACHE_MAX_ROWS."""
+def rows_config(rows: int, fp8: bool) -> tuple[int, dict]:
+    """(NR, config) of the few-rows kernel for rows = s_q x H <= ROWS_MAX over an fp8 cache
+    (FP8_CACHE_CONFIGS) or a bf16 one (ROWS_CONFIGS)."""
     nr = 16 if rows <= 16 else 32
-    return nr, FP8_CACHE_CONFIGS[nr]
-
-
-def rows_config(rows: int) -> tuple[int, dict]:
-    """(NR, config) of the few-rows kernel over a bf16 cache, rows = s_q x H <= ROWS_MAX."""
-    nr = 16 if rows <= 16 else 32
-    return nr, ROWS_CONFIGS[nr]
+    return nr, (FP8_CACHE_CONFIGS if fp8 else ROWS_CONFIGS)[nr]
 
 
 def _check_tma_aligned(name: str, t: torch.Tensor) -> None:
@@ -312,7 +303,7 @@ def _launch_rows(q, kv_cache, block_table, cache_seqlens, k_scale, softmax_scale
     B, s_q, H, D = q.shape
     num_blocks, page, _ = kv_cache.shape
     fp8 = k_scale is not None
-    NR, config = (fp8_cache_config if fp8 else rows_config)(s_q * H)
+    NR, config = rows_config(s_q * H, fp8)
     BN, STAGES = config["BN"], config["STAGES"]
     if page % BN:
         raise ValueError(f"the gluon few-rows kernel needs block_size to be a multiple of {BN}, "

@@ -127,7 +127,7 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
     row_l: gl.constexpr = gl.SliceLayout(0, s_l)             # [NR] query rows (S^T columns)
     key_l: gl.constexpr = gl.SliceLayout(1, s_l)             # [BN] keys
 
-    # ---- q [NR, 576] / 16 as fp16 into sQ (9 chunks of 64 columns; padded rows 0) --------
+    # ---- q [NR, 576] into sQ (fp8 cache: / 16 as fp16; 9 chunks of 64 columns; padded rows 0)
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])       # [16, 64]
     qr = gl.arange(0, NR, layout=gl.SliceLayout(1, q_l))
     qc = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
@@ -248,16 +248,11 @@ def _consume(cargs, pargs, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.conste
 
 
 @gluon.jit
-def _load(cargs, pargs, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
-          NCH: gl.constexpr, S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
-          DIRECT: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
+def _load(pargs, BN: gl.constexpr, STAGES: gl.constexpr, NCH: gl.constexpr,
+          PAGE: gl.constexpr, KV_BYTES: gl.constexpr):
     kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt, num_blocks = pargs
-    if FP8:
-        load_ring(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
-                  num_blocks, BN, PAGE, STAGES, NCH, 1)
-    else:
-        load_ring(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
-                  num_blocks, BN, PAGE, STAGES, NCH, 2)
+    load_ring(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
+              num_blocks, BN, PAGE, STAGES, NCH, KV_BYTES)
 
 
 @gluon.jit
@@ -280,11 +275,13 @@ def mla_decode_rows_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, l
 
     if FP8:
         kv: gl.constexpr = gl.float8e4nv
+        KV_BYTES: gl.constexpr = 1
         f16: gl.constexpr = gl.float16
         sW = gl.allocate_shared_memory(f16, [NCH, BN, 64],
                                        gl.NVMMASharedLayout.get_default_for([BN, 64], f16))
     else:
         kv: gl.constexpr = gl.bfloat16
+        KV_BYTES: gl.constexpr = 2
         f16: gl.constexpr = gl.bfloat16
         sW = 0                                      # no widened copy: MMAs read the ring
     sK = gl.allocate_shared_memory(kv, [STAGES * NCH, BN, 64],
@@ -305,6 +302,5 @@ def mla_decode_rows_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, l
              num_blocks)
     gl.warp_specialize([(_consume, (cargs, pargs, BN, NR, STAGES, NCH, S_Q, H, PAGE, DIRECT,
                                     CAUSAL, FP8)),
-                        (_load, (cargs, pargs, BN, NR, STAGES, NCH, S_Q, H, PAGE, DIRECT,
-                                 CAUSAL, FP8))],
+                        (_load, (pargs, BN, STAGES, NCH, PAGE, KV_BYTES))],
                        [1], [24])
