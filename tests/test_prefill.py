@@ -149,3 +149,32 @@ def test_varlen_attention_rejects_bad_arguments():
         varlen_attention(q, q, q[..., :16], cu, 0, 0.2)
     with pytest.raises(TypeError, match="v must"):
         varlen_attention(q, q, q[..., :16].double(), cu, 4, 0.2)
+
+
+@pytest.mark.parametrize("T,N", [(1, 1), (5, 3), (9, 16), (4, 12)])
+def test_keys_kernel_places_every_head(T, N):
+    """The keys kernel against an element-wise construction: heads not a multiple of its
+    block, one token, k_pe a strided view (the cache row's rope columns)."""
+    skip_unless_interpreted("triton")
+    from lowering.prefill.keys_kernel import keys_unmet, prefill_keys
+    P, R, L = 32, 16, 64
+    g = torch.Generator().manual_seed(T * 31 + N)
+    k_nope = torch.randn(T, N * P, generator=g).to(torch.bfloat16).view(T, N, P)
+    row = torch.randn(T, L + R, generator=g).to(torch.bfloat16)
+    k_pe = row[:, L:]                                      # row stride L + R
+    assert keys_unmet(k_nope, k_pe) is None
+    k = prefill_keys(k_nope, k_pe)
+    want = torch.empty(T, N, P + R, dtype=torch.bfloat16)
+    for t in range(T):
+        for h in range(N):
+            want[t, h, :P] = k_nope[t, h]
+            want[t, h, P:] = row[t, L:]
+    assert k.shape == (T, N, P + R) and k.is_contiguous()
+    assert torch.equal(k, want)
+
+
+def test_keys_unmet_names_the_layout():
+    from lowering.prefill.keys_kernel import keys_unmet
+    k_nope = torch.randn(3, 4, 32).transpose(0, 1)         # heads not contiguous per token
+    assert "contiguous" in keys_unmet(k_nope, torch.randn(4, 16))
+    assert "powers of two" in keys_unmet(torch.randn(3, 4, 24), torch.randn(3, 16))

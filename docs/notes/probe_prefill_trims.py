@@ -76,7 +76,7 @@ CHECK = []
 ROUTE = router.route_torch
 VARIANTS = {
     "baseline": {},
-    "keys-pad": {(pstep, "up_project"): up_project_pad, (pstep, "keys"): keys_pad},
+    "keys-pad": {(pstep, "up_project"): up_project_pad, (pstep, "kernel_keys"): keys_pad},
     "router-select": {(router, "route_torch"): route_select},
 }
 

@@ -6,6 +6,7 @@ the context already in the paged cache, returning the output and the log-sum-exp
     ragged.py        a ragged batch as a right-padded dense batch and back (device
                      index maps), varlen_attention
     gather_kernel.py the context gather from the paged cache (fp8 dequantized), Triton
+    keys_kernel.py   the dense op's keys, [k_nope | k_pe] per head, Triton
     merge_kernel.py  mla::merge_attn_states, the LSE merge of two partial attentions, Triton
     step.py          mla_prefill: a step's prefill rows as kernels and bf16 GEMMs
 """

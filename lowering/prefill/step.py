@@ -4,8 +4,9 @@ For the prefill requests of a step (the suffix of the batch after the decode req
 
 1. New tokens. k_nope and v of this step's tokens come from two GEMMs in the input
    dtype, kv_c [T, L] @ W_UK [L, N*P] and kv_c @ W_UV [L, N*V] (never fp32 einsums);
-   k = [k_nope | k_pe] (192 wide). The causal attention of each request over its own
-   tokens is one call of the dense op on the right-padded batch (ragged.py): out and lse.
+   k = [k_nope | k_pe] (192 wide; one launch, keys_kernel.py). The causal attention of
+   each request over its own tokens is one call of the dense op on the right-padded
+   batch (ragged.py): out and lse.
 2. Cached context, when any request has some. A window of `width` positions of every
    request's context is gathered into one padded workspace [Bp, width, L + R] (one
    kernel, fp8 dequantized in the gather; width = workspace_rows // Bp, so memory stays
@@ -73,20 +74,24 @@ def up_project(kv_c, W_UK_T, W_UV):
     return k_nope.view(-1, N, P), v.view(-1, N, V)
 
 
-def keys(k_nope, k_pe):
-    """k_nope [..., N, P], k_pe [..., R] -> k [..., N, P + R]."""
-    return torch.cat([k_nope, k_pe.unsqueeze(-2).expand(*k_nope.shape[:-1], k_pe.shape[-1])], -1)
+def kernel_keys(k_nope, k_pe):
+    """k_nope [T, N, P], k_pe [T, R] -> k [T, N, P + R]: one launch where it serves."""
+    from lowering.prefill.keys_kernel import keys_reference, keys_unmet, prefill_keys
+    if keys_unmet(k_nope, k_pe) is None:
+        return prefill_keys(k_nope, k_pe)
+    return keys_reference(k_nope, k_pe)
 
 
 def kernel_ops(kernels: str):
-    """(gather, merge) for kernels "triton" (one launch each) or "torch" (references)."""
+    """(gather, merge, keys) for kernels "triton" (one launch each) or "torch" (references)."""
     if kernels == "triton":
         from lowering.prefill.gather_kernel import gather_context
         from lowering.prefill.merge_kernel import merge_attn_states
-        return gather_context, merge_attn_states
+        return gather_context, merge_attn_states, kernel_keys
     from lowering.prefill.gather_kernel import gather_context_reference
+    from lowering.prefill.keys_kernel import keys_reference
     from lowering.prefill.merge_kernel import merge_attn_states_reference
-    return gather_context_reference, merge_attn_states_reference
+    return gather_context_reference, merge_attn_states_reference, keys_reference
 
 
 def mla_prefill(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
@@ -105,6 +110,7 @@ def mla_prefill(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_l
     Bp, B = shape.num_requests, block_table.shape[0]
     Tp = T - nd
     cu = query_start_loc[B - Bp:] - nd                            # [Bp + 1] int32
+    gather, merge, keys = kernel_ops(kernels)
     qp = q[nd:]                                                   # [Tp, N, P + R]
     k_nope, v = up_project(kv_c_normed[nd:], W_UK_T, W_UV)
     k = keys(k_nope, k_pe[nd:])                                   # [Tp, N, P + R]
@@ -116,7 +122,6 @@ def mla_prefill(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_l
     if shape.max_context_len <= 0:
         return out.reshape(Tp, N * V)
 
-    gather, merge = kernel_ops(kernels)
     bt = block_table[B - Bp:]
     ctx_lens = (seq_lens[B - Bp:] - (cu[1:] - cu[:-1])).clamp(min=0).to(torch.int32)  # [Bp]
     width = min(max(1, workspace_rows // Bp), shape.max_context_len)
