@@ -27,7 +27,10 @@ The routed experts (HF's DeepseekV3Experts / DeepseekV2Experts, weights as store
     - decode rows (lowering/moe/experts.py's kernels serve: CUDA, bf16 / fp16, <= 64 tokens)
       with fuse_experts: mla::moe_experts_decode, streaming only the chosen experts' weights;
       static shapes and no host syncs, so the step compiles fullgraph and captures in a CUDA
-      graph;
+      graph. Where the router's kernels and the shared experts' decode GEMMs serve too (the
+      16-bit models), the whole block is one op, mla::moe_block_decode
+      (lowering/moe/block.py): the same kernels, the shared experts on a second stream
+      beside the router and the routed experts, bit for bit the result of the separate ops;
     - more rows on CUDA with "grouped_mm" (or no setting), experts not split by HF's expert
       parallelism: HF's grouped_mm steps, then one kernel that weights and sums the pairs'
       outputs per token (lowering/moe/prefill.py) where HF makes three fp32 passes;
@@ -49,11 +52,12 @@ from __future__ import annotations
 import torch
 
 from lowering import config as mla_config
+from lowering.moe import block as moe_block  # registers mla::moe_block_decode
 from lowering.moe import experts as moe_ops  # registers mla::moe_experts_decode
 from lowering.moe import prefill as moe_prefill  # registers mla::moe_combine
 from lowering.moe import router as moe_router  # registers mla::moe_route
 from mla_ops.hf import fp8_linear as fp8
-from mla_ops.hf.linear import converted_class, fusable_mlp, fused_mlp_class
+from mla_ops.hf.linear import converted_class, fusable_mlp, fused_mlp_class, use_ops
 
 __all__ = ["convert_moe", "moe_blocks", "route", "routed_experts"]
 
@@ -152,10 +156,34 @@ def routed_experts(block, x: torch.Tensor, topk_idx: torch.Tensor,
     return experts(x, topk_idx, topk_weight)
 
 
+def block_decode_args(block, x: torch.Tensor):
+    """mla::moe_block_decode's arguments for x [T, H] where its kernels serve the whole
+    block (decode rows on CUDA, 16-bit experts, shared experts converted with plain
+    linears, no grad wanted), else None. Shapes, dtypes and settings only."""
+    shared = block.shared_experts
+    if (mla_config.linear_impl == "torch" or not block.mla_fuse_experts
+            or fp8.is_fp8_experts(block.experts) or _needs_grad(block.experts)
+            or not getattr(shared, "mla_converted", False)
+            or not use_ops(shared.gate_proj, shared.up_proj, shared.down_proj)
+            or (torch.is_grad_enabled() and (block.gate.weight.requires_grad
+                                             or x.requires_grad))):
+        return None
+    w = (block.experts.gate_up_proj, block.experts.down_proj, shared.gate_proj.weight,
+         shared.up_proj.weight, shared.down_proj.weight)
+    if not moe_block.block_serves(x, block.gate.weight, *w):
+        return None
+    return (x, block.gate.weight, *route_args(block), *w)
+
+
 def _moe_forward(self, hidden_states: torch.Tensor, residual=None) -> torch.Tensor:
     """HF's MoE block (+ residual, in HF's order): hidden_states [B, S, H] -> [B, S, H]."""
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])                                   # [T, H]
+    args = block_decode_args(self, x)
+    if args is not None:               # decode rows: one op, the shared experts beside
+        pairs, shared = torch.ops.mla.moe_block_decode(*args)   # [T, K, H], [split_k, T, H]
+        out = (pairs.sum(1).to(x.dtype) + shared.sum(0).to(x.dtype)).view(shape)
+        return out if residual is None else residual + out
     topk_idx, topk_weight = route(self, x)                                     # [T, K] each
     out = routed_experts(self, x, topk_idx, topk_weight).view(shape)
     out = out + self.shared_experts(hidden_states)
