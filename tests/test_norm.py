@@ -121,3 +121,98 @@ def test_converted_layer_graph_holds_the_ops_and_matches_hf(monkeypatch):
         assert (out - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
     assert {"mla.rms_norm", "mla.decode_linear_residual"} <= targets[0]
     assert not any(t.startswith("mla.rms_norm") or "residual" in t for t in targets[1])
+
+
+def _residual_ref(p32, r64, dt):
+    """The partials summed in split order in fp32 (the GEMM's documented accumulation),
+    rounded to dt; the residual add in float64 rounded to dt."""
+    acc = p32[0].clone()
+    for s in range(1, p32.shape[0]):
+        acc = acc + p32[s]
+    return (r64 + acc.to(dt).double()).to(dt)
+
+
+# splits, rows, N (not a power of two; V2-Lite's hidden size), dtypes
+@pytest.mark.parametrize("S,T,N", [(2, 1, 2048), (4, 5, 100), (3, 32, 512), (1, 2, 7)])
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_residual_kernel_vs_fp64(S, T, N, dt):
+    g = torch.Generator().manual_seed(S * 1000 + T * 10 + N)
+    p = torch.randn(S, T, N, generator=g, dtype=torch.float64).float()
+    r = (torch.randn(T, N, generator=g, dtype=torch.float64) * 2).to(dt)
+    w = (torch.rand(N, generator=g, dtype=torch.float64) + 0.5).to(dt)
+    h = torch.full((T, N), float("nan"), device=DEV, dtype=dt)
+    y = torch.full((T, N), float("nan"), device=DEV, dtype=dt)
+    norm.launch_residual(p.to(DEV), r.to(DEV), w.to(DEV), 1e-6, h, y)
+    h_ref = _residual_ref(p, r.double(), dt)
+    assert not (h.isnan().any() or y.isnan().any())
+    if DEV == "cuda" or dt == torch.float32:
+        assert torch.equal(h.cpu(), h_ref)              # the same roundings, in order
+    else:                   # the interpreter's bf16 cast truncates: two casts, each within
+        big = torch.maximum(r.double().abs(), p.double().sum(0).abs())   # an ulp of an addend
+        assert ((h.cpu().double() - h_ref.double()).abs() <= 2 * 2 ** -7 * big + 1e-30).all()
+    # the norm of the h it stored; its fp32 sum of squares may round the row one way where
+    # fp64 rounds the other
+    assert _ulps(y.cpu(), _ref(h.cpu().double(), w.double(), 1e-6, dt)) <= 2.0
+
+
+def test_residual_op_torch_path_and_errors():
+    """Off CUDA the op is `residual + parts.sum(0).to(dtype)` and HF's norm, bit for bit;
+    bad partials are refused naming them."""
+    g = torch.Generator().manual_seed(5)
+    p = torch.randn(3, 2, 4, 64, generator=g)
+    r = torch.randn(2, 4, 64, generator=g).to(torch.bfloat16)
+    w = torch.rand(64, generator=g).add(0.5).to(torch.bfloat16)
+    h, y = torch.ops.mla.residual_rms_norm(p, r, w, 1e-6)
+    want = r + p.sum(0).to(torch.bfloat16)
+    assert torch.equal(h, want) and torch.equal(y, norm.rms_norm_torch(want, w, 1e-6))
+    with pytest.raises(ValueError, match="parts must be fp32"):
+        torch.ops.mla.residual_rms_norm(p[:, :1], r, w, 1e-6)
+    with pytest.raises(ValueError, match="parts must be fp32"):
+        torch.ops.mla.residual_rms_norm(p.double(), r, w, 1e-6)
+    torch.library.opcheck(torch.ops.mla.residual_rms_norm.default, (p, r, w, 1e-6),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_converted_layer_takes_the_residual_norm_where_o_proj_splits(monkeypatch):
+    """Where o_proj's decode GEMM splits K (forced here for every GEMM: on the CPU the ops'
+    torch paths), the converted layer's graph holds mla::residual_rms_norm after the
+    partials, and the model still computes HF's logits."""
+    pytest.importorskip("transformers")
+    import mla_ops.hf as H
+    from lowering.gemm import linear as gemm
+    from hf_models import build_pair, tiny_config
+    monkeypatch.setattr(gemm, "linear_split_k", lambda x, w: 2)
+    for family in ("v3", "v2"):
+        ref_model, model = build_pair(tiny_config(family))
+        H.convert(model)
+        ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
+        targets = set()
+
+        def backend(gm, example_inputs):
+            targets.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return gm.forward
+        torch._dynamo.reset()
+        cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=16, block_size=4)
+        with torch.no_grad():
+            out = torch.compile(model.forward, backend=backend, fullgraph=True)(
+                ids, past_key_values=cache).logits
+            ref = ref_model(ids).logits
+        assert (out - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
+        assert {"mla.residual_rms_norm", "mla.decode_linear_partials"} <= targets
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the op's Triton path runs on CUDA")
+def test_residual_op_on_gpu_is_the_separate_ops():
+    """bf16 on CUDA, two splits: the op gives the separate sum, add and mla::rms_norm bit
+    for bit, eager and compiled."""
+    g = torch.Generator().manual_seed(2)
+    p = torch.randn(2, 32, 1, 2048, generator=g).to(DEV)
+    r = torch.randn(32, 1, 2048, generator=g).to(DEV, torch.bfloat16)
+    w = torch.rand(2048, generator=g).add(0.5).to(DEV, torch.bfloat16)
+
+    def f(p, r):
+        return torch.ops.mla.residual_rms_norm(p, r, w, 1e-6)
+    h_want = r + (p[0] + p[1]).to(torch.bfloat16)
+    y_want = torch.ops.mla.rms_norm(h_want, w, 1e-6)
+    for h, y in (f(p, r), torch.compile(f, fullgraph=True)(p, r)):
+        assert torch.equal(h, h_want) and torch.equal(y, y_want)

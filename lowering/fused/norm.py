@@ -1,6 +1,9 @@
 """RMSNorm as a graph op: the decoder layers' norms of a decode step.
 
     mla::rms_norm(x [*, N], weight [N], eps) -> weight * rms_normalized(x)     [*, N]
+    mla::residual_rms_norm(parts [S, *, N] fp32, residual [*, N], weight [N], eps)
+        -> (h = residual + sum(parts).to(dtype), rms_norm(h))      a split-K GEMM's output,
+           the residual add and the norm after it (residual_norm_kernel.py), one launch
 
 On CUDA (bf16 / fp16, N <= MAX_N) one Triton launch, one program per row
 (rms_norm_kernel.py); elsewhere HF's own DeepseekV3RMSNorm.forward in torch ops, bit for
@@ -15,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from lowering.fused.residual_norm_kernel import residual_rms_norm_kernel
 from lowering.fused.rms_norm_kernel import rms_norm_kernel
 
 MAX_N = 16384          # a row in registers: 16384 fp32 over 8 warps is 64 per thread
@@ -75,3 +79,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)          # [T, N]
     launch(x2, weight, eps, y)
     return y.view(x.shape)
+
+
+def residual_rms_norm_torch(parts: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same in torch: HF's `residual + linear(x)` with the linear's output the partials'
+    sum rounded once, then HF's RMSNorm."""
+    h = residual + parts.sum(0).to(residual.dtype)
+    return h, rms_norm_torch(h, w, eps)
+
+
+def launch_residual(parts: torch.Tensor, r2: torch.Tensor, weight: torch.Tensor, eps: float,
+                    h: torch.Tensor, y: torch.Tensor) -> None:
+    """h, y [T, N] from parts [S, T, N] (contiguous fp32) and r2 [T, N] (last dim
+    contiguous): residual_norm_kernel.py, one program per row."""
+    S, T, N = parts.shape
+    block = triton.next_power_of_2(N)
+    kernel = torch.library.wrap_triton(residual_rms_norm_kernel)
+    kernel[(T,)](parts, r2, weight, h, y, T, N, r2.stride(0), float(eps), S=S, BLOCK=block,
+                 num_warps=8 if block >= 4096 else 4)
+
+
+@torch.library.triton_op("mla::residual_rms_norm", mutates_args={})
+def residual_rms_norm(parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(residual, weight, eps)
+    if (parts.dim() != residual.dim() + 1 or tuple(parts.shape[1:]) != tuple(residual.shape)
+            or parts.dtype != torch.float32 or parts.device != residual.device):
+        raise ValueError(f"parts must be fp32 [S, {', '.join(map(str, residual.shape))}] on "
+                         f"{residual.device} (residual's shape after the splits); got "
+                         f"{parts.dtype} {tuple(parts.shape)} on {parts.device}")
+    if rms_norm_unmet(residual, weight) is not None or parts.shape[0] < 1:
+        return residual_rms_norm_torch(parts, residual, weight, eps)
+    N = residual.shape[-1]
+    p3 = parts.reshape(parts.shape[0], -1, N)
+    p3 = p3 if p3.is_contiguous() else p3.contiguous()
+    r2 = residual.reshape(-1, N)
+    r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
+    h = torch.empty((r2.shape[0], N), dtype=residual.dtype, device=residual.device)  # [T, N]
+    y = torch.empty_like(h)                                                          # [T, N]
+    launch_residual(p3, r2, weight, eps, h, y)
+    return h.view(residual.shape), y.view(residual.shape)

@@ -14,6 +14,7 @@ from mla_ops.hf.generate import check_cache_options, generation_class
 from mla_ops.hf.layer import convert_layers
 from mla_ops.hf.linear import (absorbed_decode_query, convertible_head, decode_head_class,
                                fusable_mlp, fused_mlp_class, linear, linear_pair,
+                               linear_residual_norm,
                                q_kv_rope_prologue, qkv_a_prologue, rope_angles,
                                rope_query, rope_rows)
 from mla_ops.hf.moe import convert_moe
@@ -44,8 +45,13 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     (a converted decoder layer's residual [B, S, H]) the output is mla_residual + o_proj(...),
     the add in o_proj's epilogue.
 
+    With mla_post_norm too (the layer's post-attention RMSNorm) the first output is the
+    pair (that sum, the norm of it), the GEMM's split-K partials, the add and the norm in
+    one launch where they serve (linear_residual_norm).
+
     transformers < 5.24 passes the cache as past_key_values, later versions as cache.
     """
+    post_norm = kwargs.pop("mla_post_norm", None)
     residual, cache, hf_result = paged_or_hf(self, hidden_states, position_embeddings,
                                              attention_mask, past_key_values, kwargs)
     if hf_result is not None:
@@ -114,6 +120,8 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     out = out.view(B, S, N * V)
     if self.mla_output_gate is not None:          # e.g. Ling 3's per-head gate
         out = self.mla_output_gate(hidden_states, out, None)
+    if post_norm is not None:
+        return linear_residual_norm(self.o_proj, out, residual, post_norm), None
     return linear(self.o_proj, out, residual), None
 
 

@@ -10,8 +10,9 @@ sum: every later norm recomputes the chain from the embedding, and a looped redu
 over a few rows of 7168 takes 3-5 µs on an H200. Converted, each add is the epilogue of the
 GEMM before it (o_proj, down_proj: mla::decode_linear_residual), and the norms (the
 layers' two and the model's final one) run as mla::rms_norm, one pass over a row held in
-registers. Same roundings as HF's modules; off the GPU's decode path the ops compute
-exactly what the modules do.
+registers. Where o_proj's decode GEMM splits K (V2-Lite's), its partials' sum, the residual
+add and the post-attention norm are one launch, mla::residual_rms_norm. Same roundings as
+HF's modules; off the GPU's decode path the ops compute exactly what the modules do.
 """
 from __future__ import annotations
 
@@ -61,11 +62,15 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None,
                                position_ids=position_ids, use_cache=use_cache,
                                position_embeddings=position_embeddings, **kwargs)
     residual = hidden_states
-    h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
-                          attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=use_cache, position_embeddings=position_embeddings,
-                          mla_residual=residual, **kwargs)            # residual + attention
-    x = self.post_attention_layernorm(h)
+    first = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
+                           attention_mask=attention_mask, position_ids=position_ids,
+                           use_cache=use_cache, position_embeddings=position_embeddings,
+                           mla_residual=residual, mla_post_norm=self.post_attention_layernorm,
+                           **kwargs)[0]
+    if isinstance(first, tuple):      # on the paged cache: (residual + attention, its norm)
+        h, x = first
+    else:                             # HF's attention (another cache): residual + attention
+        h, x = first, self.post_attention_layernorm(first)
     if getattr(self.mlp, "mla_converted", False):                     # the fused SiLU MLP
         return self.mlp(x, h)                                         # h + mlp(x)
     return h + self.mlp(x)

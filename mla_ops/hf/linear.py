@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from lowering import config as mla_config
+from lowering.fused import norm as _norm  # noqa: F401  (registers mla::residual_rms_norm)
 from lowering.fused import prologue  # noqa: F401  (registers mla::decode_qkv_prologue)
 from lowering.fused import q_rope  # noqa: F401  (registers mla::decode_q_rope)
 from lowering.fused.decode_rows import decode_rows_unmet, row_kernels_unmet
@@ -58,6 +59,22 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, residual=None) -> torch.Tens
     if residual is not None:
         return torch.ops.mla.decode_linear_residual(x, w, residual)
     return torch.ops.mla.decode_linear(x, w)
+
+
+def linear_residual_norm(mod, x: torch.Tensor, residual: torch.Tensor, norm):
+    """(h, norm(h)) with h = residual + mod(x): a converted decoder layer's attention output
+    projection, its residual add and its post-attention RMSNorm. Where mod's decode GEMM
+    splits K and norm is a converted RMSNorm (mla_ops/hf/layer.py), the partials' sum, the
+    add and the norm are one launch (mla::residual_rms_norm), else linear() then norm."""
+    if (use_ops(mod) and getattr(norm, "mla_converted", False)
+            and not (torch.is_grad_enabled() and norm.weight.requires_grad)):
+        split_k = gemm.linear_split_k(x, mod.weight)
+        if split_k > 1:
+            parts = torch.ops.mla.decode_linear_partials(x, mod.weight, split_k)  # [S, ..., N]
+            return torch.ops.mla.residual_rms_norm(parts, residual, norm.weight,
+                                                   float(norm.variance_epsilon))
+    h = linear(mod, x, residual)
+    return h, norm(h)
 
 
 def linear(mod, x: torch.Tensor, residual=None) -> torch.Tensor:

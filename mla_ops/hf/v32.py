@@ -37,7 +37,7 @@ from mla_ops.attention import build_decode_query
 from mla_ops.hf.cache import PagedMLACache
 from mla_ops.hf.fallback import paged_or_hf
 from mla_ops.hf.dsa import indexer_qkw, select_slots, write_index_keys
-from mla_ops.hf.linear import linear, linear_pair
+from mla_ops.hf.linear import linear, linear_pair, linear_residual_norm
 from mla_ops.layer import MLAAttention
 import lowering.decode.sparse  # noqa: F401  (registers mla::sparse_decode)
 
@@ -67,7 +67,9 @@ def v32_forward(self, hidden_states, position_embeddings=None, attention_mask=No
                 past_key_values=None, **kwargs):
     """Converted DeepseekV32Attention.forward: hidden_states [B, S, H] -> ([B, S, H], None);
     with mla_residual [B, S, H] (a converted decoder layer) the output is mla_residual +
-    o_proj(...). Caches other than PagedMLACache run HF's forward."""
+    o_proj(...), and with mla_post_norm the pair (that, its norm) as in convert.py's
+    _paged_forward. Caches other than PagedMLACache run HF's forward."""
+    post_norm = kwargs.pop("mla_post_norm", None)
     residual, cache, hf_result = paged_or_hf(self, hidden_states, position_embeddings,
                                              attention_mask, past_key_values, kwargs)
     if hf_result is not None:
@@ -134,5 +136,6 @@ def v32_forward(self, hidden_states, position_embeddings=None, attention_mask=No
     out = out.view(B, S, -1)
     if self.mla_output_gate is not None:
         out = self.mla_output_gate(hidden_states, out, gate)
-    out = linear(self.o_proj, out, residual)
+    out = (linear(self.o_proj, out, residual) if post_norm is None
+           else linear_residual_norm(self.o_proj, out, residual, post_norm))
     return (out, None, slots) if self.mla_shares_topk else (out, None)

@@ -1,0 +1,41 @@
+"""A split-K GEMM's partial sums, the residual add and the RMSNorm after it, one program per
+row, the row in registers.
+
+    h[t] = (r[t] + sum_s p[s, t].to(dtype)).to(dtype)            p [S, T, N] fp32, r [T, N]
+    y[t] = w * (h[t] * rsqrt(mean(h[t]^2) + eps)).to(dtype)      (rms_norm_kernel.py's)
+
+A decoder layer's `h = residual + o_proj(attn)` then `post_attention_layernorm(h)` when
+o_proj's decode GEMM splits K: the partials are summed in split order in fp32 and rounded
+once (the GEMM's output), the add rounded again (HF's `residual + ...`), and the norm
+rounds as HF's RMSNorm. One launch where a sum-and-add kernel and a norm kernel ran.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def residual_rms_norm_kernel(
+    p_ptr,             # [S, T, N] fp32, contiguous
+    r_ptr,             # [T, N], row stride stride_r, last dim contiguous
+    w_ptr,             # [N]
+    h_ptr, y_ptr,      # [T, N] contiguous each
+    T, N, stride_r, eps,
+    S: tl.constexpr, BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    dt = h_ptr.dtype.element_ty
+    r = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)     # [BLOCK]
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)                   # [BLOCK]
+    acc = tl.load(p_ptr + t * N + offs, mask=mask, other=0.0)                        # split 0
+    for s in tl.static_range(1, S):
+        acc += tl.load(p_ptr + (s * T + t) * N + offs, mask=mask, other=0.0)
+    h = (r + acc.to(dt).to(tl.float32)).to(dt)                   # the GEMM's output, the add
+    tl.store(h_ptr + t * N + offs, h, mask=mask)
+    x = h.to(tl.float32)
+    var = tl.sum(x * x, axis=0) / N
+    y = (x * tl.math.rsqrt(var + eps)).to(dt).to(tl.float32)       # rounded as HF rounds
+    tl.store(y_ptr + t * N + offs, (w * y).to(dt), mask=mask)
