@@ -97,11 +97,13 @@ def test_reduce_rounds_once_then_applies_the_epilogue(dt):
         fp8_linear.reduce_partials(parts, torch.empty(5, 200, device=DEV, dtype=dt))
 
 
+@pytest.mark.parametrize("pre_quant", [True, False])
 @pytest.mark.parametrize("M,N1,N2,K,split", SPLIT_CASES[:3])
-def test_run_with_split_k_vs_fp64(M, N1, N2, K, split):
+def test_run_with_split_k_vs_fp64(M, N1, N2, K, split, pre_quant):
     """run() (the ops' kernel path) with a split config for every mode, residual included,
     against the float64 W8A8 reference rounded as HF rounds; and equal to the unsplit run
-    up to the order of the fp32 sum."""
+    up to the order of the fp32 sum. Both ways of quantizing the activations: once before
+    the GEMM (act_quant_kernel) and in every program."""
     g = torch.Generator().manual_seed(M * 13 + K)
     x = torch.randn(M, K, generator=g) * 2
     (w1, s1), (w2, s2), (w3, s3) = rand_fp8(N1, K, g), rand_fp8(N2, K, g), rand_fp8(N1, K, g)
@@ -113,7 +115,7 @@ def test_run_with_split_k_vs_fp64(M, N1, N2, K, split):
     ref1, ref2 = w8a8_ref(x, w1, s1), w8a8_ref(x, w2, s2)
     out = {}
     for sk in (1, split):
-        cfg = (32, 4, 2, sk)
+        cfg = (32, 4, 2, sk, pre_quant)
         y = torch.empty(M, N1, device=DEV, dtype=DT)
         fp8_linear.run(xs, d["w1"], d["s1"], None, None, 0, y, None, 128, 128, cfg)
         assert rel(y, cast(ref1)) < tol
@@ -161,7 +163,8 @@ def test_split_k_for_bounds_the_workspace_and_the_groups():
     big = fp8_linear.split_k_for((64, 4, 4, 64), 2, 64, 18432, 7168, 128)
     assert big >= 1 and big * 64 * 2 * 18432 * 4 <= fp8_linear.MAX_PARTIAL_BYTES
     for key, cfg in fp8_linear.CONFIGS.items():
-        assert len(cfg) == 4 and cfg[3] >= 1, key
+        assert len(cfg) in (4, 5) and cfg[3] >= 1, key
+        assert fp8_linear.pre_quant_of(cfg) == (len(cfg) == 4 or cfg[4]), key
     cfg = fp8_linear.pick_config(0, 123, 4096, 1)                     # no entry: the default
     assert cfg[:3] == fp8_linear.DEFAULT_TILE
     assert cfg[3] == fp8_linear.default_split_k(0, 123, 4096, cfg[0])
@@ -258,3 +261,31 @@ def test_split_model_compiles_fullgraph_once(tiny_splits):
 def test_split_model_decode_graph_matches_generate(tiny_splits):
     from test_fp8_checkpoint import test_fp8_model_decode_graph_on_gpu_matches_generate as check
     check()
+
+
+@pytest.mark.parametrize("M,K", [(1, 7 * 128), (3, 2 * 128 + 5), (33, 128)])
+def test_act_quant_kernel_vs_fp64_and_both_ways_equal(M, K):
+    """act_quant_kernel's e4m3 values times their scales are HF's quantized activations
+    (float64 reference); a GEMM over them equals the one that quantizes in every program
+    (on the CPU bit for bit: the same products summed in the same order)."""
+    from lowering.gemm.fp8_linear_kernel import act_quant_kernel
+    g = torch.Generator().manual_seed(M * 7 + K)
+    x = (torch.randn(M, K, generator=g) * 3).to(DEV, DT)
+    G = -(-K // 128)
+    xq = torch.empty(M, K, device=DEV, dtype=torch.float8_e4m3fn)
+    xs = torch.full((M, G), float("nan"), device=DEV)
+    act_quant_kernel[(M, G)](x, xq, xs, K, x.stride(0), G, BLOCK_K=128, NATIVE_CAST=CUDA,
+                             num_warps=1)
+    deq = xq.cpu().double() * xs.cpu().double().repeat_interleave(128, 1)[:, :K]
+    assert torch.equal(deq, quant_act_ref(x.cpu().float()))
+    w, s = rand_fp8(40, K, g)
+    w, s = w.to(DEV), s.to(DEV)
+    ys = []
+    for pq in (True, False):
+        y = torch.empty(M, 40, device=DEV, dtype=DT)
+        fp8_linear.run(x, w, s, None, None, 0, y, None, 128, 128, (32, 4, 2, 1), pre_quant=pq)
+        ys.append(y)
+    if CUDA:
+        assert rel(ys[0], ys[1].double().cpu()) < 2e-3
+    else:
+        assert torch.equal(ys[0], ys[1])

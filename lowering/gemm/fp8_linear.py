@@ -38,34 +38,40 @@ import torch.nn.functional as F
 import triton
 
 from lowering import config as mla_config
-from lowering.gemm.fp8_linear_kernel import fp8_linear_kernel, fp8_split_reduce_kernel
+from lowering.gemm.fp8_linear_kernel import (act_quant_kernel, fp8_linear_kernel,
+                                             fp8_split_reduce_kernel)
 from lowering.gemm.linear import max_shared_bytes
 
 MAX_ROWS = 64
 FP8 = torch.float8_e4m3fn
 
-# (mode, N, K, rows <= 16) -> (BLOCK_N, num_warps, num_stages, SPLIT_K); BLOCK_K is the
+# (mode, N, K, rows <= 16) -> (BLOCK_N, num_warps, num_stages, SPLIT_K[, PRE_QUANT]); PRE_QUANT
+# (True when absent): the activations quantized once by act_quant_kernel before the GEMM,
+# else by every program (docs/notes/probe_fp8_prequant.py: once is 1.6x faster for the
+# dense gate + up, 1.04-1.12x for q_b, o_proj and down; the small shared-expert GEMMs and
+# the 1-row q_a + kv_a are 1-7 % faster without the extra launch). BLOCK_K is the
 # scale group, N is N1 + N2 for mode 1 and the gate's rows for mode 2. DeepSeek-V3's
 # decode shapes; `python benchmarks/bench_fp8_weights.py --sweep` times candidates per
 # shape on the GPU and prints the entries to put here. A shape without an entry takes
 # DEFAULT_TILE and default_split_k's split.
 # H200, torch 2.11, triton 3.6 (2026-12-02), the sweep's winners (µs of the op, the
 # reduce included; the bf16 decode GEMM op reading twice the bytes beside it):
-CONFIGS: dict[tuple, tuple[int, int, int, int]] = {
-    (1, 2112, 7168, True): (64, 4, 3, 8),       # q_a + kv_a, M=1: 20.3 us, bf16 26.7
+CONFIGS: dict[tuple, tuple] = {
+    (1, 2112, 7168, True): (64, 4, 3, 8, False),  # q_a + kv_a, M=1: 20.3 us, bf16 26.7
     (1, 2112, 7168, False): (64, 4, 4, 4),      # q_a + kv_a, M=32: 24.6 us, bf16 32.2
     (0, 24576, 1536, True): (64, 4, 3, 1),      # q_b, M=1: 22.6 us, bf16 29.3
     (0, 24576, 1536, False): (128, 4, 3, 1),    # q_b, M=32: 23.3 us, bf16 38.4
     (0, 7168, 16384, True): (128, 4, 4, 4),     # o_proj, M=1: 52.0 us, bf16 69.9
     (0, 7168, 16384, False): (128, 4, 4, 4),    # o_proj, M=32: 52.9 us, bf16 68.4
-    (2, 18432, 7168, True): (64, 4, 4, 1),      # dense gate + up, M=1: 131.5 us, bf16 136.0
-    (2, 18432, 7168, False): (64, 4, 3, 1),     # dense gate + up, M=32: 145.8 us, bf16 139.7
+    (2, 18432, 7168, True): (64, 4, 4, 1),      # dense gate + up, M=1: 81.1 us (131.5 quantizing
+    #                                               in every program), bf16 136.0
+    (2, 18432, 7168, False): (64, 4, 3, 1),     # dense gate + up, M=32: 91.9 us (145.8), bf16 139.7
     (0, 7168, 18432, True): (128, 4, 4, 4),     # dense down, M=1: 57.2 us, bf16 76.7
     (0, 7168, 18432, False): (128, 4, 4, 4),    # dense down, M=32: 58.3 us, bf16 75.4
-    (2, 2048, 7168, True): (128, 4, 3, 8),      # shared expert gate + up, M=1: 21.8 us, bf16 28.1
-    (2, 2048, 7168, False): (128, 4, 3, 8),     # shared expert gate + up, M=32: 22.3 us, bf16 32.9
-    (0, 7168, 2048, True): (128, 4, 3, 4),      # shared expert down, M=1: 14.8 us, bf16 16.3
-    (0, 7168, 2048, False): (128, 4, 3, 4),     # shared expert down, M=32: 15.9 us, bf16 17.3
+    (2, 2048, 7168, True): (128, 4, 3, 8, False),  # shared expert gate + up, M=1: 21.8 us, bf16 28.1
+    (2, 2048, 7168, False): (128, 4, 3, 8, False),  # shared expert gate + up, M=32: 22.3 us, bf16 32.9
+    (0, 7168, 2048, True): (128, 4, 3, 4, False),  # shared expert down, M=1: 14.8 us, bf16 16.3
+    (0, 7168, 2048, False): (128, 4, 3, 4, False),  # shared expert down, M=32: 15.9 us, bf16 17.3
 }
 DEFAULT_TILE = (64, 4, 4)        # (BLOCK_N, num_warps, num_stages)
 SMS = 132                        # the H200's SMs, which default_split_k fills
@@ -105,6 +111,12 @@ def pick_config(mode: int, N: int, K: int, M: int,
     if cfg is None:
         cfg = (*DEFAULT_TILE, default_split_k(mode, N, K, DEFAULT_TILE[0], group_k))
     return cfg
+
+
+def pre_quant_of(config: tuple) -> bool:
+    """Whether a launch of config quantizes the activations once first (its fifth entry,
+    True when absent)."""
+    return bool(config[4]) if len(config) > 4 else True
 
 
 def split_k_for(config: tuple, mode: int, M: int, N: int, K: int, group_k: int) -> int:
@@ -177,8 +189,10 @@ def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
 
 def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
            y2: Optional[torch.Tensor], group_n: int, group_k: int, config: tuple, *,
-           residual: Optional[torch.Tensor] = None, y2_col0: int = 0) -> None:
-    """Run fp8_linear_kernel with config (BLOCK_N, num_warps, num_stages[, SPLIT_K]): x2
+           residual: Optional[torch.Tensor] = None, y2_col0: int = 0,
+           pre_quant: bool = True) -> None:
+    """Run fp8_linear_kernel with config (BLOCK_N, num_warps, num_stages[, SPLIT_K]) (with
+    pre_quant, act_quant_kernel first: x quantized once, as every program would): x2
     [M, K] (K contiguous), w1/w2 [N, K] fp8 contiguous with their scale_inv; y1/y2 [M, N],
     or with SPLIT_K > 1 (modes 0 and 1) fp32 partials [SPLIT_K, M, N] whose sum over dim 0
     is the product (run() reduces them). Mode 0 without split-K may add residual [M, N1]
@@ -201,6 +215,15 @@ def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
     N2 = w2.shape[0] if w2 is not None else 0
     block_n, warps, stages = config[:3]
     block_m = max(16, triton.next_power_of_2(M))
+    xs, stride_xs = x2, 0                       # unused without pre_quant
+    if pre_quant:        # x quantized once for all programs: e4m3 [M, K], scales [M, G]
+        G = triton.cdiv(K, group_k)
+        xq = torch.empty((M, K), dtype=FP8, device=x2.device)
+        xs = torch.empty((M, G), dtype=torch.float32, device=x2.device)
+        torch.library.wrap_triton(act_quant_kernel)[(M, G)](
+            x2, xq, xs, K, x2.stride(0), G, BLOCK_K=group_k, NATIVE_CAST=x2.is_cuda,
+            num_warps=1)
+        x2, stride_xs = xq, G
     if x2.is_cuda:       # per stage: an x tile and one weight tile (two in mode 2)
         per_stage = group_k * (block_m * x2.element_size() + block_n * (2 if mode == 2 else 1))
         per_stage *= 2 if mode == 1 else 1          # mode 1 compiles the loop twice
@@ -218,7 +241,7 @@ def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
         MODE=mode, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=group_k, GROUP_N=group_n,
         EVEN_K=K % group_k == 0, DOT_F32=not x2.is_cuda, HAS_RES=residual is not None,
         Y2_COL0=y2_col0 if (mode == 1 and y2 is None) else 0, SPLIT_K=split_k,
-        num_warps=warps, num_stages=stages)
+        xs_ptr=xs, stride_xs=stride_xs, PRE_Q=pre_quant, num_warps=warps, num_stages=stages)
 
 
 REDUCE_BLOCK = 256
@@ -253,27 +276,31 @@ def reduce_partials(parts: torch.Tensor, y1: torch.Tensor, y2: Optional[torch.Te
 
 def run(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
         y2: Optional[torch.Tensor], group_n: int, group_k: int, config: tuple, *,
-        residual: Optional[torch.Tensor] = None) -> None:
+        residual: Optional[torch.Tensor] = None, pre_quant: Optional[bool] = None) -> None:
     """The GEMM of `mode` into y1 (and y2 for mode 1) in their dtype, residual added for
     mode 0: one launch where split_k_for(config) is 1, else the split kernel into fp32
-    partials (mode 2: gate and up as mode 1's pair) and reduce_partials."""
+    partials (mode 2: gate and up as mode 1's pair) and reduce_partials. pre_quant: the
+    activations quantized once first (None: as config says, pre_quant_of)."""
+    if pre_quant is None:
+        pre_quant = pre_quant_of(config)
     M, K = x2.shape
     N1 = w1.shape[0]
     N = N1 + (w2.shape[0] if mode == 1 else 0)
     split_k = split_k_for(config, mode, M, N, K, group_k)
     if split_k == 1:
         launch(x2, w1, s1, w2, s2, mode, y1, y2, group_n, group_k, config[:3],
-               residual=residual)
+               residual=residual, pre_quant=pre_quant)
         return
     tile = (*config[:3], split_k)
     if mode == 2:
         parts = torch.empty((split_k, M, 2 * N1), dtype=torch.float32, device=x2.device)
-        launch(x2, w1, s1, w2, s2, 1, parts, None, group_n, group_k, tile, y2_col0=N1)
+        launch(x2, w1, s1, w2, s2, 1, parts, None, group_n, group_k, tile, y2_col0=N1,
+               pre_quant=pre_quant)
         reduce_partials(parts, y1, gated=True)                              # [S, M, 2 N1]
         return
     parts = torch.empty((split_k, M, N), dtype=torch.float32, device=x2.device)  # [S, M, N]
     launch(x2, w1, s1, w2, s2, mode, parts, None, group_n, group_k, tile,
-           y2_col0=N1 if mode == 1 else 0)
+           y2_col0=N1 if mode == 1 else 0, pre_quant=pre_quant)
     reduce_partials(parts, y1, y2 if mode == 1 else None, residual=residual)
 
 
@@ -366,5 +393,5 @@ def decode_linear_pair_fp8_partials(x: torch.Tensor, w1: torch.Tensor, s1: torch
     S = split_k_for(cfg, 1, x2.shape[0], N1 + N2, K, group_k)
     out = torch.empty((S, x2.shape[0], N1 + N2), dtype=torch.float32, device=x.device)
     launch(x2, w1, s1, w2, s2, 1, out, None, group_n, group_k, (*cfg[:3], S),
-           y2_col0=N1)                                                      # [S, M, N1+N2]
+           y2_col0=N1, pre_quant=pre_quant_of(cfg))                         # [S, M, N1+N2]
     return out.view(S, *lead, N1 + N2)

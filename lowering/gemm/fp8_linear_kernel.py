@@ -65,12 +65,29 @@ def quant_act_tile(x, fp8_ptr, NATIVE_CAST: tl.constexpr):
 
 
 @triton.jit
+def act_quant_kernel(x_ptr, xq_ptr, xs_ptr, K, stride_x, GROUPS,
+                     BLOCK_K: tl.constexpr, NATIVE_CAST: tl.constexpr):
+    """x [M, K] -> xq [M, K] e4m3 and xs [M, GROUPS] fp32 by quant_act_tile, one program per
+    (row, scale group): the activations of a PRE_Q launch, quantized once for all its
+    programs (bit for bit what each program would compute)."""
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    offs = g * BLOCK_K + tl.arange(0, BLOCK_K)                                 # [BLOCK_K]
+    ok = offs < K
+    x = tl.load(x_ptr + m * stride_x + offs[:, None], mask=ok[:, None], other=0.0)
+    q, s = quant_act_tile(x.to(tl.float32), xq_ptr, NATIVE_CAST)       # [BLOCK_K, 1], [1]
+    tl.store(xq_ptr + m * K + offs[:, None], q, mask=ok[:, None])
+    tl.store(xs_ptr + m * GROUPS + g + tl.arange(0, 1), s)
+
+
+@triton.jit
 def _stream_fp8_rows(x_ptr, w_ptr, s_ptr, n0, M, N, K, stride_xm, stride_wn, stride_sn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_N: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-                     SPLIT_K=1):
+                     SPLIT_K=1, xs_ptr=None, stride_xs=0, PRE_Q: tl.constexpr = False):
     """acc [BLOCK_N, BLOCK_M] = dequant(w[n0 : n0 + BLOCK_N]) @ quant(x).T in fp32, over
-    this program's range of scale groups (all of K when SPLIT_K is 1)."""
+    this program's range of scale groups (all of K when SPLIT_K is 1). PRE_Q: x is
+    already quantized (act_quant_kernel: e4m3 [M, K] and its scales xs [M, groups])."""
     groups = tl.cdiv(K, BLOCK_K)
     split = tl.program_id(1)
     g0 = split * groups // SPLIT_K
@@ -88,13 +105,17 @@ def _stream_fp8_rows(x_ptr, w_ptr, s_ptr, n0, M, N, K, stride_xm, stride_wn, str
     for k in range(g0, g1):                                     # k: the scale group
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-            x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
         else:
             k_ok = offs_k < K - k * BLOCK_K
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
         ws = tl.load(s_ptrs + k, mask=n_ok, other=0.0)                        # [BLOCK_N]
-        xq, xs = quant_act_tile(x, w_ptr, not DOT_F32)              # [BLOCK_K, BLOCK_M], [BLOCK_M]
+        if PRE_Q:
+            xq = x                                                   # [BLOCK_K, BLOCK_M] e4m3
+            xs = tl.load(xs_ptr + offs_m * stride_xs + k, mask=m_ok, other=0.0)  # [BLOCK_M]
+        else:
+            xq, xs = quant_act_tile(x.to(tl.float32), w_ptr, not DOT_F32)
         if DOT_F32:
             part = tl.dot(w.to(tl.float32), xq.to(tl.float32))
         else:
@@ -139,13 +160,15 @@ def fp8_linear_kernel(
     Y2_COL0: tl.constexpr,                   # > 0: MODE 1 writes x @ w2.T into y1 from this
                                              # column on (one output tensor; y2_ptr unused)
     SPLIT_K,                                 # grid axis 1 (MODE 0 / 1; > 1: fp32 partials)
+    xs_ptr, stride_xs,                       # PRE_Q: x's scales [M, cdiv(K, BLOCK_K)]
+    PRE_Q: tl.constexpr,                     # x is e4m3, quantized by act_quant_kernel
 ):
     pid = tl.program_id(0)
     if MODE == 0:
         n0 = pid * BLOCK_N
         acc = _stream_fp8_rows(x_ptr, w1_ptr, s1_ptr, n0, M, N1, K, stride_xm, stride_w1,
                                stride_s1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, EVEN_K, DOT_F32,
-                               SPLIT_K)
+                               SPLIT_K, xs_ptr, stride_xs, PRE_Q)
         _store_rows(y1_ptr, acc, n0, M, N1, stride_y1, BLOCK_M, BLOCK_N, r_ptr, stride_r,
                     HAS_RES, stride_ys)
     elif MODE == 1:
@@ -153,13 +176,13 @@ def fp8_linear_kernel(
             n0 = pid * BLOCK_N
             acc = _stream_fp8_rows(x_ptr, w1_ptr, s1_ptr, n0, M, N1, K, stride_xm, stride_w1,
                                    stride_s1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, EVEN_K,
-                                   DOT_F32, SPLIT_K)
+                                   DOT_F32, SPLIT_K, xs_ptr, stride_xs, PRE_Q)
             _store_rows(y1_ptr, acc, n0, M, N1, stride_y1, BLOCK_M, BLOCK_N, stride_ys=stride_ys)
         else:
             n0 = (pid - N1_BLOCKS) * BLOCK_N
             acc = _stream_fp8_rows(x_ptr, w2_ptr, s2_ptr, n0, M, N2, K, stride_xm, stride_w2,
                                    stride_s2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, EVEN_K,
-                                   DOT_F32, SPLIT_K)
+                                   DOT_F32, SPLIT_K, xs_ptr, stride_xs, PRE_Q)
             if Y2_COL0 > 0:
                 _store_rows(y1_ptr + Y2_COL0, acc, n0, M, N2, stride_y1, BLOCK_M, BLOCK_N,
                             stride_ys=stride_ys)
@@ -169,9 +192,11 @@ def fp8_linear_kernel(
     else:
         n0 = pid * BLOCK_N
         acc_g = _stream_fp8_rows(x_ptr, w1_ptr, s1_ptr, n0, M, N1, K, stride_xm, stride_w1,
-                                 stride_s1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, EVEN_K, DOT_F32)
+                                 stride_s1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, EVEN_K, DOT_F32,
+                                 1, xs_ptr, stride_xs, PRE_Q)
         acc_u = _stream_fp8_rows(x_ptr, w2_ptr, s2_ptr, n0, M, N1, K, stride_xm, stride_w2,
-                                 stride_s2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, EVEN_K, DOT_F32)
+                                 stride_s2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, EVEN_K, DOT_F32,
+                                 1, xs_ptr, stride_xs, PRE_Q)
         dt = y1_ptr.dtype.element_ty
         g = acc_g.to(dt).to(tl.float32)
         act = (g * tl.sigmoid(g)).to(dt).to(tl.float32)                        # silu(gate)
