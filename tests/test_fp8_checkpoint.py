@@ -174,9 +174,12 @@ def moe_w8a8_ref(x, idx, wts, gu, gus, dn, dns, cast):
     return out
 
 
+@pytest.mark.parametrize("pre_quant", [(True, True), (False, False), (False, True)])
 @pytest.mark.parametrize("T,E,K,I,H", [(1, 4, 2, 128, 256), (5, 6, 3, 192, 200),
                                        (17, 3, 2, 64, 384)])
-def test_moe_fp8_kernels_vs_fp64(T, E, K, I, H):
+def test_moe_fp8_kernels_vs_fp64(T, E, K, I, H, pre_quant):
+    """Both kernels with their activations quantized once before them or by every
+    program (the configs' PRE_QUANT), against the float64 W8A8 reference."""
     from lowering.moe import fp8_experts
     g = torch.Generator().manual_seed(T * 100 + I)
     x = torch.randn(T, H, generator=g)
@@ -192,7 +195,7 @@ def test_moe_fp8_kernels_vs_fp64(T, E, K, I, H):
     xs = x.to(DEV, dt)
     ref = moe_w8a8_ref(xs.cpu().float(), idx, wts, gu, gus, dn, dns, cast)
     got = fp8_experts.run_kernels(xs, idx.to(DEV), wts.to(DEV), gu.to(DEV), gus.to(DEV),
-                                  dn.to(DEV), dns.to(DEV), 128, 128)
+                                  dn.to(DEV), dns.to(DEV), 128, 128, pre_quant=pre_quant)
     assert rel(got, ref) < tol
     # a pair whose expert is outside [0, E) adds zero (its output row is written as zeros;
     # the buffers are NaN-filled here so an unwritten row shows)
@@ -203,7 +206,7 @@ def test_moe_fp8_kernels_vs_fp64(T, E, K, I, H):
     with pytest.MonkeyPatch.context() as mp:
         nan_empty(mp)
         got = fp8_experts.run_kernels(xs, bad.to(DEV), wts.to(DEV), gu.to(DEV), gus.to(DEV),
-                                      dn.to(DEV), dns.to(DEV), 128, 128)
+                                      dn.to(DEV), dns.to(DEV), 128, 128, pre_quant=pre_quant)
     assert torch.isfinite(got).all()
     assert rel(got, moe_w8a8_ref(xs.cpu().float(), idx, wts * keep, gu, gus, dn, dns, cast)) < tol
     # the torch path: the chosen experts dequantized, no activation quant

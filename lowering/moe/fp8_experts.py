@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from lowering.gemm.fp8_linear_kernel import act_quant_kernel
 from lowering.moe import experts as moe
 from lowering.moe.fp8_down_kernel import moe_down_fp8_kernel
 from lowering.moe.fp8_gate_up_kernel import moe_gate_up_fp8_kernel
@@ -30,14 +31,32 @@ from lowering.moe.fp8_gate_up_kernel import moe_gate_up_fp8_kernel
 FP8 = torch.float8_e4m3fn
 MAX_ROWS = moe.MAX_ROWS
 
-# (kernel, N, K, tokens <= 16) -> (BLOCK_N, num_warps, num_stages); BLOCK_K is the scale
-# group. Not yet measured on an H200: DEFAULT_CONFIG serves every shape.
-CONFIGS: dict[tuple, tuple[int, int, int]] = {}
-DEFAULT_CONFIG = {"gate_up": (32, 4, 3), "down": (64, 4, 3)}
+# (kernel, N, K, tokens <= 16) -> (BLOCK_N, num_warps, num_stages, PRE_QUANT); BLOCK_K is
+# the scale group; PRE_QUANT: the kernel's activations (x for gate_up, h for down)
+# quantized once before it by act_quant_kernel, else by every program in registers (the
+# same numbers either way). Tiles not yet swept on an H200: DEFAULT_CONFIG serves every
+# shape.
+CONFIGS: dict[tuple, tuple[int, int, int, bool]] = {}
+DEFAULT_CONFIG = {"gate_up": (32, 4, 3, True), "down": (64, 4, 3, True)}
+ACT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
-def pick_config(kernel: str, N: int, K: int, T: int) -> tuple[int, int, int]:
+def pick_config(kernel: str, N: int, K: int, T: int) -> tuple[int, int, int, bool]:
     return CONFIGS.get((kernel, N, K, T <= 16), DEFAULT_CONFIG[kernel])
+
+
+def quantized(a: torch.Tensor, gk: int, pre_quant: bool):
+    """(activations, scales, their row stride) for a launch: a [R, C] itself (scales unused)
+    or, with pre_quant, act_quant_kernel's e4m3 copy and its fp32 scales [R, cdiv(C, gk)]."""
+    if not pre_quant:
+        return a, a, 0
+    R, C = a.shape
+    G = triton.cdiv(C, gk)
+    aq = torch.empty((R, C), dtype=FP8, device=a.device)
+    s = torch.empty((R, G), dtype=torch.float32, device=a.device)
+    torch.library.wrap_triton(act_quant_kernel)[(R, G)](
+        a, aq, s, C, a.stride(0), G, BLOCK_K=gk, NATIVE_CAST=a.is_cuda, num_warps=1)
+    return aq, s, G
 
 
 def check_scales(gate_up, gate_up_scale, down, down_scale, gn: int, gk: int) -> None:
@@ -94,8 +113,10 @@ def reference(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_scale
     return moe.reference(x, pairs, topk_weight, gu, dn)
 
 
-def run_kernels(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_scale, gn, gk):
-    """The op's kernel path on any device (on CPU under TRITON_INTERPRET=1)."""
+def run_kernels(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_scale, gn, gk,
+                pre_quant=None):
+    """The op's kernel path on any device (on CPU under TRITON_INTERPRET=1). pre_quant:
+    (gate_up's, down's) PRE_QUANT over the configs' (None: as they say)."""
     T, H = x.shape
     K = topk_idx.shape[1]
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
@@ -105,21 +126,27 @@ def run_kernels(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_sca
     weight = topk_weight.reshape(-1).to(torch.float32)                       # [P]
     block_r = max(16, triton.next_power_of_2(P))
     h = torch.empty((P, I), dtype=x.dtype, device=x.device)                  # [P, I]
-    bn, warps, stages = pick_config("gate_up", I, H, T)
+    bn, warps, stages, pq = pick_config("gate_up", I, H, T)
+    pq = pq if pre_quant is None else pre_quant[0]
+    xa, xs, stride_xs = quantized(x, gk, pq)                  # x, or e4m3 [T, H] + scales
     torch.library.wrap_triton(moe_gate_up_fp8_kernel)[(P, triton.cdiv(I, bn))](
-        x, gate_up, gate_up_scale, h, pairs, P, E, I, H, K,
-        triton.cdiv(I, gn), x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        xa, gate_up, gate_up_scale, h, pairs, P, E, I, H, K,
+        triton.cdiv(I, gn), xa.stride(0), gate_up.stride(0), gate_up.stride(1),
         gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0),
         BLOCK_R=block_r, BLOCK_M=moe.BLOCK_M, BLOCK_N=bn, BLOCK_K=gk, GROUP_N=gn,
-        EVEN_K=H % gk == 0, DOT_F32=not x.is_cuda, num_warps=warps, num_stages=stages)
+        EVEN_K=H % gk == 0, DOT_F32=not x.is_cuda, xs_ptr=xs, stride_xs=stride_xs,
+        PRE_Q=pq, num_warps=warps, num_stages=stages)
     out = torch.empty((P, H), dtype=torch.float32, device=x.device)          # [P, H], all written
-    bn, warps, stages = pick_config("down", H, I, T)
+    bn, warps, stages, pq = pick_config("down", H, I, T)
+    pq = pq if pre_quant is None else pre_quant[1]
+    ha, hs, stride_hs = quantized(h, gk, pq)                  # h, or e4m3 [P, I] + scales
     torch.library.wrap_triton(moe_down_fp8_kernel)[(P, triton.cdiv(H, bn))](
-        h, down, down_scale, weight, out, pairs, P, E, H, I, K,
-        h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
+        ha, down, down_scale, weight, out, pairs, P, E, H, I, K,
+        ha.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
         down_scale.stride(1), out.stride(0),
         BLOCK_R=block_r, BLOCK_M=moe.BLOCK_M, BLOCK_N=bn, BLOCK_K=gk, GROUP_N=gn,
-        EVEN_K=I % gk == 0, DOT_F32=not x.is_cuda, num_warps=warps, num_stages=stages)
+        EVEN_K=I % gk == 0, DOT_F32=not x.is_cuda, hs_ptr=hs, stride_hs=stride_hs,
+        PRE_Q=pq, ACT=ACT_CODES[x.dtype], num_warps=warps, num_stages=stages)
     return out.view(T, K, H).sum(1).to(x.dtype)                              # [T, H]
 
 

@@ -7,8 +7,9 @@ per (token, k) pair, streaming only the chosen experts' rows, one byte per weigh
     cdiv(I, GROUP_N)); h [P, I] with P = T * TOP_K, row p = pair (token p // TOP_K, k p % TOP_K)
 
 As gate_up_kernel.py (grid (P, cdiv(I, BLOCK_N)), one program per first pair of
-an expert), with HF's FP8Linear numerics per linear: x quantized per GROUP_K columns in registers
-(lowering/gemm/fp8_linear_kernel.py's quant_act_tile), fp8 x fp8 dots scaled by both
+an expert), with HF's FP8Linear numerics per linear: x quantized per GROUP_K columns
+(lowering/gemm/fp8_linear_kernel.py's quant_act_tile: in registers by every program, or
+with PRE_Q once before the launch by act_quant_kernel), fp8 x fp8 dots scaled by both
 scales into fp32, gate, up, SiLU(gate) and the product each rounded to h's dtype.
 """
 from __future__ import annotations
@@ -29,6 +30,8 @@ def moe_gate_up_fp8_kernel(
     BLOCK_R: tl.constexpr,                   # >= the longest run (next power of 2 of P)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,   # BLOCK_K = GROUP_K
     GROUP_N: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    xs_ptr, stride_xs,                       # PRE_Q: x's scales [T, cdiv(H, BLOCK_K)]
+    PRE_Q: tl.constexpr,                     # x is e4m3, quantized once (act_quant_kernel)
 ):
     s = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
@@ -58,7 +61,11 @@ def moe_gate_up_fp8_kernel(
                 wg = tl.load(g_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 wu = tl.load(u_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 x = tl.load(x_rows + kk[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-            xq, xs = quant_act_tile(x.to(tl.float32), w_ptr, not DOT_F32)   # [BK, BM], [BM]
+            if PRE_Q:
+                xq = x                                                         # [BK, BM] e4m3
+                xs = tl.load(xs_ptr + token.to(tl.int64) * stride_xs + kb, mask=m_ok, other=0.0)
+            else:
+                xq, xs = quant_act_tile(x.to(tl.float32), w_ptr, not DOT_F32)  # [BK, BM], [BM]
             gsc = tl.load(gs_rows + kb, mask=n_ok, other=0.0)                  # [BLOCK_N]
             usc = tl.load(us_rows + kb, mask=n_ok, other=0.0)
             if DOT_F32:      # the CPU interpreter: fp8 x fp8 products are exact in fp32
