@@ -93,6 +93,25 @@ def test_op_on_gpu_eager_and_compiled(T):
     assert "rms_norm_kernel" in "".join(codes)
 
 
+def _compiled_matches_hf(model, ref_model, ids) -> set:
+    """Compile model's forward fullgraph on a paged cache, check its logits against
+    ref_model's (HF's, no cache) and return the ops its graph calls."""
+    import mla_ops.hf as H
+    targets = set()
+
+    def backend(gm, example_inputs):
+        targets.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+    torch._dynamo.reset()
+    cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=16, block_size=4)
+    with torch.no_grad():
+        out = torch.compile(model.forward, backend=backend, fullgraph=True)(
+            ids, past_key_values=cache).logits
+        ref = ref_model(ids).logits
+    assert (out - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
+    return targets
+
+
 def test_converted_layer_graph_holds_the_ops_and_matches_hf(monkeypatch):
     """A converted decoder layer traces to mla::rms_norm and the residual GEMMs (no HF
     norm left), computes what HF's layer computes, and convert(fuse_norms=False) traces
@@ -105,20 +124,7 @@ def test_converted_layer_graph_holds_the_ops_and_matches_hf(monkeypatch):
     _, unfused = build_pair(tiny_config("v3"))
     H.convert(unfused, fuse_norms=False)
     ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(0))
-    targets = []
-
-    def backend(gm, example_inputs):
-        targets.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
-        return gm.forward
-
-    for m in (model, unfused):
-        torch._dynamo.reset()
-        cache = H.PagedMLACache(m.config, max_batch_size=2, max_cache_len=16, block_size=4)
-        with torch.no_grad():
-            out = torch.compile(m.forward, backend=backend, fullgraph=True)(
-                ids, past_key_values=cache).logits
-            ref = ref_model(ids).logits
-        assert (out - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
+    targets = [_compiled_matches_hf(m, ref_model, ids) for m in (model, unfused)]
     assert {"mla.rms_norm", "mla.decode_linear_residual"} <= targets[0]
     assert not any(t.startswith("mla.rms_norm") or "residual" in t for t in targets[1])
 
@@ -186,18 +192,7 @@ def test_converted_layer_takes_the_residual_norm_where_o_proj_splits(monkeypatch
         ref_model, model = build_pair(tiny_config(family))
         H.convert(model)
         ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
-        targets = set()
-
-        def backend(gm, example_inputs):
-            targets.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-            return gm.forward
-        torch._dynamo.reset()
-        cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=16, block_size=4)
-        with torch.no_grad():
-            out = torch.compile(model.forward, backend=backend, fullgraph=True)(
-                ids, past_key_values=cache).logits
-            ref = ref_model(ids).logits
-        assert (out - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
+        targets = _compiled_matches_hf(model, ref_model, ids)
         assert {"mla.residual_rms_norm", "mla.decode_linear_partials"} <= targets
 
 

@@ -8,7 +8,9 @@ replays, and whether the two outputs are bit-equal.
 """
 import sys
 import torch
+sys.path.insert(0, "benchmarks")                    # run from the repository root
 import mla_ops.hf
+from timing import capture
 from mla_ops.hf.models import build_model, make_config
 from mla_ops.hf.moe import route, routed_experts
 
@@ -16,14 +18,10 @@ dev, dtype = torch.device("cuda"), torch.bfloat16
 
 
 def replay_us(fn, n=200):
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
+    """(µs a replay from events over n, the captured call's output)."""
+    box = []
+    g = capture(lambda: box.append(fn()), 3)
+    out = box[-1]
     for _ in range(10):
         g.replay()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

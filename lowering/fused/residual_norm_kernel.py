@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lowering.fused.rms_norm_kernel import normalized_row
+
 
 @triton.jit
 def residual_rms_norm_kernel(
@@ -35,7 +37,5 @@ def residual_rms_norm_kernel(
         acc += tl.load(p_ptr + (s * T + t) * N + offs, mask=mask, other=0.0)
     h = (r + acc.to(dt).to(tl.float32)).to(dt)                   # the GEMM's output, the add
     tl.store(h_ptr + t * N + offs, h, mask=mask)
-    x = h.to(tl.float32)
-    var = tl.sum(x * x, axis=0) / N
-    y = (x * tl.math.rsqrt(var + eps)).to(dt).to(tl.float32)       # rounded as HF rounds
-    tl.store(y_ptr + t * N + offs, (w * y).to(dt), mask=mask)
+    tl.store(y_ptr + t * N + offs, normalized_row(h.to(tl.float32), w, N, eps, dt).to(dt),
+             mask=mask)

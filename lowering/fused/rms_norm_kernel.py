@@ -14,6 +14,15 @@ import triton.language as tl
 
 
 @triton.jit
+def normalized_row(x, w, N, eps, dt):
+    """w * (x * rsqrt(mean(x^2) + eps)).to(dt), in fp32, for one row x [BLOCK] fp32 (zeros
+    past N) and its weight w [BLOCK] fp32: HF's roundings, the normalized row to dt first."""
+    var = tl.sum(x * x, axis=0) / N
+    y = (x * tl.math.rsqrt(var + eps)).to(dt).to(tl.float32)        # rounded as HF rounds
+    return w * y
+
+
+@triton.jit
 def rms_norm_kernel(
     x_ptr,             # [T, N], row stride stride_x, last dim contiguous
     w_ptr,             # [N]
@@ -28,6 +37,4 @@ def rms_norm_kernel(
     # both loads issued before the reduction: one memory latency, not two
     x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0).to(tl.float32)   # [BLOCK]
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)                  # [BLOCK]
-    var = tl.sum(x * x, axis=0) / N
-    y = (x * tl.math.rsqrt(var + eps)).to(dt).to(tl.float32)        # rounded as HF rounds
-    tl.store(y_ptr + t * N + offs, (w * y).to(dt), mask=mask)
+    tl.store(y_ptr + t * N + offs, normalized_row(x, w, N, eps, dt).to(dt), mask=mask)
