@@ -100,7 +100,7 @@ SWEEP_SHAPES = [(1, 2112, 7168, "q_a + kv_a"), (0, 24576, 1536, "q_b"),
                 (0, 7168, 2048, "shared expert down")]
 SWEEP_BLOCK_N = (16, 32, 64, 128)
 SWEEP_SPLITS = (1, 2, 4, 8, 16)
-SWEEP_STAGES = (3, 4, 6)          # 4 first, then the others for the best tile and split
+SWEEP_STAGES = (3, 4, 6, 8)       # 4 first, then the others for the best tile and split
 SWEEP_GRID = (66, 528)            # programs: half the H200's 132 SMs to four per SM
 
 
@@ -201,8 +201,9 @@ def precompile(pool, jobs) -> bool:
 def sweep():
     """Time the fp8 kernel's candidate configs per V3 shape (see the module docstring):
     per shape and row count every BLOCK_N with the splits sweep_candidates keeps at 4
-    stages, then 3 and 6 stages for the best; each through fp8_linear.run (a split's
-    reduce launch included). Worker processes compile each round's kernels first."""
+    stages, then the other SWEEP_STAGES and the activations quantized in every program
+    (PRE_QUANT False) for the best; each through fp8_linear.run (the quant launch and a
+    split's reduce included). Worker processes compile each round's kernels first."""
     import multiprocessing
     import os
     import time
@@ -233,9 +234,10 @@ def sweep():
             print(f"  [{time.perf_counter() - t0:5.1f} s] {what} M={M}: "
                   f"{len(first[mode, N, K, M]) - 1} configs", flush=True)
         second = {}
-        for key, tm in times.items():
-            top = min((c for c in tm if c is not None), key=tm.get)
-            second[key] = [c for c in ((top[0], top[1], st, top[3]) for st in SWEEP_STAGES)
+        for key, tm in times.items():      # the best tile and split at every stage count,
+            top = min((c for c in tm if c is not None), key=tm.get)   # and quantizing in
+            second[key] = [c for c in (*((top[0], top[1], st, top[3]) for st in SWEEP_STAGES),
+                                       (*top[:4], False))            # every program
                            if c not in tm]
         precompile(pool, second)
     finally:
@@ -257,7 +259,8 @@ def sweep():
         print(f"  [{time.perf_counter() - t0:5.1f} s, {len(tm)} configs] {what:24s} M={M:2d}: "
               f"fp8 best {cfg} {tm[cfg]:7.1f} us (floor {floor:6.1f}; config now {now} "
               f"{tm[now]:7.1f}), bf16 op {bf16:7.1f} us: {bf16 / tm[cfg]:.2f}x", flush=True)
-    print("\nCONFIGS = {   # (mode, N, K, rows <= 16): (BLOCK_N, num_warps, num_stages, SPLIT_K)")
+    print("\nCONFIGS = {   # (mode, N, K, rows <= 16): (BLOCK_N, num_warps, num_stages, "
+          "SPLIT_K[, PRE_QUANT])")
     for key, cfg in best.items():
         print(f"    {key}: {cfg},   # {notes[key]}")
     print("}", flush=True)
