@@ -2,6 +2,8 @@
 CPU its kernels under the Triton interpreter (fp32) against a float64 block written here
 and against the block's separate kernels; on a GPU the converted block with and without
 it, bit for bit, eager and captured in a CUDA graph."""
+import os
+
 import pytest
 import torch
 
@@ -13,6 +15,9 @@ from lowering.moe import experts, router  # noqa: E402
 from test_moe_kernels import moe_fp64  # noqa: E402
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# the op's kernels on CPU tensors: only under the interpreter (conftest sets it without a GPU)
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1")
 
 
 def inputs(family, T, H=96, E=8, I=40, S=56, seed=0):
@@ -41,6 +46,7 @@ def block_fp64(args, idx, w):
     return routed + (g * torch.sigmoid(g) * u) @ sd.T
 
 
+@INTERPRETED
 @pytest.mark.parametrize("family", ["v3", "v2"])
 @pytest.mark.parametrize("T,split", [(1, 1), (5, 1), (3, 2)])
 def test_op_vs_fp64_and_the_separate_kernels(family, T, split, monkeypatch):
@@ -122,6 +128,7 @@ def test_converted_block_with_and_without_the_op(family, T, monkeypatch):
         assert torch.equal(cap, want)
 
 
+@INTERPRETED
 @pytest.mark.parametrize("split", [1, 2])
 def test_op_fake_and_schema(split, monkeypatch):
     """opcheck: the fake's shapes and dtypes match the kernels' outputs (both shared
@@ -139,3 +146,32 @@ def test_op_fake_and_schema(split, monkeypatch):
     torch._dynamo.reset()
     out = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
     assert torch.equal(out, f(*args))
+
+
+@INTERPRETED
+def test_converted_block_sums_the_op_as_its_ops_on_cpu(monkeypatch):
+    """The converted block's decode composition with the op (its kernels forced onto the CPU
+    under the interpreter, fp32) against the block's separate ops (their torch paths):
+    the same output up to fp32 rounding, the residual added in HF's order."""
+    import mla_ops.hf.moe as hf_moe
+    from test_moe import moe_pair
+    for family in ("v3", "v2"):
+        _, model = moe_pair(family)
+        hf_moe.convert_moe(model)
+        block = model.model.layers[1].mlp
+        x = torch.randn(1, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+        r = torch.randn_like(x)
+        calls = []
+        real = torch.ops.mla.moe_block_decode
+
+        def counted(*a):
+            calls.append(1)
+            return real(*a)
+        with torch.no_grad():
+            want = block(x, r)
+            with monkeypatch.context() as m:
+                m.setattr(moe_block, "block_serves", lambda *a: True)
+                m.setattr(hf_moe.torch.ops.mla, "moe_block_decode", counted, raising=False)
+                got = block(x, r)
+        assert calls, family
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5, family
