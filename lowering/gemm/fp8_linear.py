@@ -187,6 +187,21 @@ def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
+def quantized(a: torch.Tensor, group_k: int, pre_quant: bool):
+    """(activations, scales, the scales' row stride) for a launch: a [R, C] itself (scales
+    unused) or, with pre_quant, act_quant_kernel's e4m3 copy and its fp32 scales
+    [R, cdiv(C, group_k)] (one program per row and scale group)."""
+    if not pre_quant:
+        return a, a, 0
+    R, C = a.shape
+    G = triton.cdiv(C, group_k)
+    aq = torch.empty((R, C), dtype=FP8, device=a.device)
+    s = torch.empty((R, G), dtype=torch.float32, device=a.device)
+    torch.library.wrap_triton(act_quant_kernel)[(R, G)](
+        a, aq, s, C, a.stride(0), G, BLOCK_K=group_k, NATIVE_CAST=a.is_cuda, num_warps=1)
+    return aq, s, G
+
+
 def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
            y2: Optional[torch.Tensor], group_n: int, group_k: int, config: tuple, *,
            residual: Optional[torch.Tensor] = None, y2_col0: int = 0,
@@ -215,15 +230,7 @@ def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
     N2 = w2.shape[0] if w2 is not None else 0
     block_n, warps, stages = config[:3]
     block_m = max(16, triton.next_power_of_2(M))
-    xs, stride_xs = x2, 0                       # unused without pre_quant
-    if pre_quant:        # x quantized once for all programs: e4m3 [M, K], scales [M, G]
-        G = triton.cdiv(K, group_k)
-        xq = torch.empty((M, K), dtype=FP8, device=x2.device)
-        xs = torch.empty((M, G), dtype=torch.float32, device=x2.device)
-        torch.library.wrap_triton(act_quant_kernel)[(M, G)](
-            x2, xq, xs, K, x2.stride(0), G, BLOCK_K=group_k, NATIVE_CAST=x2.is_cuda,
-            num_warps=1)
-        x2, stride_xs = xq, G
+    x2, xs, stride_xs = quantized(x2, group_k, pre_quant)  # x quantized once for all programs
     if x2.is_cuda:       # per stage: an x tile and one weight tile (two in mode 2)
         per_stage = group_k * (block_m * x2.element_size() + block_n * (2 if mode == 2 else 1))
         per_stage *= 2 if mode == 1 else 1          # mode 1 compiles the loop twice

@@ -50,7 +50,7 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE[key]
 
 
-def shared_configs(x: torch.Tensor, shared_gate: torch.Tensor, shared_down: torch.Tensor):
+def shared_configs(x: torch.Tensor, shared_gate: torch.Tensor):
     """(gate + up config, down config) of the decode GEMM kernels for the shared experts
     at x's rows; None for either where cuBLAS serves that shape (then block_serves is
     False)."""
@@ -59,9 +59,8 @@ def shared_configs(x: torch.Tensor, shared_gate: torch.Tensor, shared_down: torc
     return gemm.pick_config(2, S, H, T), gemm.pick_config(0, H, S, T)
 
 
-def shared_split_k(x: torch.Tensor, shared_gate: torch.Tensor,
-                   shared_down: torch.Tensor) -> int:
-    return gemm.split_k_of(shared_configs(x, shared_gate, shared_down)[1])
+def shared_split_k(x: torch.Tensor, shared_gate: torch.Tensor) -> int:
+    return gemm.split_k_of(shared_configs(x, shared_gate)[1])
 
 
 def block_serves(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor,
@@ -83,15 +82,13 @@ def block_serves(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Te
             or not shared_down.is_contiguous() or shared_down.dtype != x.dtype
             or shared_down.device != x.device):
         return False
-    return None not in shared_configs(x, shared_gate, shared_down)
+    return None not in shared_configs(x, shared_gate)
 
 
 def _check(x, router_weight, bias, mode, top_k, n_group, topk_group, gate_up, down,
            shared_gate, shared_up, shared_down) -> None:
     moe_router.check_args(x, router_weight, bias, mode, top_k, n_group, topk_group)
-    T, H = x.shape
-    idx = x.new_empty((T, top_k), dtype=torch.int64)
-    moe_experts.check_args(x, idx, idx.float(), gate_up, down)
+    T, H, _, _ = moe_experts.check_weights(x, gate_up, down)
     S = shared_gate.shape[0] if shared_gate.dim() == 2 else -1
     if (shared_gate.dim() != 2 or shared_gate.shape[1] != H or shared_up.shape != shared_gate.shape
             or tuple(shared_down.shape) != (H, S)):
@@ -145,7 +142,7 @@ def moe_block_decode(x: torch.Tensor, router_weight: torch.Tensor, bias: Optiona
     T, H = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     S, I = shared_gate.shape[0], gate_up.shape[1] // 2
-    configs = shared_configs(x, shared_gate, shared_down)
+    configs = shared_configs(x, shared_gate)
     split_k = gemm.split_k_of(configs[1])
     # everything the two branches write is allocated here, on the caller's stream
     hs = torch.empty((T, S), dtype=x.dtype, device=x.device)                    # [T, S]
@@ -173,6 +170,6 @@ def moe_block_decode(x: torch.Tensor, router_weight: torch.Tensor, bias: Optiona
 def _(x, router_weight, bias, mode, top_k, n_group, topk_group, norm_topk_prob, scale,
       gate_up, down, shared_gate, shared_up, shared_down):
     T, H = x.shape
-    split_k = shared_split_k(x, shared_gate, shared_down)
+    split_k = shared_split_k(x, shared_gate)
     return (x.new_empty((T, top_k, H), dtype=torch.float32),
             x.new_empty((split_k, T, H), dtype=torch.float32 if split_k > 1 else x.dtype))

@@ -57,14 +57,7 @@ def check_args(x, topk_idx, topk_weight, gate_up, down) -> tuple[int, int, int, 
     """(T, K, E, I, H) after checking shapes, dtypes and devices (host-only checks). Expert
     ids are not read on the host: the kernels skip pairs whose id is outside [0, E) (their
     rows add zero), the torch reference raises indexing them."""
-    if x.dim() != 2:
-        raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
-    T, H = x.shape
-    if gate_up.dim() != 3 or gate_up.shape[2] != H or gate_up.shape[1] % 2:
-        raise ValueError(f"gate_up must be [E, 2I, {H}], got {tuple(gate_up.shape)}")
-    E, I = gate_up.shape[0], gate_up.shape[1] // 2
-    if tuple(down.shape) != (E, H, I):
-        raise ValueError(f"down must be [{E}, {H}, {I}] to match gate_up, got {tuple(down.shape)}")
+    T, H, E, I = check_weights(x, gate_up, down)
     if topk_idx.dim() != 2 or topk_idx.shape[0] != T:
         raise ValueError(f"topk_idx must be [{T}, K], got {tuple(topk_idx.shape)}")
     if tuple(topk_weight.shape) != tuple(topk_idx.shape):
@@ -74,14 +67,29 @@ def check_args(x, topk_idx, topk_weight, gate_up, down) -> tuple[int, int, int, 
         raise TypeError(f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
     if not topk_weight.is_floating_point():
         raise TypeError(f"topk_weight must be floating point, got {topk_weight.dtype}")
-    for name, w in (("gate_up", gate_up), ("down", down)):
-        if w.dtype != x.dtype:
-            raise TypeError(f"{name} is {w.dtype}, x is {x.dtype}: they must match")
-    for name, t in (("topk_idx", topk_idx), ("topk_weight", topk_weight), ("gate_up", gate_up),
-                    ("down", down)):
+    for name, t in (("topk_idx", topk_idx), ("topk_weight", topk_weight)):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
     return T, topk_idx.shape[1], E, I, H
+
+
+def check_weights(x, gate_up, down) -> tuple[int, int, int, int]:
+    """(T, H, E, I) after checking x [T, H] and the experts' weights (shapes, dtypes,
+    devices; host-only checks)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
+    T, H = x.shape
+    if gate_up.dim() != 3 or gate_up.shape[2] != H or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [E, 2I, {H}], got {tuple(gate_up.shape)}")
+    E, I = gate_up.shape[0], gate_up.shape[1] // 2
+    if tuple(down.shape) != (E, H, I):
+        raise ValueError(f"down must be [{E}, {H}, {I}] to match gate_up, got {tuple(down.shape)}")
+    for name, w in (("gate_up", gate_up), ("down", down)):
+        if w.dtype != x.dtype:
+            raise TypeError(f"{name} is {w.dtype}, x is {x.dtype}: they must match")
+        if w.device != x.device:
+            raise ValueError(f"{name} is on {w.device}, x on {x.device}")
+    return T, H, E, I
 
 
 def kernel_serves(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:

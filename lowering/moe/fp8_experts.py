@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from lowering.gemm.fp8_linear_kernel import act_quant_kernel
+from lowering.gemm.fp8_linear import quantized
 from lowering.moe import experts as moe
 from lowering.moe.fp8_down_kernel import moe_down_fp8_kernel
 from lowering.moe.fp8_gate_up_kernel import moe_gate_up_fp8_kernel
@@ -48,20 +48,6 @@ ACT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 def pick_config(kernel: str, N: int, K: int, T: int) -> tuple[int, int, int, bool]:
     return CONFIGS.get((kernel, N, K, T <= 16), DEFAULT_CONFIG[kernel])
-
-
-def quantized(a: torch.Tensor, gk: int, pre_quant: bool):
-    """(activations, scales, their row stride) for a launch: a [R, C] itself (scales unused)
-    or, with pre_quant, act_quant_kernel's e4m3 copy and its fp32 scales [R, cdiv(C, gk)]."""
-    if not pre_quant:
-        return a, a, 0
-    R, C = a.shape
-    G = triton.cdiv(C, gk)
-    aq = torch.empty((R, C), dtype=FP8, device=a.device)
-    s = torch.empty((R, G), dtype=torch.float32, device=a.device)
-    torch.library.wrap_triton(act_quant_kernel)[(R, G)](
-        a, aq, s, C, a.stride(0), G, BLOCK_K=gk, NATIVE_CAST=a.is_cuda, num_warps=1)
-    return aq, s, G
 
 
 def check_scales(gate_up, gate_up_scale, down, down_scale, gn: int, gk: int) -> None:
