@@ -25,6 +25,11 @@ weights, bf16, vocab 2048, HF's sdpa attention vs the converted model
   v2-lite DeepSeek-V2-Lite shape (16 heads, no q_lora, 64 experts top 6), 4 layers: the
           same rows
 
+ours_graph: the same forward through mla_ops.hf.PrefillGraph (the chunk padded to its
+shape bucket and replayed from a CUDA graph; the first of the warm-up calls captures it),
+for rows of at most --graph-tokens tokens; larger rows run eagerly there anyway.
+"first_call_ms" is that capturing call's time: what a bucket's first chunk costs.
+
 Multi-turn: 4096 tokens already in the cache, 512 new; HF's cache is rolled back to
 4096 before each timed forward (DynamicCache.crop), ours by PagedMLACache.restore. The
 logits of the last position are compared with HF's (max |diff| / max(1, max |HF|)).
@@ -214,6 +219,44 @@ def ours_step(model, cfg, ids, ctx, dtype=torch.bfloat16):
     return step
 
 
+def ours_graph_step(model, cfg, ids, ctx, max_tokens, dtype=torch.bfloat16):
+    """ours_step through PrefillGraph: (a callable returning the logits [B, 1, V], the
+    runner)."""
+    import mla_ops.hf
+    B, total = ids.shape
+    cache = mla_ops.hf.PagedMLACache(cfg, max_batch_size=B, max_cache_len=total, device="cuda",
+                                     dtype=dtype)
+    if ctx:
+        model(ids[:, :ctx], **cache_kwargs(model, cache), use_cache=True)
+    saved = cache.snapshot()
+    runner = mla_ops.hf.PrefillGraph(model, cache, max_tokens=max_tokens)
+
+    def step():
+        cache.restore(saved)
+        return runner(ids[:, ctx:])
+    return step, runner
+
+
+def graph_row(args, model, cfg, ids, ctx, dtype):
+    """{ours_graph_ms, first_call_ms, logits} of one row through PrefillGraph."""
+    from mla_ops.hf.prefill_graph import MIN_TOKENS, bucket
+    B, total = ids.shape
+    if B * bucket(total - ctx, MIN_TOKENS, total) > args.graph_tokens:
+        return None
+    step, runner = ours_graph_step(model, cfg, ids, ctx, args.graph_tokens, dtype)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    first = (time.perf_counter() - t0) * 1e3
+    ms = bench_ms(step, warmup=2, iters=args.iters)
+    logits = step()[:, -1].float().clone()
+    captured = all(c.graph is not None for c in runner.chunks.values())
+    del step, runner
+    torch.cuda.empty_cache()
+    return {"ours_graph_ms": ms, "first_call_ms": first, "captured": captured}, logits
+
+
 @torch.no_grad()
 def model_rows(args):
     import mla_ops.hf
@@ -240,11 +283,21 @@ def model_rows(args):
             hf_ms, hf_logits = hf[r]
             err = ((logits - hf_logits).abs().max() / max(1.0, hf_logits.abs().max().item())).item()
             T = B * S
-            emit(args, {"part": "model", "model": name, "B": B, "S": S, "context": ctx,
-                        "hf_ms": hf_ms, "ours_ms": ms, "speedup": hf_ms / ms,
-                        "tokens_per_s": T / ms * 1e3, "logit_err": err})
+            row = {"part": "model", "model": name, "B": B, "S": S, "context": ctx,
+                   "hf_ms": hf_ms, "ours_ms": ms, "speedup": hf_ms / ms,
+                   "tokens_per_s": T / ms * 1e3, "logit_err": err}
             del step
             torch.cuda.empty_cache()
+            graph = graph_row(args, model, cfg, ids[r], ctx, dtype)
+            if graph is not None:
+                g, g_logits = graph
+                g["graph_speedup"] = hf_ms / g["ours_graph_ms"]
+                g["graph_logit_err"] = ((g_logits - hf_logits).abs().max()
+                                        / max(1.0, hf_logits.abs().max().item())).item()
+                g["graph_vs_eager_err"] = ((g_logits - logits).abs().max()
+                                           / max(1.0, logits.abs().max().item())).item()
+                row.update(g)
+            emit(args, row)
         del model
         torch.cuda.empty_cache()
 
@@ -265,6 +318,8 @@ def main():
     ap.add_argument("--attn-impls", default="ours,cudnn,flex,mem-efficient")
     ap.add_argument("--models", default="v3,v2-lite", help="v3,v2-lite")
     ap.add_argument("--rows", default=MODEL_ROWS, help="BxS,... and/or multi-turn")
+    ap.add_argument("--graph-tokens", type=int, default=2048,
+                    help="PrefillGraph's max_tokens: rows up to it are also timed captured")
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--burst", type=int, default=20,

@@ -102,7 +102,9 @@ def check_attention_args(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_tab
 
 def check_prefill_shape(shape, q, seq_lens, query_start_loc, num_decode_tokens) -> None:
     """A caller's prefill_shape: four ints >= 0 (a list), or None. With the value checks
-    on (lowering.config.validate; always on CPU), equal to what the tensors say."""
+    on (lowering.config.validate; always on CPU), num_requests must equal what the tensors
+    say, max_query_len and max_context_len must bound theirs from above and
+    min_context_len from below (a captured prefill chunk passes its bucket's bounds)."""
     if shape is None:
         return
     if (not isinstance(shape, (list, tuple)) or len(shape) != 4
@@ -114,9 +116,13 @@ def check_prefill_shape(shape, q, seq_lens, query_start_loc, num_decode_tokens) 
     if wants_value_checks(q):
         want = measure_prefill_shape(query_start_loc, seq_lens, num_decode_tokens)
         got = PrefillShape(*(int(v) for v in shape))
-        if got != want:
-            raise ValueError(f"prefill_shape {list(shape)} does not match the step's tensors: "
-                             f"{[want.num_requests, want.max_query_len, want.max_context_len, want.min_context_len]}")
+        if (got.num_requests != want.num_requests or got.max_query_len < want.max_query_len
+                or got.max_context_len < want.max_context_len
+                or not 0 <= got.min_context_len <= want.min_context_len):
+            raise ValueError(f"prefill_shape {list(shape)} does not fit the step's tensors "
+                             f"{[want.num_requests, want.max_query_len, want.max_context_len, want.min_context_len]}: "
+                             f"num_requests must be equal, the two max_ bounds at least and "
+                             f"min_context_len at most (and >= 0) the tensors' values")
 
 
 def _quant_impl(x: torch.Tensor):

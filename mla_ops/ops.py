@@ -169,7 +169,8 @@ def attention_with_output(
         decode_splits: Optional[torch.Tensor] = None,
         # the prefill requests' (num_requests, max_query_len, max_context_len,
         # min_context_len) when the caller knows them on the host (MLAMetadata.prefill_shape):
-        # the op then reads nothing back from the device; trusted like the lengths
+        # the op then reads nothing back from the device; trusted like the lengths. The
+        # maxima may be upper bounds and the minimum a lower bound (a bucket's shape)
         prefill_shape: Optional[list] = None,
 ) -> None:
     from mla_ops.attention import (check_attention_args, check_decode_query,

@@ -153,7 +153,7 @@ def test_attention_bad_input_names_argument():
     table = torch.randint(0, 9, (66, 8), dtype=torch.int32)
     _bad(lambda: op(*good, decode_schedule=table), ValueError, "decode_splits")
     _bad(lambda: op(*good, prefill_shape=[1, 4]), TypeError, "prefill_shape")
-    _bad(lambda: op(*good, prefill_shape=[1, 4, 5, 0]), ValueError, "prefill_shape")
+    _bad(lambda: op(*good, prefill_shape=[9, 4, 5, 0]), ValueError, "prefill_shape")
 
 
 def test_attention_with_prefill_shape_as_without():

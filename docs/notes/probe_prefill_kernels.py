@@ -1,5 +1,5 @@
 """The GPU kernels of one prefill forward, HF's against the converted model's (H200 probe,
-not maintained): wall ms, kernel-sum ms, kernel count, and the kernels' µs by name.
+not maintained): HF, the converted model eagerly and through PrefillGraph: wall ms, kernel-sum ms, kernel count, and the kernels' µs by name.
 
     python docs/notes/probe_prefill_kernels.py v3:1x8192,v2-lite:1x8192,v2-lite:multi-turn
 """
@@ -7,7 +7,7 @@ import collections, sys
 import torch
 sys.path.insert(0, "benchmarks")                    # run from the repository root
 from torch.profiler import profile, ProfilerActivity
-from bench_prefill import bench_ms, hf_step, ours_step, spec_models
+from bench_prefill import bench_ms, hf_step, ours_graph_step, ours_step, spec_models
 
 
 def kernels(fn, n=3):
@@ -41,6 +41,9 @@ def main(spec):
         mla_ops.hf.convert(model)
         step = ours_step(model, cfg, ids, ctx)
         show("ours", bench_ms(step, 2, 5), kernels(step))
+        if ids.shape[0] * (ids.shape[1] - ctx) <= 2048:     # PrefillGraph's replay
+            step, _ = ours_graph_step(model, cfg, ids, ctx, 2048)
+            show("ours, captured", bench_ms(step, 2, 5), kernels(step))
         del model, step
         torch.cuda.empty_cache()
 

@@ -46,10 +46,13 @@ from lowering.prefill.ragged import RaggedLayout
 
 @dataclass(frozen=True)
 class PrefillShape:
-    num_requests: int       # prefill requests of the step (the batch's suffix)
-    max_query_len: int      # their longest new-token count
-    max_context_len: int    # their longest cached context (seq_len - query_len)
-    min_context_len: int    # their shortest cached context
+    """Exact from prefill_shape(); a caller may pass bounds instead (the padded buffers and
+    the context windows then cover the bounds, and the lengths on the device hide the
+    rest: same results, more work), as a captured prefill chunk does for its bucket."""
+    num_requests: int       # prefill requests of the step (the batch's suffix): exact
+    max_query_len: int      # their longest new-token count (or more)
+    max_context_len: int    # their longest cached context, seq_len - query_len (or more)
+    min_context_len: int    # their shortest cached context (or less, >= 0)
 
 
 def prefill_shape(query_start_loc, seq_lens, num_decode_tokens: int) -> PrefillShape:

@@ -28,8 +28,9 @@ heads and MLP / expert slices over a torch.distributed group for tensor parallel
 from mla_ops.hf.convert import CacheFullError, convert, is_converted  # noqa: F401
 from mla_ops.hf.cache import PagedMLACache  # noqa: F401
 from mla_ops.hf.graph import DecodeGraph  # noqa: F401
+from mla_ops.hf.prefill_graph import PrefillGraph  # noqa: F401
 from mla_ops.hf.generate import cache_kwargs  # noqa: F401
 from mla_ops.hf.tensor_parallel import shard  # noqa: F401
 
-__all__ = ["convert", "PagedMLACache", "DecodeGraph", "is_converted", "cache_kwargs",
-           "shard"]
+__all__ = ["convert", "PagedMLACache", "DecodeGraph", "PrefillGraph", "is_converted",
+           "cache_kwargs", "shard"]

@@ -312,10 +312,16 @@ class PagedMLACache(Cache):
 
     # -- per-step bookkeeping (called by the converted attention) -----------------------
     def prepare(self, layer_idx: int, B: int, S: int, attention_mask, dtype, device,
-                backend: str = "auto", fp8_query: bool = False) -> Step:
+                backend: str = "auto", fp8_query: bool = False,
+                context_bound: int | None = None) -> Step:
         """This step's plan for one layer; the last layer commits it to the cache state
         (layer_done). backend and fp8_query (the layers' decode query is fp8) decide
         which FlashMLA schedule, if any, the plan carries.
+
+        context_bound (a prefill step, S > 1, of a captured chunk: mla_ops/hf/prefill_graph.py):
+        an int at least every row's cached length; the step then reads nothing on the host
+        (its caller checked the room) and its prefill rows carry the bounds (B, S,
+        context_bound, 0) as their shape.
 
         The plan is a pure function of the state before the step, so every layer gets
         the same one: layer 0 computes it and later layers reuse it; the last layer's
@@ -343,12 +349,14 @@ class PagedMLACache(Cache):
             flashmla = S == 1 and backend in served and (
                 fp8_query or backend != "auto"
                 or lowering.flashmla_pays(self.num_heads, B, self.max_blocks * self.block_size))
-            check = not compiling and first
+            check = not compiling and first and context_bound is None
             if check and S == 1 and self.room_for_decode(B):
                 check = False                   # known to fit: no host read this step
             self._step = step_ops.plan(self, B, S, valid,                  # valid: [B, S]
                                        check=check,
                                        flashmla=flashmla, fp8q=fp8_query)
+            if context_bound is not None and S > 1:
+                self._step.meta.prefill_shape = (B, S, context_bound, 0)
         return self._step
 
     def room_for_decode(self, B: int) -> bool:

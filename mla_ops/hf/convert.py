@@ -49,9 +49,13 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     pair (that sum, the norm of it), the GEMM's split-K partials, the add and the norm in
     one launch where they serve (linear_residual_norm).
 
+    mla_context_bound: a bound of the rows' cached lengths, passed by a captured prefill
+    chunk (mla_ops/hf/prefill_graph.py) so that the step reads nothing on the host.
+
     transformers < 5.24 passes the cache as past_key_values, later versions as cache.
     """
     post_norm = kwargs.pop("mla_post_norm", None)
+    context_bound = kwargs.pop("mla_context_bound", None)   # a captured prefill chunk's
     residual, cache, hf_result = paged_or_hf(self, hidden_states, position_embeddings,
                                              attention_mask, past_key_values, kwargs)
     if hf_result is not None:
@@ -63,7 +67,7 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     T = B * S
     step = cache.prepare(self.layer_idx, B, S, attention_mask, hidden_states.dtype,
                          hidden_states.device, backend=mla.backend,
-                         fp8_query=mla.q_scale is not None)
+                         fp8_query=mla.q_scale is not None, context_bound=context_bound)
     # CUDA, V3 or V2 with q_lora: both norms and the key's RoPE in one op after the GEMM
     # (decode rows: the split-K kernel's partials; a prefill's: cuBLAS's two outputs); for
     # decode rows then q_b, the query's RoPE and its absorption in another, else q_b and
