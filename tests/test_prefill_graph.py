@@ -227,3 +227,50 @@ def test_prefill_shape_check_takes_bounds_and_refuses_less():
     for bad in ([2, 13, 30, 0], [3, 12, 30, 0], [3, 13, 29, 0], [3, 13, 30, 1]):
         with pytest.raises(ValueError, match="does not fit"):
             check_prefill_shape(bad, *args)
+
+
+# -- generate() on a cache with a PrefillGraph -------------------------------------------
+
+def test_generate_runs_its_prefill_through_the_caches_runner(monkeypatch):
+    """Two turns of a chat with generate() on a user's cache: with a PrefillGraph on the
+    cache both prefills go through it (on CPU: generate()'s graphs let in on CPU caches,
+    the runner padded and eager), with the same tokens and logits as without."""
+    from mla_ops.hf import generate_graph as GG
+    from mla_ops.hf.prefill_graph import PrefillGraph
+    monkeypatch.setattr(GG, "DEVICES", ("cuda", "cpu"))
+    calls = []
+    run = PrefillGraph.__call__
+
+    def counted(self, ids, mask=None):
+        calls.append(tuple(ids.shape))
+        return run(self, ids, mask)
+    monkeypatch.setattr(PrefillGraph, "__call__", counted)
+    cfg = tiny_config("v3")
+    cfg.first_k_dense_replace = cfg.num_hidden_layers
+    _, model = build_pair(cfg, seed=2)
+    model = H.convert(model).to(DEVICE)
+    ids, mask = (t.to(DEVICE) for t in left_padded([6, 11], seed=8))
+    caches = [H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=64, block_size=16,
+                              device=DEVICE) for _ in range(2)]
+    PrefillGraph(model, caches[1])
+    outs = []
+    for cache in caches:
+        seqs, m, logits = ids, mask, []
+        for turn_len in (None, 5):                      # the prompt, then a next turn
+            if turn_len is not None:
+                more = torch.randint(3, 256, (2, turn_len), generator=torch.Generator()
+                                     .manual_seed(turn_len)).to(DEVICE)
+                seqs = torch.cat((seqs, more), 1)
+                m = torch.cat((m, torch.ones_like(more)), 1)
+            with torch.no_grad():
+                out = model.generate(seqs, attention_mask=m, max_new_tokens=4, do_sample=False,
+                                     disable_compile=True, output_logits=True,
+                                     return_dict_in_generate=True, **H.cache_kwargs(model, cache))
+            m = torch.cat((m, torch.ones_like(out.sequences[:, seqs.shape[1]:])), 1)
+            seqs = out.sequences
+            logits += list(out.logits)
+        outs.append((seqs, logits, cache.seq_lens()))
+    assert calls == [(2, 11), (2, 6)]      # both prefills: the prompt; last token + 5 new
+    assert torch.equal(outs[0][0], outs[1][0]) and outs[0][2] == outs[1][2]
+    for a, b in zip(outs[0][1], outs[1][1]):
+        assert logit_err(a, b) < TOL

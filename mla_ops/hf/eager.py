@@ -16,7 +16,9 @@ directly, and a compiled call (generate()'s compile_config, DecodeGraph) traces 
 as before. Where this torch has no such switch, the forward is cls.forward unchanged.
 
 Inside generate(), an eager decode step on a PagedMLACache is a replay of a CUDA graph of
-this eager step where generate() attached one to the cache (mla_ops/hf/generate_graph.py).
+this eager step where generate() attached one to the cache (mla_ops/hf/generate_graph.py),
+and its prefill runs through the cache's PrefillGraph where one is registered on it
+(mla_ops/hf/prefill_graph.py).
 """
 from __future__ import annotations
 
@@ -45,6 +47,10 @@ def direct_launch_forward(cls):
         graphs = attached(kwargs)
         if graphs is not None and graphs.serves(args, kwargs):
             out = graphs.step(kwargs)
+            if out is not None:
+                return out
+        elif graphs is not None:         # a prefill chunk, where the cache has a PrefillGraph
+            out = graphs.prefill(args, kwargs)
             if out is not None:
                 return out
         if set_wrap_triton_enabled is None:

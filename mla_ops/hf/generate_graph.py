@@ -85,6 +85,26 @@ class GenerateGraphs:
             self.busy = False
         return self.output(logits=logits, **{self.cache_field: self.cache})
 
+    def prefill(self, args: tuple, kwargs: dict):
+        """generate()'s prefill forward through the PrefillGraph registered on this call's
+        cache (mla_ops/hf/prefill_graph.py) where there is one for this model and the call
+        wants the last position's logits only; HF's output, else None (run it eagerly)."""
+        from mla_ops.hf.prefill_graph import ATTR as PREFILL
+        runner = getattr(self.cache, PREFILL, None)
+        ids = kwargs.get("input_ids")
+        if (runner is None or runner.model is not self.model or self.busy or args
+                or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] < 2
+                or kwargs.get("logits_to_keep") != 1 or kwargs.get("use_cache") is False
+                or any(kwargs.get(k) is not None and kwargs.get(k) is not False
+                       for k in EXTRA_OUTPUTS)):
+            return None
+        self.busy = True                 # the runner calls the forward itself
+        try:
+            logits = runner(ids, kwargs.get("attention_mask"))             # [B, 1, V]
+        finally:
+            self.busy = False
+        return self.output(logits=logits, **{self.cache_field: self.cache})
+
     def _capture(self, B: int):
         from mla_ops.hf.graph import DecodeGraph          # (graph.py imports convert.py)
         room = decode_room(self.cache, B)                   # one host read per capture

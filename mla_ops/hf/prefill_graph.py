@@ -32,6 +32,11 @@ Chunks of more than max_tokens tokens (B x bucket) run eagerly, unpadded: their 
 outlast the host time. Without CUDA, or with graph=False, every call runs the padded
 chunk eagerly (the same computation; the CPU tests run it so).
 
+generate(): a PrefillGraph registers itself on its cache, and generate() called with that
+cache (cache= / past_key_values=, a chat's next turn) runs its prefill through it where
+generate() replays its decode steps from a graph (convert(generate_graph=True), the
+default; mla_ops/hf/generate_graph.py).
+
 DeepSeek V2 / V3 layouts only (Kimi K2 loads as V3): a model whose layers read the
 attention mask themselves (linear-attention layers) or whose attention differs (V3.2's
 indexer) is refused.
@@ -46,9 +51,11 @@ import torch.nn.functional as F
 from mla_ops.hf.cache import PagedMLACache
 from mla_ops.hf.convert import is_converted
 from mla_ops.hf.generate import cache_kwargs
-from mla_ops.hf.step import raise_if_no_room
+from mla_ops.hf.step import raise_if_no_room, valid_tokens
 
-__all__ = ["PrefillGraph", "bucket"]
+__all__ = ["PrefillGraph", "bucket", "ATTR"]
+
+ATTR = "mla_prefill_graph"          # the PagedMLACache attribute that holds its runner
 
 MIN_TOKENS = 16
 MIN_CONTEXT = 256
@@ -95,6 +102,7 @@ class PrefillGraph:
             raise ValueError(f"graph=True needs a CUDA cache, this one is on {self.device}")
         self.pool = torch.cuda.graph_pool_handle() if self.graph_enabled else None
         self.chunks: dict = {}              # (B, tokens bucket, context bucket) -> _Chunk
+        setattr(cache, ATTR, self)          # generate() on this cache uses it (see above)
 
     # -- the chunk ---------------------------------------------------------------------
     def _forward(self, ids, valid, context_bound):
@@ -140,9 +148,11 @@ class PrefillGraph:
                              f"{self.cache.max_batch_size}")
         if attention_mask is None:
             return None
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+            return valid_tokens(attention_mask, B, S, self.cache.seen)     # HF's 4D form
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
             raise ValueError("attention_mask must be a [B, K] tensor (1: real token, 0: pad) "
-                             "whose last S columns cover the new tokens, or None")
+                             "whose last S columns cover the new tokens, HF's 4D mask, or None")
         if attention_mask.shape[0] != B or attention_mask.shape[1] < S:
             raise ValueError(f"attention_mask is {tuple(attention_mask.shape)}; it must be "
                              f"[B={B}, K >= S={S}]")
@@ -151,8 +161,8 @@ class PrefillGraph:
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
         """Prefill input_ids [B, S] (new tokens of rows [0, B), after the tokens the cache
         holds) -> logits [B, 1, vocab] at each row's last column. attention_mask: [B, K]
-        with K >= S, HF's 2D form; its last S columns say which new tokens are real (left
-        pads, as HF pads; every row needs one real token). From a graph the logits live
+        with K >= S, HF's 2D form, whose last S columns say which new tokens are real (left
+        pads, as HF pads; every row needs one real token), or the 4D mask HF builds from it. From a graph the logits live
         in its output buffer, overwritten by the next call: clone them to keep them."""
         valid = self._check(input_ids, attention_mask)
         c = self.cache
