@@ -202,16 +202,21 @@ def hf_step(model, cfg, ids, ctx):
     return step
 
 
-def ours_step(model, cfg, ids, ctx, dtype=torch.bfloat16):
-    """The converted model's forward of ids[:, ctx:] over a PagedMLACache holding ids[:, :ctx]
-    (restored before each call): a callable returning the logits."""
+def context_cache(model, cfg, ids, ctx, dtype):
+    """A PagedMLACache holding ids[:, :ctx] (written by the model), and its snapshot."""
     import mla_ops.hf
     B, total = ids.shape
     cache = mla_ops.hf.PagedMLACache(cfg, max_batch_size=B, max_cache_len=total, device="cuda",
                                      dtype=dtype)
     if ctx:
         model(ids[:, :ctx], **cache_kwargs(model, cache), use_cache=True)
-    saved = cache.snapshot()
+    return cache, cache.snapshot()
+
+
+def ours_step(model, cfg, ids, ctx, dtype=torch.bfloat16):
+    """The converted model's forward of ids[:, ctx:] over a PagedMLACache holding ids[:, :ctx]
+    (restored before each call): a callable returning the logits."""
+    cache, saved = context_cache(model, cfg, ids, ctx, dtype)
 
     def step():
         cache.restore(saved)
@@ -223,12 +228,7 @@ def ours_graph_step(model, cfg, ids, ctx, max_tokens, dtype=torch.bfloat16):
     """ours_step through PrefillGraph: (a callable returning the logits [B, 1, V], the
     runner)."""
     import mla_ops.hf
-    B, total = ids.shape
-    cache = mla_ops.hf.PagedMLACache(cfg, max_batch_size=B, max_cache_len=total, device="cuda",
-                                     dtype=dtype)
-    if ctx:
-        model(ids[:, :ctx], **cache_kwargs(model, cache), use_cache=True)
-    saved = cache.snapshot()
+    cache, saved = context_cache(model, cfg, ids, ctx, dtype)
     runner = mla_ops.hf.PrefillGraph(model, cache, max_tokens=max_tokens)
 
     def step():
