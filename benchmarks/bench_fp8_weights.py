@@ -21,7 +21,7 @@ per layer). Targets (issue 31): fp8 >= 1.6x bf16 at B = 1, and <= 1.3x its floor
     python benchmarks/bench_fp8_weights.py --shapes 1x4096 --experts 64 --no-compile
     python benchmarks/bench_fp8_weights.py --sweep    # the fp8 GEMM kernel's configs per shape
 
---sweep times the fp8 decode GEMM kernel (lowering/gemm/fp8_linear.py) alone at V3's
+--sweep times the fp8 decode GEMM kernel (lowering/gemm/fp8_linear.py; its configs in fp8_linear_configs.py) alone at V3's
 decode shapes, 1 and 32 rows, over candidate configs (BLOCK_N, stages and the K splits
 whose grid fills the SMs: sweep_candidates; CUDA-graph replays, L2 flushed, a split's
 reduce launch included), beside the bf16 decode GEMM op on the same shape, and prints
@@ -108,12 +108,12 @@ def sweep_candidates(mode: int, N: int, K: int, M: int):
     """(BLOCK_N, num_warps, 4 stages, SPLIT_K) worth timing for a shape: every BLOCK_N of
     SWEEP_BLOCK_N with the splits whose grid lies in SWEEP_GRID (the unsplit one
     always; where no split lands in it, the one nearest its low end)."""
-    from lowering.gemm import fp8_linear
+    from lowering.gemm import fp8_linear_configs
     out = []
     for bn in SWEEP_BLOCK_N:
         splits = [sk for sk in SWEEP_SPLITS
-                  if fp8_linear.split_k_for((bn, 4, 4, sk), mode, M, N, K, 128) == sk]
-        grid = {sk: fp8_linear.n_programs(mode, N, bn, sk) * sk for sk in splits}
+                  if fp8_linear_configs.split_k_for((bn, 4, 4, sk), mode, M, N, K, 128) == sk]
+        grid = {sk: fp8_linear_configs.n_programs(mode, N, bn, sk) * sk for sk in splits}
         ok = [sk for sk in splits if SWEEP_GRID[0] <= grid[sk] <= SWEEP_GRID[1]]
         if not ok:
             ok = [min(splits, key=lambda sk: abs(grid[sk] - SWEEP_GRID[0]))]
@@ -208,12 +208,13 @@ def sweep():
     import os
     import time
 
-    from lowering.gemm import fp8_linear
+    from lowering.gemm import fp8_linear_configs
+
     if not torch.cuda.is_available():
         raise SystemExit("--sweep times CUDA graphs: it needs a CUDA device")
     t0 = time.perf_counter()
     shapes = [(mode, N, K, M, what) for mode, N, K, what in SWEEP_SHAPES for M in (1, 32)]
-    first = {(m, N, K, M): [*sweep_candidates(m, N, K, M), fp8_linear.pick_config(m, N, K, M),
+    first = {(m, N, K, M): [*sweep_candidates(m, N, K, M), fp8_linear_configs.pick_config(m, N, K, M),
                             None] for m, N, K, M, _ in shapes}
     workers = min(8, max(1, (os.cpu_count() or 2) // 2))
     try:
@@ -251,7 +252,7 @@ def sweep():
         tm.update({cfg: quick_time_us(sweep_call(mode, t, cfg)) for cfg in second[mode, N, K, M]})
         del t
         bf16 = tm.pop(None)
-        now = fp8_linear.pick_config(mode, N, K, M)
+        now = fp8_linear_configs.pick_config(mode, N, K, M)
         cfg = min(tm, key=tm.get)
         best[(mode, N, K, M <= 16)] = cfg
         notes[(mode, N, K, M <= 16)] = f"{what}, M={M}: {tm[cfg]:.1f} us, bf16 {bf16:.1f}"

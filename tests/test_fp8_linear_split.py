@@ -11,6 +11,8 @@ pytest.importorskip("triton")
 pytest.importorskip("transformers.integrations.finegrained_fp8")
 
 from lowering.gemm import fp8_linear  # noqa: E402
+
+from lowering.gemm import fp8_linear_configs  # noqa: E402
 from test_fp8_checkpoint import quant_act_ref, rand_fp8, rel, w8a8_ref, expand_scales  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -140,34 +142,34 @@ def test_run_with_split_k_vs_fp64(M, N1, N2, K, split, pre_quant):
 def test_default_split_fills_the_sms_within_bounds():
     """default_split_k: a power of two, the grid within PROGRAMS_PER_SM per SM, each split
     at least MIN_GROUPS_PER_SPLIT groups, and the largest such; wide weights unsplit."""
-    cap = fp8_linear.PROGRAMS_PER_SM * fp8_linear.SMS
+    cap = fp8_linear_configs.PROGRAMS_PER_SM * fp8_linear_configs.SMS
     for mode, N, K, bn in [(1, 2112, 7168, 16), (0, 7168, 16384, 32), (0, 7168, 18432, 64),
                            (2, 2048, 7168, 64), (0, 300, 1024, 64), (0, 2048, 256, 16)]:
-        sk = fp8_linear.default_split_k(mode, N, K, bn)
+        sk = fp8_linear_configs.default_split_k(mode, N, K, bn)
         blocks = -(-N // bn) * (2 if mode == 2 and sk > 1 else 1)
         groups = -(-K // 128)
         assert sk & (sk - 1) == 0 and blocks * sk <= max(cap, blocks)
-        assert sk == 1 or groups // sk >= fp8_linear.MIN_GROUPS_PER_SPLIT
+        assert sk == 1 or groups // sk >= fp8_linear_configs.MIN_GROUPS_PER_SPLIT
         bigger = 2 * sk
         b2 = -(-N // bn) * (2 if mode == 2 else 1)
-        assert b2 * bigger > cap or groups // bigger < fp8_linear.MIN_GROUPS_PER_SPLIT, (mode, N)
-    assert fp8_linear.default_split_k(1, 2112, 7168, 16) == 4              # 132 x 4 = 528
-    assert fp8_linear.default_split_k(0, 24576, 1536, 64) == 1             # 384 programs
-    assert fp8_linear.default_split_k(2, 18432, 7168, 64) == 1             # 288 programs
-    assert fp8_linear.default_split_k(2, 2048, 7168, 64) > 1               # 32 programs
+        assert b2 * bigger > cap or groups // bigger < fp8_linear_configs.MIN_GROUPS_PER_SPLIT, (mode, N)
+    assert fp8_linear_configs.default_split_k(1, 2112, 7168, 16) == 4              # 132 x 4 = 528
+    assert fp8_linear_configs.default_split_k(0, 24576, 1536, 64) == 1             # 384 programs
+    assert fp8_linear_configs.default_split_k(2, 18432, 7168, 64) == 1             # 288 programs
+    assert fp8_linear_configs.default_split_k(2, 2048, 7168, 64) > 1               # 32 programs
 
 
 def test_split_k_for_bounds_the_workspace_and_the_groups():
-    assert fp8_linear.split_k_for((64, 4, 4, 8), 0, 1, 7168, 3 * 128, 128) == 3   # 3 groups
-    assert fp8_linear.split_k_for((64, 4, 4), 0, 1, 7168, 7168, 128) == 1
-    big = fp8_linear.split_k_for((64, 4, 4, 64), 2, 64, 18432, 7168, 128)
-    assert big >= 1 and big * 64 * 2 * 18432 * 4 <= fp8_linear.MAX_PARTIAL_BYTES
-    for key, cfg in fp8_linear.CONFIGS.items():
+    assert fp8_linear_configs.split_k_for((64, 4, 4, 8), 0, 1, 7168, 3 * 128, 128) == 3   # 3 groups
+    assert fp8_linear_configs.split_k_for((64, 4, 4), 0, 1, 7168, 7168, 128) == 1
+    big = fp8_linear_configs.split_k_for((64, 4, 4, 64), 2, 64, 18432, 7168, 128)
+    assert big >= 1 and big * 64 * 2 * 18432 * 4 <= fp8_linear_configs.MAX_PARTIAL_BYTES
+    for key, cfg in fp8_linear_configs.CONFIGS.items():
         assert len(cfg) in (4, 5) and cfg[3] >= 1, key
-        assert fp8_linear.pre_quant_of(cfg) == (len(cfg) == 4 or cfg[4]), key
-    cfg = fp8_linear.pick_config(0, 123, 4096, 1)                     # no entry: the default
-    assert cfg[:3] == fp8_linear.DEFAULT_TILE
-    assert cfg[3] == fp8_linear.default_split_k(0, 123, 4096, cfg[0])
+        assert fp8_linear_configs.pre_quant_of(cfg) == (len(cfg) == 4 or cfg[4]), key
+    cfg = fp8_linear_configs.pick_config(0, 123, 4096, 1)                     # no entry: the default
+    assert cfg[:3] == fp8_linear_configs.DEFAULT_TILE
+    assert cfg[3] == fp8_linear_configs.default_split_k(0, 123, 4096, cfg[0])
 
 
 def test_launch_rejects_a_split_it_cannot_run():
@@ -200,7 +202,7 @@ def test_ops_split_through_configs_eager_and_compiled(rows, monkeypatch):
     (w1, s1), (w2, s2), (w3, s3) = rand_fp8(N1, K, g), rand_fp8(N2, K, g), rand_fp8(N1, K, g)
     x = (torch.randn(rows, K, generator=g) * 2).to(DT)
     for key in [(0, N1, K), (1, N1 + N2, K), (2, N1, K)]:
-        monkeypatch.setitem(fp8_linear.CONFIGS, (*key, rows <= 16), (32, 4, 3, 3))
+        monkeypatch.setitem(fp8_linear_configs.CONFIGS, (*key, rows <= 16), (32, 4, 3, 3))
     if not CUDA:
         monkeypatch.setattr(fp8_linear, "fp8_linear_unmet", lambda *a: None)
     w1, s1, w2, s2, w3, s3, xd = (t.to(DEV) for t in (w1, s1, w2, s2, w3, s3, x))
@@ -237,9 +239,9 @@ def tiny_splits(monkeypatch):
     """default_split_k splits even the tiny test model's K (2 to 4 scale groups): q_a +
     kv_a, o_proj, the fused MLPs' gate + up and down_proj then run split-K."""
     monkeypatch.setattr(fp8_linear, "MIN_GROUPS_PER_SPLIT", 1)
-    assert fp8_linear.pick_config(0, 256, 512, 1)[3] == 4                   # o_proj, down
-    assert fp8_linear.pick_config(2, 512, 256, 1)[3] == 2                   # gate + up
-    assert fp8_linear.pick_config(1, 832, 256, 1)[3] == 2                   # q_a + kv_a
+    assert fp8_linear_configs.pick_config(0, 256, 512, 1)[3] == 4                   # o_proj, down
+    assert fp8_linear_configs.pick_config(2, 512, 256, 1)[3] == 2                   # gate + up
+    assert fp8_linear_configs.pick_config(1, 832, 256, 1)[3] == 2                   # q_a + kv_a
 
 
 @pytest.mark.gpu

@@ -12,12 +12,13 @@ import torch
 sys.path.insert(0, "benchmarks")                    # run from the repository root
 from bench_fp8_weights import SWEEP_SHAPES, quick_time_us, sweep_tensors
 from lowering.gemm import fp8_linear
+from lowering.gemm import fp8_linear_configs
 
 for M in (1, 32):
     for mode, N, K, what in SWEEP_SHAPES:
         t = sweep_tensors(mode, N, K, M)
         x, ws, ss, _, y1, y2 = t
-        cfg = fp8_linear.pick_config(mode, N if mode != 1 else N, K, M)
+        cfg = fp8_linear_configs.pick_config(mode, N if mode != 1 else N, K, M)
         w2, s2 = (ws[1], ss[1]) if mode else (None, None)
         outs, us = [], []
         for pq in (False, True):
