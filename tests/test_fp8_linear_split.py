@@ -238,7 +238,7 @@ def test_ops_split_through_configs_eager_and_compiled(rows, monkeypatch):
 def tiny_splits(monkeypatch):
     """default_split_k splits even the tiny test model's K (2 to 4 scale groups): q_a +
     kv_a, o_proj, the fused MLPs' gate + up and down_proj then run split-K."""
-    monkeypatch.setattr(fp8_linear, "MIN_GROUPS_PER_SPLIT", 1)
+    monkeypatch.setattr(fp8_linear_configs, "MIN_GROUPS_PER_SPLIT", 1)
     assert fp8_linear_configs.pick_config(0, 256, 512, 1)[3] == 4                   # o_proj, down
     assert fp8_linear_configs.pick_config(2, 512, 256, 1)[3] == 2                   # gate + up
     assert fp8_linear_configs.pick_config(1, 832, 256, 1)[3] == 2                   # q_a + kv_a
