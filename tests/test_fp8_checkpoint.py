@@ -437,8 +437,12 @@ def test_every_fp8_gemm_of_a_gpu_decode_step_vs_fp64(monkeypatch, dtype=torch.bf
     float64 W8A8 reference on the very inputs it got. (Whole-model tokens are no test of
     the numerics here: the activations' fp8 rounding makes this tiny random model's greedy
     run diverge under any bf16-level change.)"""
+    import mla_ops.hf.moe as hf_moe
     model = cuda_fp8_model(dtype, device)
     model.mla_generate_graph = False      # every decode step an eager call, its values seen
+    # the MoE block's separate ops, each seen (the block op is their composition, bit for
+    # bit: test_moe_block_fp8.py)
+    monkeypatch.setattr(hf_moe, "fp8_block_decode_args", lambda *a: None)
     calls = []
 
     def record(name, fn):

@@ -104,15 +104,15 @@ def reference(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_scale
     return moe.reference(x, pairs, topk_weight, gu, dn)
 
 
-def run_kernels(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_scale, gn, gk,
-                pre_quant=None):
-    """The op's kernel path on any device (on CPU under TRITON_INTERPRET=1). pre_quant:
+def launch_pairs(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_scale, gn, gk,
+                 out, pre_quant=None) -> None:
+    """Both kernels into out fp32 [T * K, H] (every row written): pair (t, k)'s weighted
+    expert output, before the sum over k. x [T, H] with a unit last stride. pre_quant:
     (gate_up's, down's) PRE_QUANT over the configs' (None: as they say)."""
     T, H = x.shape
     K = topk_idx.shape[1]
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     P = T * K
-    x = x if x.stride(-1) == 1 else x.contiguous()
     pairs = moe.flat_pairs(topk_idx)                                         # [P]
     weight = topk_weight.reshape(-1).to(torch.float32)                       # [P]
     block_r = max(16, triton.next_power_of_2(P))
@@ -127,7 +127,6 @@ def run_kernels(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_sca
         BLOCK_R=block_r, BLOCK_M=moe.BLOCK_M, BLOCK_N=bn, BLOCK_K=gk, GROUP_N=gn,
         EVEN_K=H % gk == 0, DOT_F32=not x.is_cuda, xs_ptr=xs, stride_xs=stride_xs,
         PRE_Q=pq, num_warps=warps, num_stages=stages)
-    out = torch.empty((P, H), dtype=torch.float32, device=x.device)          # [P, H], all written
     bn, warps, stages, pq = pick_config("down", H, I, T)
     pq = pq if pre_quant is None else pre_quant[1]
     ha, hs, stride_hs = quantized(h, gk, pq)                  # h, or e4m3 [P, I] + scales
@@ -138,6 +137,18 @@ def run_kernels(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_sca
         BLOCK_R=block_r, BLOCK_M=moe.BLOCK_M, BLOCK_N=bn, BLOCK_K=gk, GROUP_N=gn,
         EVEN_K=I % gk == 0, DOT_F32=not x.is_cuda, hs_ptr=hs, stride_hs=stride_hs,
         PRE_Q=pq, ACT=ACT_CODES[x.dtype], num_warps=warps, num_stages=stages)
+
+
+def run_kernels(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_scale, gn, gk,
+                pre_quant=None):
+    """The op's kernel path on any device (on CPU under TRITON_INTERPRET=1): launch_pairs,
+    then the sum over k, rounded once to x's dtype."""
+    T, H = x.shape
+    K = topk_idx.shape[1]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty((T * K, H), dtype=torch.float32, device=x.device)      # [P, H]
+    launch_pairs(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_scale, gn, gk,
+                 out, pre_quant)
     return out.view(T, K, H).sum(1).to(x.dtype)                              # [T, H]
 
 

@@ -31,6 +31,7 @@ The routed experts (HF's DeepseekV3Experts / DeepseekV2Experts, weights as store
       16-bit models), the whole block is one op, mla::moe_block_decode
       (lowering/moe/block.py): the same kernels, the shared experts on a second stream
       beside the router and the routed experts, bit for bit the result of the separate ops;
+      an FP8 checkpoint's block likewise, mla::moe_block_decode_fp8 (lowering/moe/fp8_block.py);
     - more rows on CUDA with "grouped_mm" (or no setting), experts not split by HF's expert
       parallelism: HF's grouped_mm steps, then one kernel that weights and sums the pairs'
       outputs per token (lowering/moe/prefill.py) where HF makes three fp32 passes;
@@ -54,6 +55,7 @@ import torch
 from lowering import config as mla_config
 from lowering.moe import block as moe_block  # registers mla::moe_block_decode
 from lowering.moe import experts as moe_ops  # registers mla::moe_experts_decode
+from lowering.moe import fp8_block as moe_fp8_block  # registers mla::moe_block_decode_fp8
 from lowering.moe import prefill as moe_prefill  # registers mla::moe_combine
 from lowering.moe import router as moe_router  # registers mla::moe_route
 from mla_ops.hf import fp8_linear as fp8
@@ -175,13 +177,37 @@ def block_decode_args(block, x: torch.Tensor):
     return (x, block.gate.weight, *route_args(block), *w)
 
 
+def fp8_block_decode_args(block, x: torch.Tensor):
+    """mla::moe_block_decode_fp8's arguments for x [T, H] where its kernels serve the whole
+    block of an FP8 checkpoint (decode rows on CUDA, FP8Experts and FP8Linear shared
+    experts with one scale block, no grad wanted), else None. Shapes, dtypes and settings
+    only."""
+    shared, ex = block.shared_experts, block.experts
+    if (mla_config.linear_impl == "torch" or not block.mla_fuse_experts
+            or not fp8.is_fp8_experts(ex) or _needs_grad(ex)
+            or not getattr(shared, "mla_converted", False)
+            or not fp8.uses_fp8_ops(shared.gate_proj, shared.up_proj, shared.down_proj)
+            or fp8.groups(shared.gate_proj) != fp8.groups(ex)
+            or (torch.is_grad_enabled() and (block.gate.weight.requires_grad
+                                             or x.requires_grad))):
+        return None
+    w = (ex.gate_up_proj, ex.gate_up_proj_scale_inv, ex.down_proj, ex.down_proj_scale_inv,
+         *(t for m in (shared.gate_proj, shared.up_proj, shared.down_proj)
+           for t in (m.weight, m.weight_scale_inv)), *fp8.groups(ex))
+    if not moe_fp8_block.block_serves(x, block.gate.weight, *w):
+        return None
+    return (x, block.gate.weight, *route_args(block), *w)
+
+
 def _moe_forward(self, hidden_states: torch.Tensor, residual=None) -> torch.Tensor:
     """HF's MoE block (+ residual, in HF's order): hidden_states [B, S, H] -> [B, S, H]."""
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])                                   # [T, H]
-    args = block_decode_args(self, x)
+    args, op = block_decode_args(self, x), torch.ops.mla.moe_block_decode
+    if args is None:
+        args, op = fp8_block_decode_args(self, x), torch.ops.mla.moe_block_decode_fp8
     if args is not None:               # decode rows: one op, the shared experts beside
-        pairs, shared = torch.ops.mla.moe_block_decode(*args)   # [T, K, H], [split_k, T, H]
+        pairs, shared = op(*args)      # [T, K, H], [split_k, T, H] (fp8: [1, T, H])
         out = (pairs.sum(1).to(x.dtype) + shared.sum(0).to(x.dtype)).view(shape)
         return out if residual is None else residual + out
     topk_idx, topk_weight = route(self, x)                                     # [T, K] each

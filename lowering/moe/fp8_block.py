@@ -1,0 +1,160 @@
+"""A DeepSeek MoE block's decode rows over fp8 block-quantized weights (DeepSeek-V3 / R1
+checkpoints: HF's FP8Experts and FP8Linear shared experts) as one graph op, the shared
+experts on a second stream: block.py's op for an FP8 checkpoint.
+
+    mla::moe_block_decode_fp8(x [T, H], router_weight [E, H], bias [E] | None, mode, top_k,
+                              n_group, topk_group, norm_topk_prob, scale,
+                              gate_up [E, 2I, H] e4m3, gate_up_scale, down [E, H, I] e4m3,
+                              down_scale, shared_gate [S, H] e4m3, shared_gate_scale,
+                              shared_up [S, H] e4m3, shared_up_scale, shared_down [H, S]
+                              e4m3, shared_down_scale, group_n, group_k)
+        -> pairs [T, K, H] fp32, shared [1, T, H] in x's dtype
+
+    pairs[t, k] = topk_weight[t, k] * expert_{topk_idx[t, k]}(x[t]): the router as
+                  mla::moe_route picks (router.py), each pair as fp8_experts.py's kernels
+                  leave it before their sum over k;
+    shared      = the shared experts' down_proj(SiLU(gate(x)) * up(x)) as the fp8 decode
+                  GEMM ops compute it (W8A8, HF's FP8Linear numerics), rounded to x's dtype.
+
+The caller sums, pairs.sum(1).to(dtype) + shared.sum(0).to(dtype), block.py's expression,
+which is what the separate ops (mla::moe_route, mla::moe_experts_decode_fp8,
+mla::decode_gate_up_fp8, mla::decode_linear_fp8) leave in the graph: the result is bit for
+bit the block run op by op.
+
+Why: at one row the shared experts' GEMMs (two launches and their split-K reduces) and
+the router's two kernels each leave most SMs idle while the routed experts stream at the
+bandwidth. Here the shared experts run on a side stream, forked after the outputs are
+allocated and joined before the op returns (a CUDA graph captures both branches). The
+branch's own scratch (quantized activations, partials) is allocated on the side stream
+and used only there.
+
+CUDA runs the streams; on the CPU (tests, TRITON_INTERPRET=1) the same launches run in
+order. Callers check block_serves first (mla_ops/hf/fp8_linear.py); the op checks shapes,
+dtypes and scales (host ints only, nothing read from the device).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from lowering.gemm import fp8_linear as fp8_gemm
+from lowering.gemm.fp8_linear_configs import pick_config
+from lowering.moe import fp8_experts
+from lowering.moe import router as moe_router
+from lowering.moe.block import side_stream
+
+
+def block_serves(x: torch.Tensor, router_weight: torch.Tensor, gate_up, gate_up_scale, down,
+                 down_scale, shared_gate, shared_gate_scale, shared_up, shared_up_scale,
+                 shared_down, shared_down_scale, group_n: int, group_k: int) -> bool:
+    """Whether the op's kernels serve these tensors (shapes, dtypes, devices and settings
+    only, so traced code can branch on it): the router's, the fp8 routed experts' and the
+    fp8 decode GEMMs' for the shared experts."""
+    if x.dim() != 2 or moe_router.kernel_serves(x, router_weight) is not None:
+        return False
+    if not fp8_experts.kernel_serves(x, gate_up, gate_up_scale, down, down_scale, group_k):
+        return False
+    S, H = shared_gate.shape if shared_gate.dim() == 2 else (-1, -1)
+    if (H != x.shape[1] or shared_up.shape != shared_gate.shape
+            or tuple(shared_down.shape) != (H, S)):
+        return False
+    pairs = [(shared_gate, shared_gate_scale), (shared_up, shared_up_scale),
+             (shared_down, shared_down_scale)]
+    return fp8_gemm.fp8_linear_unmet(x, pairs, group_n, group_k) is None
+
+
+def _check(x, router_weight, bias, mode, top_k, n_group, topk_group, gate_up, gate_up_scale,
+           down, down_scale, shared, group_n, group_k) -> None:
+    moe_router.check_args(x, router_weight, bias, mode, top_k, n_group, topk_group)
+    fp8_experts.check_scales(gate_up, gate_up_scale, down, down_scale, group_n, group_k)
+    H = x.shape[1]
+    if gate_up.shape[2] != H:
+        raise ValueError(f"gate_up must be [E, 2I, {H}] for x [T, {H}], got "
+                         f"{tuple(gate_up.shape)}")
+    (sg, sgs), (su, sus), (sd, sds) = shared
+    S = sg.shape[0] if sg.dim() == 2 else -1
+    if (sg.dim() != 2 or sg.shape[1] != H or su.shape != sg.shape
+            or tuple(sd.shape) != (H, S)):
+        raise ValueError(f"shared_gate and shared_up must be [S, {H}] and shared_down "
+                         f"[{H}, S]; got {tuple(sg.shape)}, {tuple(su.shape)}, "
+                         f"{tuple(sd.shape)}")
+    for name, w, s in (("shared_gate", sg, sgs), ("shared_up", su, sus),
+                       ("shared_down", sd, sds)):
+        fp8_gemm.check_fp8_weight(name, w, s, group_n, group_k)
+        if w.device != x.device:
+            raise ValueError(f"{name} is on {w.device}, x on {x.device}")
+
+
+def _shared(x, shared, out, group_n, group_k) -> None:
+    """out [T, H] = down(SiLU(x @ gate.T) * (x @ up.T)), each GEMM as its decode op runs it."""
+    (sg, sgs), (su, sus), (sd, sds) = shared
+    T, H = x.shape
+    S = sg.shape[0]
+    h = torch.empty((T, S), dtype=x.dtype, device=x.device)                   # [T, S]
+    fp8_gemm.run(x, sg, sgs, su, sus, 2, h, None, group_n, group_k,
+                 pick_config(2, S, H, T, group_k))
+    fp8_gemm.run(h, sd, sds, None, None, 0, out, None, group_n, group_k,
+                 pick_config(0, H, S, T, group_k))
+
+
+def _routed(x, route, gate_up, gate_up_scale, down, down_scale, group_n, group_k,
+            pairs) -> None:
+    topk_idx, topk_weight = moe_router.launch(x, *route)
+    T, K, H = pairs.shape
+    fp8_experts.launch_pairs(x, topk_idx, topk_weight, gate_up, gate_up_scale, down,
+                             down_scale, group_n, group_k, pairs.view(T * K, H))
+
+
+@torch.library.custom_op("mla::moe_block_decode_fp8", mutates_args=())
+def moe_block_decode_fp8(x: torch.Tensor, router_weight: torch.Tensor,
+                         bias: Optional[torch.Tensor], mode: int, top_k: int, n_group: int,
+                         topk_group: int, norm_topk_prob: bool, scale: float,
+                         gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
+                         down: torch.Tensor, down_scale: torch.Tensor,
+                         shared_gate: torch.Tensor, shared_gate_scale: torch.Tensor,
+                         shared_up: torch.Tensor, shared_up_scale: torch.Tensor,
+                         shared_down: torch.Tensor, shared_down_scale: torch.Tensor,
+                         group_n: int, group_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    shared_w = ((shared_gate, shared_gate_scale), (shared_up, shared_up_scale),
+                (shared_down, shared_down_scale))
+    _check(x, router_weight, bias, mode, top_k, n_group, topk_group, gate_up, gate_up_scale,
+           down, down_scale, shared_w, group_n, group_k)
+    weights = (gate_up, gate_up_scale, down, down_scale, *shared_w[0], *shared_w[1],
+               *shared_w[2], group_n, group_k)
+    if x.is_cuda and not block_serves(x, router_weight, *weights):
+        raise ValueError("mla::moe_block_decode_fp8: its kernels do not serve these tensors "
+                         "(lowering.moe.fp8_block.block_serves says which do); run the "
+                         "block's separate ops (mla::moe_route, mla::moe_experts_decode_fp8, "
+                         "the fp8 decode GEMMs) instead")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"mla::moe_block_decode_fp8 runs its kernels on CUDA (x is on "
+                         f"{x.device}); on the CPU only under TRITON_INTERPRET=1")
+    T, H = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    route = (router_weight, bias, mode, top_k, n_group, topk_group, norm_topk_prob, scale)
+    # the outputs are allocated here, on the caller's stream
+    shared = torch.empty((1, T, H), dtype=x.dtype, device=x.device)             # [1, T, H]
+    pairs = torch.empty((T, top_k, H), dtype=torch.float32, device=x.device)    # [T, K, H]
+    routed = (x, route, gate_up, gate_up_scale, down, down_scale, group_n, group_k, pairs)
+    if not x.is_cuda:                        # the interpreter: one stream, in order
+        _shared(x, shared_w, shared[0], group_n, group_k)
+        _routed(*routed)
+        return pairs, shared
+    main = torch.cuda.current_stream(x.device)
+    side = side_stream(x.device)
+    side.wait_stream(main)                   # the fork: x and the outputs are ready
+    with torch.cuda.stream(side):
+        _shared(x, shared_w, shared[0], group_n, group_k)
+    _routed(*routed)
+    main.wait_stream(side)                   # the join, before anything reads `shared`
+    return pairs, shared
+
+
+@moe_block_decode_fp8.register_fake
+def _(x, router_weight, bias, mode, top_k, n_group, topk_group, norm_topk_prob, scale,
+      gate_up, gate_up_scale, down, down_scale, shared_gate, shared_gate_scale, shared_up,
+      shared_up_scale, shared_down, shared_down_scale, group_n, group_k):
+    T, H = x.shape
+    return x.new_empty((T, top_k, H), dtype=torch.float32), x.new_empty((1, T, H))
