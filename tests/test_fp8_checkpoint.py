@@ -454,8 +454,8 @@ def test_every_fp8_gemm_of_a_gpu_decode_step_vs_fp64(monkeypatch, dtype=torch.bf
                               if isinstance(out, tuple) else out.clone()))
             return out
         monkeypatch.setattr(hf_fp8, name, wrapped)
-    for name in ("fp8_linear", "fp8_linear_pair", "fp8_pair_partials", "fp8_mlp",
-                 "fp8_routed_experts"):
+    for name in ("fp8_linear", "fp8_linear_pair", "fp8_pair_partials", "fp8_partials",
+                 "fp8_mlp", "fp8_routed_experts"):
         record(name, getattr(hf_fp8, name))
     ids, mask = (t.to(device) for t in left_padded([5, 17, 30]))
     cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=64,
@@ -474,6 +474,11 @@ def test_every_fp8_gemm_of_a_gpu_decode_step_vs_fp64(monkeypatch, dtype=torch.bf
             if residual is not None:
                 ref = cast(ref + residual.reshape(ref.shape).double().cpu())
             got = out
+        elif name == "fp8_partials":           # o_proj's fp32 split-K partials, unrounded
+            mod = args[0]
+            ref = w8a8_ref(x2, mod.weight.cpu(), mod.weight_scale_inv.cpu())
+            assert out.dtype == torch.float32 and out.shape[0] >= 2
+            got = out.sum(0)
         elif name in ("fp8_linear_pair", "fp8_pair_partials"):
             ref = torch.cat([w8a8_ref(x2, m.weight.cpu(), m.weight_scale_inv.cpu())
                              for m in args[:2]], -1)
@@ -503,9 +508,11 @@ def test_every_fp8_gemm_of_a_gpu_decode_step_vs_fp64(monkeypatch, dtype=torch.bf
         err = rel(got.reshape(ref.shape).float(), ref)
         assert err < 2e-2, (name, err, tuple(x.shape))
         checked.add(name)
-    # q_a + kv_a: the fp32 partial for the fused prologue (V3 on CUDA), else the pair op
-    assert checked - {"fp8_linear_pair"} == {"fp8_linear", "fp8_pair_partials", "fp8_mlp",
-                                             "fp8_routed_experts"}
+    # q_a + kv_a: the fp32 partial for the fused prologue (V3 on CUDA), else the pair op;
+    # o_proj's partials where its GEMM splits K (test_fp8_linear_split.py's configs)
+    assert checked - {"fp8_linear_pair", "fp8_partials"} == {
+        "fp8_linear", "fp8_pair_partials", "fp8_mlp", "fp8_routed_experts"}
+    return checked
 
 
 @pytest.mark.gpu

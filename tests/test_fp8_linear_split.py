@@ -214,7 +214,8 @@ def test_ops_split_through_configs_eager_and_compiled(rows, monkeypatch):
                 ops.decode_linear_fp8_residual(x, w1, s1, r, 128, 128),
                 *ops.decode_linear_pair_fp8(x, w1, s1, w2, s2, 128, 128),
                 ops.decode_gate_up_fp8(x, w1, s1, w3, s3, 128, 128),
-                ops.decode_linear_pair_fp8_partials(x, w1, s1, w2, s2, 128, 128))
+                ops.decode_linear_pair_fp8_partials(x, w1, s1, w2, s2, 128, 128),
+                ops.decode_linear_fp8_partials(x, w1, s1, 128, 128))
     xf = x.float()
     ref1 = w8a8_ref(xf, w1.cpu(), s1.cpu())
     ref2 = w8a8_ref(xf, w2.cpu(), s2.cpu())
@@ -222,8 +223,14 @@ def test_ops_split_through_configs_eager_and_compiled(rows, monkeypatch):
     gate_up = cast(cast(F.silu(cast(ref1))) * cast(w8a8_ref(xf, w3.cpu(), s3.cpu())))
     tol, tight = (1e-2, 1e-3) if CUDA else (2e-3, 1e-5)
     for fn in (f, torch.compile(f, fullgraph=True)) if CUDA else (f,):
-        y, yr, y1, y2, yg, parts = fn(xd)
+        y, yr, y1, y2, yg, parts, parts1 = fn(xd)
         assert parts.shape == (3, rows, N1 + N2) and parts.dtype == torch.float32
+        assert parts1.shape == (3, rows, N1) and parts1.dtype == torch.float32
+        assert rel(parts1.sum(0), ref1) < tight
+        # o_proj's partials through the residual norm: its h is the residual op's output
+        norm_w = (torch.rand(N1, generator=g) + 0.5).to(DEV, DT)
+        h, _ = ops.residual_rms_norm(parts1, r, norm_w, 1e-6)
+        assert torch.equal(h, yr) if CUDA else rel(h, yr.double().cpu()) < 1e-6
         assert rel(y, cast(ref1)) < tol and rel(y1, cast(ref1)) < tol
         assert rel(y2, cast(ref2)) < tol
         assert rel(yr, cast(cast(ref1) + r.double().cpu())) < tol
@@ -248,7 +255,7 @@ def tiny_splits(monkeypatch):
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_split_decode_step_gemms_vs_fp64(tiny_splits, monkeypatch):
     from test_fp8_checkpoint import test_every_fp8_gemm_of_a_gpu_decode_step_vs_fp64 as check
-    check(monkeypatch)
+    assert "fp8_partials" in check(monkeypatch)       # o_proj split: its partials checked
 
 
 @pytest.mark.gpu

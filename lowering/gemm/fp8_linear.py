@@ -11,6 +11,9 @@ FineGrainedFP8 FP8Linear: weight float8_e4m3fn [N, K], weight_scale_inv fp32
     mla::decode_linear_pair_fp8_partials(x, w1, s1, w2, s2, group_n, group_k)
         -> fp32 [S, *, N1 + N2], summed over dim 0 [x @ W1.T | x @ W2.T], unrounded: the
            form of mla::decode_linear_pair_partials that mla::decode_qkv_prologue reads
+    mla::decode_linear_fp8_partials(x, w, s, group_n, group_k)
+        -> fp32 [S, *, N] summed over dim 0 x @ W.T, unrounded: what mla::residual_rms_norm
+           sums (o_proj, its residual add and the post-attention norm in one launch)
 
 where W is the dequantized weight. On CUDA, bf16 / fp16, at most MAX_ROWS rows, they run
 fp8_linear_kernel.py: the weight read as fp8 (half a bf16 weight's bytes), each row of x
@@ -317,3 +320,33 @@ def decode_linear_pair_fp8_partials(x: torch.Tensor, w1: torch.Tensor, s1: torch
     launch(x2, w1, s1, w2, s2, 1, out, None, group_n, group_k, (*cfg[:3], S),
            y2_col0=N1, pre_quant=pre_quant_of(cfg))                         # [S, M, N1+N2]
     return out.view(S, *lead, N1 + N2)
+
+
+def partial_splits(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, group_n: int,
+                   group_k: int) -> int:
+    """The K splits of x @ W.T's kernel launch (split_k_for of its config), 0 where the
+    kernel does not serve x (shapes, dtypes and settings only)."""
+    cfg = _kernel_config(0, x, [(w, scale_inv)], group_n, group_k)
+    if cfg is None:
+        return 0
+    return split_k_for(cfg, 0, x.numel() // x.shape[-1], w.shape[0], x.shape[-1], group_k)
+
+
+@torch.library.triton_op("mla::decode_linear_fp8_partials", mutates_args={})
+def decode_linear_fp8_partials(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
+                               group_n: int, group_k: int) -> torch.Tensor:
+    """fp32 [S, *lead, N] whose sum over dim 0 is x @ W.T (one launch, unrounded; S =
+    partial_splits on the kernel path, else 1), the partials mla::residual_rms_norm sums,
+    rounds and adds to the residual as the split reduce's residual epilogue does."""
+    K, N = x.shape[-1], w.shape[0]
+    lead = x.shape[:-1]
+    cfg = _kernel_config(0, x, [(w, scale_inv)], group_n, group_k)
+    if cfg is None:
+        y = F.linear(x, dequantize(w, scale_inv, group_n, group_k, x.dtype))
+        return y.float().unsqueeze(0)
+    x2 = _rows(x, K)
+    S = split_k_for(cfg, 0, x2.shape[0], N, K, group_k)
+    out = torch.empty((S, x2.shape[0], N), dtype=torch.float32, device=x.device)  # [S, M, N]
+    launch(x2, w, scale_inv, None, None, 0, out if S > 1 else out[0], None, group_n, group_k,
+           (*cfg[:3], S), pre_quant=pre_quant_of(cfg))
+    return out.view(S, *lead, N)

@@ -135,6 +135,16 @@ def fp8_pair_partials(m1, m2, x: torch.Tensor):
     return torch.ops.mla.decode_linear_pair_fp8_partials(x, *pairs[0], *pairs[1], gn, gk)
 
 
+def fp8_partials(mod, x: torch.Tensor):
+    """fp32 split-K partials [S, *lead, N] of mod(x) for mla::residual_rms_norm where the
+    fp8 kernel serves x and splits K (S > 1), else None (the caller runs fp8_linear and
+    the norm)."""
+    gn, gk = groups(mod)
+    if fp8_ops.partial_splits(x, mod.weight, mod.weight_scale_inv, gn, gk) < 2:
+        return None
+    return torch.ops.mla.decode_linear_fp8_partials(x, mod.weight, mod.weight_scale_inv, gn, gk)
+
+
 def fp8_mlp_served(mlp) -> bool:
     """An MLP whose gate_proj, up_proj and down_proj are served FP8 linears of one block."""
     mods = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)

@@ -64,13 +64,19 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, residual=None) -> torch.Tens
 def linear_residual_norm(mod, x: torch.Tensor, residual: torch.Tensor, norm):
     """(h, norm(h)) with h = residual + mod(x): a converted decoder layer's attention output
     projection, its residual add and its post-attention RMSNorm. Where mod's decode GEMM
-    splits K and norm is a converted RMSNorm (mla_ops/hf/layer.py), the partials' sum, the
-    add and the norm are one launch (mla::residual_rms_norm), else linear() then norm."""
-    if (use_ops(mod) and getattr(norm, "mla_converted", False)
+    (16-bit, or an FP8 checkpoint's) splits K and norm is a converted RMSNorm
+    (mla_ops/hf/layer.py), the partials' sum, the add and the norm are one launch
+    (mla::residual_rms_norm), else linear() then norm."""
+    if (getattr(norm, "mla_converted", False)
             and not (torch.is_grad_enabled() and norm.weight.requires_grad)):
-        split_k = gemm.linear_split_k(x, mod.weight)
-        if split_k > 1:
-            parts = torch.ops.mla.decode_linear_partials(x, mod.weight, split_k)  # [S, ..., N]
+        parts = None
+        if fp8.uses_fp8_ops(mod):                       # an FP8 checkpoint's o_proj
+            parts = fp8.fp8_partials(mod, x)                                  # [S, ..., N]
+        elif use_ops(mod):
+            split_k = gemm.linear_split_k(x, mod.weight)
+            if split_k > 1:
+                parts = torch.ops.mla.decode_linear_partials(x, mod.weight, split_k)
+        if parts is not None:
             return torch.ops.mla.residual_rms_norm(parts, residual, norm.weight,
                                                    float(norm.variance_epsilon))
     h = linear(mod, x, residual)
