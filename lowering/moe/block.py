@@ -31,7 +31,7 @@ dtypes, and on CUDA that its kernels serve (host ints only, nothing read from th
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -48,6 +48,36 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     if key not in _SIDE:
         _SIDE[key] = torch.cuda.Stream(device=key)
     return _SIDE[key]
+
+
+def require_kernels(op: str, x: torch.Tensor, serves: bool, serves_name: str,
+                    separate: str) -> None:
+    """Raise a ValueError unless a block op's kernels can run on x: on CUDA where they
+    serve these tensors (serves, from serves_name), on the CPU only under the Triton
+    interpreter."""
+    if x.is_cuda and not serves:
+        raise ValueError(f"mla::{op}: its kernels do not serve these tensors ({serves_name} "
+                         f"says which do); run the block's separate ops ({separate}) instead")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"mla::{op} runs its kernels on CUDA (x is on {x.device}); on the "
+                         f"CPU only under TRITON_INTERPRET=1")
+
+
+def fork_shared(x: torch.Tensor, shared: Callable[[], None], routed: Callable[[], None]) -> None:
+    """shared() on the side stream beside routed() on the caller's, forked after everything
+    both write is allocated and joined before returning (a CUDA graph captures both
+    branches); on the CPU (the interpreter) one after the other."""
+    if not x.is_cuda:
+        shared()
+        routed()
+        return
+    main = torch.cuda.current_stream(x.device)
+    side = side_stream(x.device)
+    side.wait_stream(main)                   # the fork: x and the buffers are ready
+    with torch.cuda.stream(side):
+        shared()
+    routed()
+    main.wait_stream(side)                   # the join, before anything reads the shared output
 
 
 def shared_configs(x: torch.Tensor, shared_gate: torch.Tensor):
@@ -85,16 +115,21 @@ def block_serves(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Te
     return None not in shared_configs(x, shared_gate)
 
 
-def _check(x, router_weight, bias, mode, top_k, n_group, topk_group, gate_up, down,
-           shared_gate, shared_up, shared_down) -> None:
-    moe_router.check_args(x, router_weight, bias, mode, top_k, n_group, topk_group)
-    T, H, _, _ = moe_experts.check_weights(x, gate_up, down)
+def check_shared_shapes(H: int, shared_gate, shared_up, shared_down) -> None:
+    """Raise a ValueError unless the shared experts are gate, up [S, H] and down [H, S]."""
     S = shared_gate.shape[0] if shared_gate.dim() == 2 else -1
     if (shared_gate.dim() != 2 or shared_gate.shape[1] != H or shared_up.shape != shared_gate.shape
             or tuple(shared_down.shape) != (H, S)):
         raise ValueError(f"shared_gate and shared_up must be [S, {H}] and shared_down "
                          f"[{H}, S]; got {tuple(shared_gate.shape)}, {tuple(shared_up.shape)}, "
                          f"{tuple(shared_down.shape)}")
+
+
+def _check(x, router_weight, bias, mode, top_k, n_group, topk_group, gate_up, down,
+           shared_gate, shared_up, shared_down) -> None:
+    moe_router.check_args(x, router_weight, bias, mode, top_k, n_group, topk_group)
+    T, H, _, _ = moe_experts.check_weights(x, gate_up, down)
+    check_shared_shapes(H, shared_gate, shared_up, shared_down)
     for name, w in (("shared_gate", shared_gate), ("shared_up", shared_up),
                     ("shared_down", shared_down)):
         if w.dtype != x.dtype or w.device != x.device:
@@ -130,15 +165,11 @@ def moe_block_decode(x: torch.Tensor, router_weight: torch.Tensor, bias: Optiona
                      shared_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check(x, router_weight, bias, mode, top_k, n_group, topk_group, gate_up, down,
            shared_gate, shared_up, shared_down)
-    if x.is_cuda and not block_serves(x, router_weight, gate_up, down, shared_gate,
-                                      shared_up, shared_down):
-        raise ValueError("mla::moe_block_decode: its kernels do not serve these tensors "
-                         "(lowering.moe.block.block_serves says which do); run the block's "
-                         "separate ops (mla::moe_route, mla::moe_experts_decode, the decode "
-                         "GEMMs) instead")
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"mla::moe_block_decode runs its kernels on CUDA (x is on {x.device}); "
-                         f"on the CPU only under TRITON_INTERPRET=1")
+    require_kernels("moe_block_decode", x,
+                    block_serves(x, router_weight, gate_up, down, shared_gate, shared_up,
+                                 shared_down) if x.is_cuda else True,
+                    "lowering.moe.block.block_serves",
+                    "mla::moe_route, mla::moe_experts_decode, the decode GEMMs")
     T, H = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     S, I = shared_gate.shape[0], gate_up.shape[1] // 2
@@ -152,17 +183,8 @@ def moe_block_decode(x: torch.Tensor, router_weight: torch.Tensor, bias: Optiona
     pairs = torch.empty((T, top_k, H), dtype=torch.float32, device=x.device)    # [T, K, H]
     routed = (x, router_weight, bias, mode, top_k, n_group, topk_group, norm_topk_prob, scale,
               gate_up, down, hr, pairs)
-    if not x.is_cuda:                        # the interpreter: one stream, in order
-        _shared(x, shared_gate, shared_up, shared_down, hs, shared, configs)
-        _routed(*routed)
-        return pairs, shared
-    main = torch.cuda.current_stream(x.device)
-    side = side_stream(x.device)
-    side.wait_stream(main)                   # the fork: x and the buffers are ready
-    with torch.cuda.stream(side):
-        _shared(x, shared_gate, shared_up, shared_down, hs, shared, configs)
-    _routed(*routed)
-    main.wait_stream(side)                   # the join, before anything reads `shared`
+    fork_shared(x, lambda: _shared(x, shared_gate, shared_up, shared_down, hs, shared, configs),
+                lambda: _routed(*routed))
     return pairs, shared
 
 

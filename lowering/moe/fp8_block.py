@@ -34,7 +34,6 @@ dtypes and scales (host ints only, nothing read from the device).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -43,7 +42,7 @@ from lowering.gemm import fp8_linear as fp8_gemm
 from lowering.gemm.fp8_linear_configs import pick_config
 from lowering.moe import fp8_experts
 from lowering.moe import router as moe_router
-from lowering.moe.block import side_stream
+from lowering.moe.block import check_shared_shapes, fork_shared, require_kernels
 
 
 def block_serves(x: torch.Tensor, router_weight: torch.Tensor, gate_up, gate_up_scale, down,
@@ -74,12 +73,7 @@ def _check(x, router_weight, bias, mode, top_k, n_group, topk_group, gate_up, ga
         raise ValueError(f"gate_up must be [E, 2I, {H}] for x [T, {H}], got "
                          f"{tuple(gate_up.shape)}")
     (sg, sgs), (su, sus), (sd, sds) = shared
-    S = sg.shape[0] if sg.dim() == 2 else -1
-    if (sg.dim() != 2 or sg.shape[1] != H or su.shape != sg.shape
-            or tuple(sd.shape) != (H, S)):
-        raise ValueError(f"shared_gate and shared_up must be [S, {H}] and shared_down "
-                         f"[{H}, S]; got {tuple(sg.shape)}, {tuple(su.shape)}, "
-                         f"{tuple(sd.shape)}")
+    check_shared_shapes(H, sg, su, sd)
     for name, w, s in (("shared_gate", sg, sgs), ("shared_up", su, sus),
                        ("shared_down", sd, sds)):
         fp8_gemm.check_fp8_weight(name, w, s, group_n, group_k)
@@ -123,14 +117,10 @@ def moe_block_decode_fp8(x: torch.Tensor, router_weight: torch.Tensor,
            down, down_scale, shared_w, group_n, group_k)
     weights = (gate_up, gate_up_scale, down, down_scale, *shared_w[0], *shared_w[1],
                *shared_w[2], group_n, group_k)
-    if x.is_cuda and not block_serves(x, router_weight, *weights):
-        raise ValueError("mla::moe_block_decode_fp8: its kernels do not serve these tensors "
-                         "(lowering.moe.fp8_block.block_serves says which do); run the "
-                         "block's separate ops (mla::moe_route, mla::moe_experts_decode_fp8, "
-                         "the fp8 decode GEMMs) instead")
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"mla::moe_block_decode_fp8 runs its kernels on CUDA (x is on "
-                         f"{x.device}); on the CPU only under TRITON_INTERPRET=1")
+    require_kernels("moe_block_decode_fp8", x,
+                    block_serves(x, router_weight, *weights) if x.is_cuda else True,
+                    "lowering.moe.fp8_block.block_serves",
+                    "mla::moe_route, mla::moe_experts_decode_fp8, the fp8 decode GEMMs")
     T, H = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     route = (router_weight, bias, mode, top_k, n_group, topk_group, norm_topk_prob, scale)
@@ -138,17 +128,8 @@ def moe_block_decode_fp8(x: torch.Tensor, router_weight: torch.Tensor,
     shared = torch.empty((1, T, H), dtype=x.dtype, device=x.device)             # [1, T, H]
     pairs = torch.empty((T, top_k, H), dtype=torch.float32, device=x.device)    # [T, K, H]
     routed = (x, route, gate_up, gate_up_scale, down, down_scale, group_n, group_k, pairs)
-    if not x.is_cuda:                        # the interpreter: one stream, in order
-        _shared(x, shared_w, shared[0], group_n, group_k)
-        _routed(*routed)
-        return pairs, shared
-    main = torch.cuda.current_stream(x.device)
-    side = side_stream(x.device)
-    side.wait_stream(main)                   # the fork: x and the outputs are ready
-    with torch.cuda.stream(side):
-        _shared(x, shared_w, shared[0], group_n, group_k)
-    _routed(*routed)
-    main.wait_stream(side)                   # the join, before anything reads `shared`
+    fork_shared(x, lambda: _shared(x, shared_w, shared[0], group_n, group_k),
+                lambda: _routed(*routed))
     return pairs, shared
 
 
