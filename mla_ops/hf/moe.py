@@ -208,7 +208,8 @@ def _moe_forward(self, hidden_states: torch.Tensor, residual=None) -> torch.Tens
         args, op = fp8_block_decode_args(self, x), torch.ops.mla.moe_block_decode_fp8
     if args is not None:               # decode rows: one op, the shared experts beside
         pairs, shared = op(*args)      # [T, K, H], [split_k, T, H] (fp8: [1, T, H])
-        out = (pairs.sum(1).to(x.dtype) + shared.sum(0).to(x.dtype)).view(shape)
+        shared = shared[0] if shared.shape[0] == 1 else shared.sum(0).to(x.dtype)  # [T, H]
+        out = (pairs.sum(1).to(x.dtype) + shared).view(shape)
         return out if residual is None else residual + out
     topk_idx, topk_weight = route(self, x)                                     # [T, K] each
     out = routed_experts(self, x, topk_idx, topk_weight).view(shape)
