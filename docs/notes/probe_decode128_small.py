@@ -1,0 +1,50 @@
+"""128-head bf16 decode at small batches (H200 probe, not maintained): FlashMLA (its
+kernels with the schedule computed outside the call, and with it inside), and the Gluon
+pair kernel at its default split count and at fixed ones; µs from the first kernel's start
+to the last one's end of one call captured in a CUDA graph (profiler, no launch gaps).
+
+    python docs/notes/probe_decode128_small.py [--shapes 1x4096,2x4096,4x4096,8x4096]
+"""
+import argparse, sys, torch
+sys.path[:0] = ["benchmarks", "docs/notes"]         # run from the repository root
+from timing import capture, kernel_time_us
+from probe_decode16_rows import inputs
+import lowering.decode.flashmla as fm
+from lowering.decode.gluon_decode import gluon_decode
+from lowering.decode.registry import sm_count
+from lowering.decode.triton_decode import choose_num_splits
+
+L, H, PAGE = 512, 128, 64
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="1x4096,2x4096,4x4096,8x4096")
+    args = ap.parse_args()
+    scale = 192 ** -0.5
+    for shape in args.shapes.split(","):
+        B, S = (int(v) for v in shape.split("x"))
+        q, kv, bt, lens = inputs(B, H, S)
+        sched = fm.flashmla_schedule(bt, lens, PAGE, H)
+        ref, _ = fm.flashmla_decode(q, kv, bt, lens, scale, True, L, *sched)
+        runs = {"flashmla[kernels]": lambda: fm.flashmla_decode(q, kv, bt, lens, scale, True, L,
+                                                                *sched),
+                "flashmla+sched": lambda: fm.flashmla_decode(q, kv, bt, lens, scale, True, L)}
+        auto = choose_num_splits(B, 2, bt.shape[1] * PAGE, sm_count(q.device), min_split_keys=256)
+        for n in sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, 64, auto}):
+            runs[f"gluon s{n}{'*' if n == auto else ''}"] = (
+                lambda n=n: gluon_decode(q, kv, bt, lens, scale, True, n))
+        line = []
+        for name, fn in runs.items():
+            out, _ = fn()
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            g = capture(fn, 2)
+            us = kernel_time_us(g.replay, reps=20)
+            line.append(f"{name} {us:.1f}" + (f" (err {err:.0e})" if err > 1e-2 else ""))
+        print(f"B{B} H{H} S{S} µs: " + " | ".join(line), flush=True)
+        del q, kv, bt, lens
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
