@@ -13,7 +13,8 @@ pytest.importorskip("transformers.integrations.finegrained_fp8")
 
 from lowering.gemm import fp8_linear_configs  # noqa: E402
 from lowering.moe import fp8_block, fp8_experts, router  # noqa: E402
-from test_fp8_checkpoint import moe_w8a8_ref, rand_fp8, rel, w8a8_ref  # noqa: E402
+from test_fp8_checkpoint import rand_fp8, rel, w8a8_ref  # noqa: E402
+from test_fp8_experts import moe_w8a8_ref  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
