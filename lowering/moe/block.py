@@ -13,7 +13,8 @@
                    kernels leave it: fp32 partial sums over split_k ranges of S when their
                    config splits K (shared_split_k), else [1, T, H] in x's dtype.
 
-The caller sums, pairs.sum(1).to(dtype) + shared.sum(0).to(dtype), the very expression the
+The caller sums, pairs.sum(1).to(dtype) + the shared output (its partials summed and
+rounded, shared.sum(0).to(dtype); one split is added as it is), the very expression the
 block's separate ops leave in the graph (so Inductor fuses it with the residual add as
 before): the result is bit for bit the block run op by op.
 
@@ -50,12 +51,12 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE[key]
 
 
-def require_kernels(op: str, x: torch.Tensor, serves: bool, serves_name: str,
+def require_kernels(op: str, x: torch.Tensor, serves: Callable[[], bool], serves_name: str,
                     separate: str) -> None:
-    """Raise a ValueError unless a block op's kernels can run on x: on CUDA where they
-    serve these tensors (serves, from serves_name), on the CPU only under the Triton
+    """Raise a ValueError unless a block op's kernels can run on x: on CUDA where serves()
+    (serves_name) says they serve these tensors, on the CPU only under the Triton
     interpreter."""
-    if x.is_cuda and not serves:
+    if x.is_cuda and not serves():
         raise ValueError(f"mla::{op}: its kernels do not serve these tensors ({serves_name} "
                          f"says which do); run the block's separate ops ({separate}) instead")
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -166,8 +167,8 @@ def moe_block_decode(x: torch.Tensor, router_weight: torch.Tensor, bias: Optiona
     _check(x, router_weight, bias, mode, top_k, n_group, topk_group, gate_up, down,
            shared_gate, shared_up, shared_down)
     require_kernels("moe_block_decode", x,
-                    block_serves(x, router_weight, gate_up, down, shared_gate, shared_up,
-                                 shared_down) if x.is_cuda else True,
+                    lambda: block_serves(x, router_weight, gate_up, down, shared_gate,
+                                         shared_up, shared_down),
                     "lowering.moe.block.block_serves",
                     "mla::moe_route, mla::moe_experts_decode, the decode GEMMs")
     T, H = x.shape

@@ -16,10 +16,10 @@ experts on a second stream: block.py's op for an FP8 checkpoint.
     shared      = the shared experts' down_proj(SiLU(gate(x)) * up(x)) as the fp8 decode
                   GEMM ops compute it (W8A8, HF's FP8Linear numerics), rounded to x's dtype.
 
-The caller sums, pairs.sum(1).to(dtype) + shared.sum(0).to(dtype), block.py's expression,
-which is what the separate ops (mla::moe_route, mla::moe_experts_decode_fp8,
-mla::decode_gate_up_fp8, mla::decode_linear_fp8) leave in the graph: the result is bit for
-bit the block run op by op.
+The caller sums, pairs.sum(1).to(dtype) + shared[0] (block.py's expression), which is
+what the separate ops (mla::moe_route, mla::moe_experts_decode_fp8,
+mla::decode_gate_up_fp8, mla::decode_linear_fp8) leave in the graph: the result is bit
+for bit the block run op by op.
 
 Why: at one row the shared experts' GEMMs (two launches and their split-K reduces) and
 the router's two kernels each leave most SMs idle while the routed experts stream at the
@@ -29,7 +29,7 @@ branch's own scratch (quantized activations, partials) is allocated on the side 
 and used only there.
 
 CUDA runs the streams; on the CPU (tests, TRITON_INTERPRET=1) the same launches run in
-order. Callers check block_serves first (mla_ops/hf/fp8_linear.py); the op checks shapes,
+order. Callers check block_serves first (mla_ops/hf/moe.py); the op checks shapes,
 dtypes and scales (host ints only, nothing read from the device).
 """
 from __future__ import annotations
@@ -118,7 +118,7 @@ def moe_block_decode_fp8(x: torch.Tensor, router_weight: torch.Tensor,
     weights = (gate_up, gate_up_scale, down, down_scale, *shared_w[0], *shared_w[1],
                *shared_w[2], group_n, group_k)
     require_kernels("moe_block_decode_fp8", x,
-                    block_serves(x, router_weight, *weights) if x.is_cuda else True,
+                    lambda: block_serves(x, router_weight, *weights),
                     "lowering.moe.fp8_block.block_serves",
                     "mla::moe_route, mla::moe_experts_decode_fp8, the fp8 decode GEMMs")
     T, H = x.shape
