@@ -211,3 +211,72 @@ def test_residual_op_on_gpu_is_the_separate_ops():
     y_want = torch.ops.mla.rms_norm(h_want, w, 1e-6)
     for h, y in (f(p, r), torch.compile(f, fullgraph=True)(p, r)):
         assert torch.equal(h, h_want) and torch.equal(y, y_want)
+
+
+# rows, N, quant group: DeepSeek-V3's hidden size in 128-groups; a partial last group;
+# one row of V2-Lite's hidden size
+@pytest.mark.parametrize("T,N,gk", [(2, 7168, 128), (3, 100, 32), (1, 2048, 128)])
+def test_residual_kernel_quantizes_y_as_the_fp8_gemms_do(T, N, gk):
+    """With a quant group the kernel also writes y quantized per gk columns: bit for bit
+    act_quant_kernel's quantization of the y it stored (what the fp8 GEMMs would compute
+    in their own launch) and quantize_rows_torch's; h and y as without it."""
+    from lowering.gemm import fp8_linear
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float16
+    g = torch.Generator().manual_seed(T * 7 + N)
+    p = (torch.randn(2, T, N, generator=g) * 3).to(DEV)
+    r = (torch.randn(T, N, generator=g) * 2).to(DEV, dt)
+    w = (torch.rand(N, generator=g) + 0.5).to(DEV, dt)
+    outs = [torch.full((T, N), float("nan"), device=DEV, dtype=dt) for _ in range(4)]
+    norm.launch_residual(p, r, w, 1e-6, outs[0], outs[1])
+    G = -(-N // gk)
+    yq = torch.empty((T, N), dtype=torch.float8_e4m3fn, device=DEV)
+    ys = torch.full((T, G), float("nan"), device=DEV)
+    norm.launch_residual(p, r, w, 1e-6, outs[2], outs[3], (yq, ys), gk)
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+    want_q, want_s, _ = fp8_linear.quantized(outs[1], gk, True)
+    assert torch.equal(ys, want_s) and torch.equal(yq.view(torch.uint8), want_q.view(torch.uint8))
+    tq, ts = fp8_linear.quantize_rows_torch(outs[1].cpu(), gk)
+    assert torch.equal(ts, ys.cpu()) and torch.equal(tq.view(torch.uint8), yq.cpu().view(torch.uint8))
+    assert ys.min() > 0 and yq.float().abs().amax() == 448          # each group's max at 448
+
+
+def test_residual_fp8_op_torch_path_and_errors():
+    """Off CUDA the fp8 op is the residual op plus quantize_rows_torch of its y; a bad group
+    or bad partials are refused naming them; its fake matches."""
+    from lowering.gemm import fp8_linear
+    g = torch.Generator().manual_seed(6)
+    p = torch.randn(2, 3, 256, generator=g)
+    r = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+    w = torch.rand(256, generator=g).add(0.5).to(torch.bfloat16)
+    h, y, yq, ys = torch.ops.mla.residual_rms_norm_fp8(p, r, w, 1e-6, 128)
+    h0, y0 = torch.ops.mla.residual_rms_norm(p, r, w, 1e-6)
+    q0, s0 = fp8_linear.quantize_rows_torch(y0, 128)
+    assert torch.equal(h, h0) and torch.equal(y, y0) and torch.equal(ys, s0)
+    assert torch.equal(yq.view(torch.uint8), q0.view(torch.uint8)) and ys.shape == (3, 2)
+    for bad in (0, 100, 2048):
+        with pytest.raises(ValueError, match="group_k"):
+            torch.ops.mla.residual_rms_norm_fp8(p, r, w, 1e-6, bad)
+    with pytest.raises(ValueError, match="parts must be fp32"):
+        torch.ops.mla.residual_rms_norm_fp8(p[:, :1], r, w, 1e-6, 128)
+    torch.library.opcheck(torch.ops.mla.residual_rms_norm_fp8.default, (p, r, w, 1e-6, 128),
+                          test_utils=("test_faketensor",))
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the op's Triton path runs on CUDA")
+def test_residual_fp8_op_on_gpu_is_the_separate_ops():
+    """bf16 on CUDA: h and y of mla::residual_rms_norm bit for bit, and y quantized as the
+    fp8 GEMMs' own quant launch quantizes it, eager and compiled."""
+    from lowering.gemm import fp8_linear
+    g = torch.Generator().manual_seed(4)
+    p = torch.randn(4, 3, 1, 7168, generator=g).to(DEV)
+    r = torch.randn(3, 1, 7168, generator=g).to(DEV, torch.bfloat16)
+    w = torch.rand(7168, generator=g).add(0.5).to(DEV, torch.bfloat16)
+
+    def f(p, r):
+        return torch.ops.mla.residual_rms_norm_fp8(p, r, w, 1e-6, 128)
+    h0, y0 = torch.ops.mla.residual_rms_norm(p, r, w, 1e-6)
+    q0, s0, _ = fp8_linear.quantized(y0.view(3, 7168), 128, True)
+    for h, y, yq, ys in (f(p, r), torch.compile(f, fullgraph=True)(p, r)):
+        assert torch.equal(h, h0) and torch.equal(y, y0)
+        assert torch.equal(ys.view(3, 56), s0)
+        assert torch.equal(yq.view(3, 7168).view(torch.uint8), q0.view(torch.uint8))

@@ -65,7 +65,8 @@ def test_v3_attention_prologue_matches_hf_modules(rows):
     with torch.no_grad():
         fused = qkv_a_prologue(attn, x, (cos, sin))
         assert fused is not None, "V3 shapes should take the fused prologue"
-        q_a, kv_row = fused
+        q_a, kv_row, q_a_quant = fused
+        assert q_a_quant is None                     # (16-bit q_b)
         ref_q = attn.q_a_layernorm(attn.q_a_proj(x))
         kv = attn.kv_a_proj_with_mqa(x)
         k = kv[..., 512:].reshape(rows, 1, 1, 64)
@@ -142,7 +143,8 @@ def test_prefill_rows_take_the_prologue_ops(family):
         if family == "v3":
             fused = qkv_a_prologue(attn, x, pe)
             assert fused is not None, "V3's prefill rows should take the prologue op"
-            q_a, kv_row = fused
+            q_a, kv_row, q_a_quant = fused
+            assert q_a_quant is None                 # (16-bit q_b)
             q = attn.q_b_proj(q_a).view(1, rows, 128, 192)
             q = rope_query(q, *rope_angles(attn, pe))
             ref_q_a = attn.q_a_layernorm(attn.q_a_proj(x))

@@ -4,6 +4,10 @@
     mla::residual_rms_norm(parts [S, *, N] fp32, residual [*, N], weight [N], eps)
         -> (h = residual + sum(parts).to(dtype), rms_norm(h))      a split-K GEMM's output,
            the residual add and the norm after it (residual_norm_kernel.py), one launch
+    mla::residual_rms_norm_fp8(parts, residual, weight, eps, group_k)
+        -> (h, y, y_q, y_s)   the same, and y quantized per group_k columns as the fp8
+           decode GEMMs quantize their activations (e4m3 [*, N], fp32 [*, cdiv(N, group_k)]),
+           for an FP8 checkpoint's MLP or MoE block after the norm (same launch)
 
 On CUDA (bf16 / fp16, N <= MAX_N) one Triton launch, one program per row
 (rms_norm_kernel.py); elsewhere HF's own DeepseekV3RMSNorm.forward in torch ops, bit for
@@ -20,6 +24,7 @@ import triton
 
 from lowering.fused.residual_norm_kernel import residual_rms_norm_kernel
 from lowering.fused.rms_norm_kernel import rms_norm_kernel
+from lowering.gemm.fp8_linear import check_producer_group, quantize_rows_torch
 
 MAX_N = 16384          # a row in registers: 16384 fp32 over 8 warps is 64 per thread
 
@@ -29,7 +34,6 @@ def rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return w * h.to(x.dtype)
-
 
 
 def rms_norm_unmet(x: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -90,33 +94,67 @@ def residual_rms_norm_torch(parts: torch.Tensor, residual: torch.Tensor, w: torc
 
 
 def launch_residual(parts: torch.Tensor, r2: torch.Tensor, weight: torch.Tensor, eps: float,
-                    h: torch.Tensor, y: torch.Tensor) -> None:
+                    h: torch.Tensor, y: torch.Tensor, quant=None, group_k: int = 0) -> None:
     """h, y [T, N] from parts [S, T, N] (contiguous fp32) and r2 [T, N] (last dim
-    contiguous): residual_norm_kernel.py, one program per row."""
+    contiguous): residual_norm_kernel.py, one program per row; with quant = (y_q [T, N]
+    e4m3, y_s [T, cdiv(N, group_k)] fp32) also y quantized per group_k columns."""
     S, T, N = parts.shape
-    block = triton.next_power_of_2(N)
+    block = triton.next_power_of_2(max(N, group_k))
+    yq, ys = quant if quant is not None else (h, h)
     kernel = torch.library.wrap_triton(residual_rms_norm_kernel)
-    kernel[(T,)](parts, r2, weight, h, y, T, N, r2.stride(0), float(eps), S=S, BLOCK=block,
-                 num_warps=8 if block >= 4096 else 4)
+    kernel[(T,)](parts, r2, weight, h, y, yq, ys, T, N, ys.shape[-1], r2.stride(0), float(eps),
+                 S=S, BLOCK=block, QUANT_K=group_k if quant is not None else 0,
+                 NATIVE_CAST=h.is_cuda, num_warps=8 if block >= 4096 else 4)
+
+
+def _check_parts(parts: torch.Tensor, residual: torch.Tensor) -> None:
+    if (parts.dim() != residual.dim() + 1 or tuple(parts.shape[1:]) != tuple(residual.shape)
+            or parts.dtype != torch.float32 or parts.device != residual.device):
+        raise ValueError(f"parts must be fp32 [S, {', '.join(map(str, residual.shape))}] on "
+                         f"{residual.device} (residual's shape after the splits); got "
+                         f"{parts.dtype} {tuple(parts.shape)} on {parts.device}")
+
+
+def _residual_launch(parts, residual, weight, eps, group_k: int = 0):
+    """The kernel path of both residual ops: (h, y[, y_q, y_s]) in residual's shape."""
+    N = residual.shape[-1]
+    p3 = parts.reshape(parts.shape[0], -1, N)
+    p3 = p3 if p3.is_contiguous() else p3.contiguous()
+    r2 = residual.reshape(-1, N)
+    r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
+    T = r2.shape[0]
+    h = torch.empty((T, N), dtype=residual.dtype, device=residual.device)           # [T, N]
+    y = torch.empty_like(h)                                                          # [T, N]
+    quant = None
+    if group_k:
+        quant = (torch.empty((T, N), dtype=torch.float8_e4m3fn, device=h.device),   # [T, N]
+                 torch.empty((T, triton.cdiv(N, group_k)), dtype=torch.float32,
+                             device=h.device))                                      # [T, G]
+    launch_residual(p3, r2, weight, eps, h, y, quant, group_k)
+    out = (h.view(residual.shape), y.view(residual.shape))
+    if quant is None:
+        return out
+    return (*out, quant[0].view(residual.shape), quant[1].view(*residual.shape[:-1], -1))
 
 
 @torch.library.triton_op("mla::residual_rms_norm", mutates_args={})
 def residual_rms_norm(parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     _check(residual, weight, eps)
-    if (parts.dim() != residual.dim() + 1 or tuple(parts.shape[1:]) != tuple(residual.shape)
-            or parts.dtype != torch.float32 or parts.device != residual.device):
-        raise ValueError(f"parts must be fp32 [S, {', '.join(map(str, residual.shape))}] on "
-                         f"{residual.device} (residual's shape after the splits); got "
-                         f"{parts.dtype} {tuple(parts.shape)} on {parts.device}")
+    _check_parts(parts, residual)
     if rms_norm_unmet(residual, weight) is not None or parts.shape[0] < 1:
         return residual_rms_norm_torch(parts, residual, weight, eps)
-    N = residual.shape[-1]
-    p3 = parts.reshape(parts.shape[0], -1, N)
-    p3 = p3 if p3.is_contiguous() else p3.contiguous()
-    r2 = residual.reshape(-1, N)
-    r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
-    h = torch.empty((r2.shape[0], N), dtype=residual.dtype, device=residual.device)  # [T, N]
-    y = torch.empty_like(h)                                                          # [T, N]
-    launch_residual(p3, r2, weight, eps, h, y)
-    return h.view(residual.shape), y.view(residual.shape)
+    return _residual_launch(parts, residual, weight, eps)
+
+
+@torch.library.triton_op("mla::residual_rms_norm_fp8", mutates_args={})
+def residual_rms_norm_fp8(parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          eps: float, group_k: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                             torch.Tensor, torch.Tensor]:
+    _check(residual, weight, eps)
+    _check_parts(parts, residual)
+    check_producer_group(group_k)
+    if rms_norm_unmet(residual, weight) is not None or parts.shape[0] < 1:
+        h, y = residual_rms_norm_torch(parts, residual, weight, eps)
+        return (h, y, *quantize_rows_torch(y, group_k))
+    return _residual_launch(parts, residual, weight, eps, group_k)

@@ -11,6 +11,12 @@ DeepSeek-V3 (after q_a + kv_a):
     q_out  = RMSNorm(sum(part)[..., :NQ]) * w_q                            (q_a_layernorm)
     kv_row = [RMSNorm(sum(part)[..., NQ:NQ+L]) * w_kv | RoPE(sum(part)[..., NQ+L:])]
 
+    mla::decode_qkv_prologue_fp8(part, w_q, w_kv, cos, sin, eps_q, eps_kv, rope, group_k)
+        -> (q_out, kv_row, q_q [*lead, NQ] e4m3, q_s [*lead, cdiv(NQ, group_k)] fp32)
+    the same, and q_out quantized per group_k columns as the fp8 decode GEMMs quantize their
+    activations (lowering/gemm/fp8_linear.py's quantize_rows_torch), in the same launch: for
+    an FP8 checkpoint's q_b_proj, whose GEMM then reads them
+
 DeepSeek-V2 without q_lora (after q_proj + kv_a; RoPE on the complex pairs of V2's
 freqs_cis, whose real and imaginary parts are cos / sin):
 
@@ -38,6 +44,7 @@ from lowering.fused.decode_rows import angle_rows, check_angles, row_kernels_unm
 from lowering.fused.norm import rms_norm_torch
 from lowering.fused.prologue_kernel import qkv_prologue_kernel
 from lowering.fused.q_rope import ROPES, q_rope_any, rope_complex_torch, rope_torch
+from lowering.gemm.fp8_linear import check_producer_group, quantize_rows_torch
 
 
 def _check_part(part, cos, sin, dtype):
@@ -76,20 +83,25 @@ def _check(part, w_q, w_kv, cos, sin, rope):
 HEADS = 16          # V2 query heads per program of the prologue kernel
 
 
-def launch(part, w_q, w_kv, cos, sin, eps_q, eps_kv, rope, q_out, kv_out):
+def launch(part, w_q, w_kv, cos, sin, eps_q, eps_kv, rope, q_out, kv_out, quant=None,
+           group_k: int = 0):
     """Run qkv_prologue_kernel with q_a's norm: part [S, T, NQ + L + R] fp32 contiguous,
     cos / sin [T, R] ([T, R / 2] with rope 2; both of the same strides), q_out [T, NQ],
-    kv_out [T, L + R] contiguous."""
+    kv_out [T, L + R] contiguous; with quant = (q_q [T, NQ] e4m3, q_s [T, cdiv(NQ,
+    group_k)] fp32) q_out also quantized per group_k columns."""
     S, T, _ = part.shape
     NQ, L = w_q.shape[0], w_kv.shape[0]
     R = part.shape[-1] - NQ - L
+    qq, qs = quant if quant is not None else (q_out, q_out)
     kernel = torch.library.wrap_triton(qkv_prologue_kernel)
     kernel[(T, 2)](
-        part, w_q, w_kv, cos, sin, q_out, kv_out,
+        part, w_q, w_kv, cos, sin, q_out, kv_out, qq, qs,
         part.stride(0), cos.stride(0), cos.stride(1), eps_q, eps_kv,
-        SPLIT=S, NQ=NQ, L=L, R=R, BLOCK_Q=triton.next_power_of_2(NQ),
+        SPLIT=S, NQ=NQ, L=L, R=R, BLOCK_Q=triton.next_power_of_2(max(NQ, group_k)),
         BLOCK_L=triton.next_power_of_2(L), BLOCK_H=triton.next_power_of_2(R // 2),
-        ROPE=int(rope), Q_ROPE=False, NH=1, HEADS=1, BLOCK_P=1, num_warps=4)
+        ROPE=int(rope), Q_ROPE=False, NH=1, HEADS=1, BLOCK_P=1,
+        QUANT_K=group_k if quant is not None else 0, QG=qs.shape[-1] if quant is not None else 1,
+        NATIVE_CAST=part.is_cuda, num_warps=4)
 
 
 def launch_v2(part, w_kv, cos, sin, eps_kv, num_heads, q_out, kv_out):
@@ -101,17 +113,15 @@ def launch_v2(part, w_kv, cos, sin, eps_kv, num_heads, q_out, kv_out):
     heads = min(HEADS, triton.next_power_of_2(num_heads))
     kernel = torch.library.wrap_triton(qkv_prologue_kernel)
     kernel[(T, 1 + triton.cdiv(num_heads, heads))](
-        part, w_kv, w_kv, cos, sin, q_out, kv_out,
+        part, w_kv, w_kv, cos, sin, q_out, kv_out, q_out, q_out,
         part.stride(0), cos.stride(0), cos.stride(1), 0.0, eps_kv,
         SPLIT=S, NQ=NQ, L=L, R=R, BLOCK_Q=1, BLOCK_L=triton.next_power_of_2(L),
         BLOCK_H=triton.next_power_of_2(R // 2), ROPE=2, Q_ROPE=True, NH=num_heads,
         HEADS=heads, BLOCK_P=triton.next_power_of_2(NQ // num_heads - R), num_warps=4)
 
 
-@torch.library.triton_op("mla::decode_qkv_prologue", mutates_args={})
-def decode_qkv_prologue(part: torch.Tensor, w_q: torch.Tensor, w_kv: torch.Tensor,
-                        cos: torch.Tensor, sin: torch.Tensor, eps_q: float, eps_kv: float,
-                        rope: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _prologue(part, w_q, w_kv, cos, sin, eps_q, eps_kv, rope, group_k: int = 0):
+    """Both ops' body: (q_out, kv_row[, q_q, q_s]) (the quantized q_a where group_k > 0)."""
     NQ, L, R = _check(part, w_q, w_kv, cos, sin, rope)
     lead = part.shape[1:-1]
     if part.numel() == 0 or row_kernels_unmet(part.device, w_q.dtype) is not None:
@@ -120,14 +130,40 @@ def decode_qkv_prologue(part: torch.Tensor, w_q: torch.Tensor, w_kv: torch.Tenso
         k = (rope_complex_torch(k, cos, sin) if rope == 2
              else rope_torch(k, cos.to(x.dtype), sin.to(x.dtype), bool(rope)))
         kv_row = torch.cat([rms_norm_torch(kv, w_kv, eps_kv), k], dim=-1)
-        return rms_norm_torch(q, w_q, eps_q), kv_row
+        q = rms_norm_torch(q, w_q, eps_q)
+        return (q, kv_row, *quantize_rows_torch(q, group_k)) if group_k else (q, kv_row)
     p = part.reshape(part.shape[0], -1, part.shape[-1]).contiguous()      # [S, T, NQ+L+R]
     T = p.shape[1]
     c, s = angle_rows(cos, sin, T, torch.float32 if rope == 2 else w_q.dtype, strided=True)
     q_out = torch.empty((T, NQ), dtype=w_q.dtype, device=part.device)
     kv_out = torch.empty((T, L + R), dtype=w_q.dtype, device=part.device)
-    launch(p, w_q, w_kv, c, s, float(eps_q), float(eps_kv), int(rope), q_out, kv_out)
-    return q_out.view(*lead, NQ), kv_out.view(*lead, L + R)
+    quant = None
+    if group_k:
+        quant = (torch.empty((T, NQ), dtype=torch.float8_e4m3fn, device=part.device),
+                 torch.empty((T, triton.cdiv(NQ, group_k)), dtype=torch.float32,
+                             device=part.device))                       # [T, NQ], [T, G]
+    launch(p, w_q, w_kv, c, s, float(eps_q), float(eps_kv), int(rope), q_out, kv_out, quant,
+           group_k)
+    out = (q_out.view(*lead, NQ), kv_out.view(*lead, L + R))
+    if quant is None:
+        return out
+    return (*out, quant[0].view(*lead, NQ), quant[1].view(*lead, -1))
+
+
+@torch.library.triton_op("mla::decode_qkv_prologue", mutates_args={})
+def decode_qkv_prologue(part: torch.Tensor, w_q: torch.Tensor, w_kv: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor, eps_q: float, eps_kv: float,
+                        rope: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _prologue(part, w_q, w_kv, cos, sin, eps_q, eps_kv, rope)
+
+
+@torch.library.triton_op("mla::decode_qkv_prologue_fp8", mutates_args={})
+def decode_qkv_prologue_fp8(part: torch.Tensor, w_q: torch.Tensor, w_kv: torch.Tensor,
+                            cos: torch.Tensor, sin: torch.Tensor, eps_q: float, eps_kv: float,
+                            rope: int, group_k: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                              torch.Tensor, torch.Tensor]:
+    check_producer_group(group_k)
+    return _prologue(part, w_q, w_kv, cos, sin, eps_q, eps_kv, rope, group_k)
 
 
 def _check_v2(part, w_kv, cos, sin, num_heads):

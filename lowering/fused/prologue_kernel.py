@@ -9,6 +9,10 @@ input and the cache row: program 0 of a token makes the cache row, programs 1.. 
 
     grid = (T, 2) for V3; (T, 1 + cdiv(NH, HEADS)) for V2, HEADS query heads per program
 
+    QUANT_K > 0 (V3 with an fp8 q_b_proj): q_out also quantized per QUANT_K columns as the
+    fp8 decode GEMMs quantize their activations (quant_act_tile), into qq [T, NQ] e4m3 and
+    qs [T, cdiv(NQ, QUANT_K)] fp32, which q_b's GEMM then reads
+
 It replaces the partial sums, the norms, both RoPEs and the cat of the unfused graph (for
 V2 about ten small kernels, its complex-number RoPE among them). Each sum is rounded to
 the activation dtype first (the GEMM's output); the norms round as HF's RMSNorm does
@@ -30,6 +34,7 @@ import triton
 import triton.language as tl
 
 from lowering.fused.q_rope_kernel import rotate
+from lowering.gemm.fp8_linear_kernel import quant_act_tile
 
 
 @triton.jit
@@ -85,11 +90,13 @@ def qkv_prologue_kernel(
     cos_ptr, sin_ptr,          # [T, R] or [T, R / 2] rows, strides (stride_cs, stride_cc)
     q_out_ptr,                 # [T, NQ]
     kv_out_ptr,                # [T, L + R]
+    qq_ptr, qs_ptr,            # QUANT_K > 0: [T, NQ] e4m3, [T, QG] fp32
     stride_split, stride_cs, stride_cc, eps_q, eps_kv,
     SPLIT: tl.constexpr, NQ: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
     ROPE: tl.constexpr, Q_ROPE: tl.constexpr,
     NH: tl.constexpr, HEADS: tl.constexpr, BLOCK_P: tl.constexpr,
+    QUANT_K: tl.constexpr = 0, QG: tl.constexpr = 1, NATIVE_CAST: tl.constexpr = True,
 ):
     t = tl.program_id(0)
     pid = tl.program_id(1)
@@ -126,4 +133,13 @@ def qkv_prologue_kernel(
         oq = tl.arange(0, BLOCK_Q)
         mq = oq < NQ
         x = _row_sum(row, oq, mq, stride_split, SPLIT).to(dt).to(tl.float32)  # [BLOCK_Q]
-        tl.store(q_row + oq, _rms_norm(x, wq_ptr, oq, mq, NQ, eps_q, dt), mask=mq)
+        y = _rms_norm(x, wq_ptr, oq, mq, NQ, eps_q, dt)                   # [BLOCK_Q], 0 past NQ
+        tl.store(q_row + oq, y, mask=mq)
+        if QUANT_K > 0:         # the row as [QUANT_K, BLOCK_Q / QUANT_K] groups
+            GP: tl.constexpr = BLOCK_Q // QUANT_K
+            groups = tl.trans(tl.reshape(y.to(tl.float32), (GP, QUANT_K)))  # [QUANT_K, GP]
+            q, sc = quant_act_tile(groups, qq_ptr, NATIVE_CAST)       # [QUANT_K, GP], [GP]
+            tl.store(qq_ptr + t.to(tl.int64) * NQ + oq, tl.reshape(tl.trans(q), (BLOCK_Q,)),
+                     mask=mq)
+            g = tl.arange(0, GP)
+            tl.store(qs_ptr + t.to(tl.int64) * QG + g, sc, mask=g < QG)

@@ -8,6 +8,11 @@ A decoder layer's `h = residual + o_proj(attn)` then `post_attention_layernorm(h
 o_proj's decode GEMM splits K: the partials are summed in split order in fp32 and rounded
 once (the GEMM's output), the add rounded again (HF's `residual + ...`), and the norm
 rounds as HF's RMSNorm. One launch where a sum-and-add kernel and a norm kernel ran.
+
+With QUANT_K > 0 the program also writes y[t] quantized per QUANT_K columns, as the fp8
+decode GEMMs quantize their activations (quant_act_tile: e4m3 yq [T, N] and fp32 scales
+ys [T, cdiv(N, QUANT_K)]), for an fp8 MLP or MoE block after the norm: its GEMMs then read
+them instead of quantizing y in a launch of their own.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import triton
 import triton.language as tl
 
 from lowering.fused.rms_norm_kernel import normalized_row
+from lowering.gemm.fp8_linear_kernel import quant_act_tile
 
 
 @triton.jit
@@ -23,8 +29,10 @@ def residual_rms_norm_kernel(
     r_ptr,             # [T, N], row stride stride_r, last dim contiguous
     w_ptr,             # [N]
     h_ptr, y_ptr,      # [T, N] contiguous each
-    T, N, stride_r, eps,
+    yq_ptr, ys_ptr,    # QUANT_K > 0: [T, N] e4m3 and [T, G] fp32, contiguous
+    T, N, G, stride_r, eps,
     S: tl.constexpr, BLOCK: tl.constexpr,
+    QUANT_K: tl.constexpr, NATIVE_CAST: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -37,5 +45,12 @@ def residual_rms_norm_kernel(
         acc += tl.load(p_ptr + (s * T + t) * N + offs, mask=mask, other=0.0)
     h = (r + acc.to(dt).to(tl.float32)).to(dt)                   # the GEMM's output, the add
     tl.store(h_ptr + t * N + offs, h, mask=mask)
-    tl.store(y_ptr + t * N + offs, normalized_row(h.to(tl.float32), w, N, eps, dt).to(dt),
-             mask=mask)
+    y = normalized_row(h.to(tl.float32), w, N, eps, dt).to(dt)                     # [BLOCK]
+    tl.store(y_ptr + t * N + offs, y, mask=mask)
+    if QUANT_K > 0:      # the row as [QUANT_K, BLOCK / QUANT_K] groups (zeros past N)
+        GP: tl.constexpr = BLOCK // QUANT_K
+        groups = tl.trans(tl.reshape(y.to(tl.float32), (GP, QUANT_K)))    # [QUANT_K, GP]
+        q, sc = quant_act_tile(groups, yq_ptr, NATIVE_CAST)            # [QUANT_K, GP], [GP]
+        tl.store(yq_ptr + t * N + offs, tl.reshape(tl.trans(q), (BLOCK,)), mask=mask)
+        g = tl.arange(0, GP)
+        tl.store(ys_ptr + t * G + g, sc, mask=g < G)

@@ -15,7 +15,10 @@ FineGrainedFP8 FP8Linear: weight float8_e4m3fn [N, K], weight_scale_inv fp32
         -> fp32 [S, *, N] summed over dim 0 x @ W.T, unrounded: what mla::residual_rms_norm
            sums (o_proj, its residual add and the post-attention norm in one launch)
 
-where W is the dequantized weight. On CUDA, bf16 / fp16, at most MAX_ROWS rows, they run
+where W is the dequantized weight. decode_linear_fp8 and decode_gate_up_fp8 also take
+x_q, x_s (optional): x already quantized by the kernel that produced it
+(quantize_rows_torch's numerics), which their kernels then read instead of quantizing x
+in a launch of their own. On CUDA, bf16 / fp16, at most MAX_ROWS rows, they run
 fp8_linear_kernel.py: the weight read as fp8 (half a bf16 weight's bytes), each row of x
 quantized per group_k columns in registers, fp8 x fp8 products accumulated in fp32 with
 both scales: HF's FP8Linear numerics on a GPU (W8A8, dynamic per-token-group activation
@@ -105,10 +108,60 @@ def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
-def quantized(a: torch.Tensor, group_k: int, pre_quant: bool):
+def quantize_rows_torch(a: torch.Tensor, group_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [..., C] -> (e4m3 [..., C], fp32 scales [..., cdiv(C, group_k)]): the kernels'
+    activation quantization (quant_act_tile) in torch ops, bit for bit: per group_k columns
+    s = amax / 448, the values times the correctly rounded reciprocal of max(s, 1e-12),
+    clamped to +-448 and rounded to e4m3 (ties to even); a partial last group is padded
+    with zeros."""
+    C = a.shape[-1]
+    G = triton.cdiv(C, group_k)
+    x = F.pad(a.float(), (0, G * group_k - C)).unflatten(-1, (G, group_k))   # [..., G, gk]
+    s = x.abs().amax(-1) / 448.0                                             # [..., G]
+    r = 1.0 / s.clamp_min(1e-12)
+    q = (x * r[..., None]).clamp(-448.0, 448.0).to(FP8)
+    return q.flatten(-2)[..., :C], s
+
+
+MAX_PRODUCER_GROUP = 1024    # a producer kernel's quant group (a row in registers), at most
+
+
+def check_producer_group(group_k) -> None:
+    """Raise a ValueError unless group_k is a quant group a producer kernel (a norm, the
+    prologue) can write: a power of two in [16, MAX_PRODUCER_GROUP]."""
+    if not (isinstance(group_k, int) and 16 <= group_k <= MAX_PRODUCER_GROUP
+            and group_k & (group_k - 1) == 0):
+        raise ValueError(f"group_k must be a power of two in [16, {MAX_PRODUCER_GROUP}] (the "
+                         f"fp8 GEMMs' activation group), got {group_k!r}")
+
+
+def check_quantized(x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor,
+                    group_k: int) -> None:
+    """Raise a ValueError / TypeError unless (x_q, x_s) can be x's activations quantized per
+    group_k columns: e4m3 of x's shape and fp32 scales [*lead, cdiv(K, group_k)], both
+    contiguous on x's device (the values themselves are the producer's to get right)."""
+    G = triton.cdiv(x.shape[-1], group_k)
+    if x_q.dtype != FP8 or tuple(x_q.shape) != tuple(x.shape):
+        raise TypeError(f"x_q must be float8_e4m3fn {tuple(x.shape)} (x's shape), got "
+                        f"{x_q.dtype} {tuple(x_q.shape)}")
+    want = (*x.shape[:-1], G)
+    if x_s.dtype != torch.float32 or tuple(x_s.shape) != want:
+        raise ValueError(f"x_s must be fp32 {want} (one scale per {group_k} columns of a row), "
+                         f"got {x_s.dtype} {tuple(x_s.shape)}")
+    for name, t in (("x_q", x_q), ("x_s", x_s)):
+        if t.device != x.device or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous on {x.device}")
+
+
+def quantized(a: torch.Tensor, group_k: int, pre_quant: bool, given=None):
     """(activations, scales, the scales' row stride) for a launch: a [R, C] itself (scales
     unused) or, with pre_quant, act_quant_kernel's e4m3 copy and its fp32 scales
-    [R, cdiv(C, group_k)] (one program per row and scale group)."""
+    [R, cdiv(C, group_k)] (one program per row and scale group). given: that pair, already
+    made by the kernel that produced a (x_q [R, C], x_s [R, G], contiguous): used as it is,
+    whatever pre_quant says."""
+    if given is not None:
+        x_q, x_s = given
+        return x_q, x_s, x_s.shape[-1]
     if not pre_quant:
         return a, a, 0
     R, C = a.shape
@@ -123,14 +176,15 @@ def quantized(a: torch.Tensor, group_k: int, pre_quant: bool):
 def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
            y2: Optional[torch.Tensor], group_n: int, group_k: int, config: tuple, *,
            residual: Optional[torch.Tensor] = None, y2_col0: int = 0,
-           pre_quant: bool = True) -> None:
+           pre_quant: bool = True, x_quant=None) -> None:
     """Run fp8_linear_kernel with config (BLOCK_N, num_warps, num_stages[, SPLIT_K]) (with
     pre_quant, act_quant_kernel first: x quantized once, as every program would): x2
     [M, K] (K contiguous), w1/w2 [N, K] fp8 contiguous with their scale_inv; y1/y2 [M, N],
     or with SPLIT_K > 1 (modes 0 and 1) fp32 partials [SPLIT_K, M, N] whose sum over dim 0
     is the product (run() reduces them). Mode 0 without split-K may add residual [M, N1]
     (last dim contiguous) in the epilogue; mode 1 with y2=None and y2_col0 > 0 writes
-    x @ W2.T into y1 from column y2_col0 on."""
+    x @ W2.T into y1 from column y2_col0 on. x_quant: x already quantized by its producer
+    ((e4m3 [M, K], fp32 scales [M, cdiv(K, group_k)]), contiguous): no quant launch."""
     split_k = config[3] if len(config) > 3 else 1
     if not isinstance(split_k, int) or split_k < 1:
         raise ValueError(f"config's SPLIT_K must be a positive int, got {split_k!r}")
@@ -148,7 +202,8 @@ def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
     N2 = w2.shape[0] if w2 is not None else 0
     block_n, warps, stages = config[:3]
     block_m = max(16, triton.next_power_of_2(M))
-    x2, xs, stride_xs = quantized(x2, group_k, pre_quant)  # x quantized once for all programs
+    pre_quant = pre_quant or x_quant is not None
+    x2, xs, stride_xs = quantized(x2, group_k, pre_quant, x_quant)  # once for all programs
     if x2.is_cuda:       # per stage: an x tile and one weight tile (two in mode 2)
         per_stage = group_k * (block_m * x2.element_size() + block_n * (2 if mode == 2 else 1))
         per_stage *= 2 if mode == 1 else 1          # mode 1 compiles the loop twice
@@ -201,11 +256,13 @@ def reduce_partials(parts: torch.Tensor, y1: torch.Tensor, y2: Optional[torch.Te
 
 def run(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
         y2: Optional[torch.Tensor], group_n: int, group_k: int, config: tuple, *,
-        residual: Optional[torch.Tensor] = None, pre_quant: Optional[bool] = None) -> None:
+        residual: Optional[torch.Tensor] = None, pre_quant: Optional[bool] = None,
+        x_quant=None) -> None:
     """The GEMM of `mode` into y1 (and y2 for mode 1) in their dtype, residual added for
     mode 0: one launch where split_k_for(config) is 1, else the split kernel into fp32
     partials (mode 2: gate and up as mode 1's pair) and reduce_partials. pre_quant: the
-    activations quantized once first (None: as config says, pre_quant_of)."""
+    activations quantized once first (None: as config says, pre_quant_of); x_quant: x
+    quantized by its producer (launch's), which every launch then reads."""
     if pre_quant is None:
         pre_quant = pre_quant_of(config)
     M, K = x2.shape
@@ -214,18 +271,18 @@ def run(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
     split_k = split_k_for(config, mode, M, N, K, group_k)
     if split_k == 1:
         launch(x2, w1, s1, w2, s2, mode, y1, y2, group_n, group_k, config[:3],
-               residual=residual, pre_quant=pre_quant)
+               residual=residual, pre_quant=pre_quant, x_quant=x_quant)
         return
     tile = (*config[:3], split_k)
     if mode == 2:
         parts = torch.empty((split_k, M, 2 * N1), dtype=torch.float32, device=x2.device)
         launch(x2, w1, s1, w2, s2, 1, parts, None, group_n, group_k, tile, y2_col0=N1,
-               pre_quant=pre_quant)
+               pre_quant=pre_quant, x_quant=x_quant)
         reduce_partials(parts, y1, gated=True)                              # [S, M, 2 N1]
         return
     parts = torch.empty((split_k, M, N), dtype=torch.float32, device=x2.device)  # [S, M, N]
     launch(x2, w1, s1, w2, s2, mode, parts, None, group_n, group_k, tile,
-           y2_col0=N1 if mode == 1 else 0, pre_quant=pre_quant)
+           y2_col0=N1 if mode == 1 else 0, pre_quant=pre_quant, x_quant=x_quant)
     reduce_partials(parts, y1, y2 if mode == 1 else None, residual=residual)
 
 
@@ -236,16 +293,33 @@ def _kernel_config(mode, x, pairs, group_n, group_k):
     return pick_config(mode, N, x.shape[-1], x.numel() // x.shape[-1], group_k)
 
 
+def given_quant(x: torch.Tensor, x_q: Optional[torch.Tensor], x_s: Optional[torch.Tensor],
+           group_k: int):
+    """The launch's x_quant from an op's optional (x_q, x_s), checked; None when not given."""
+    if x_q is None and x_s is None:
+        return None
+    if x_q is None or x_s is None:
+        raise ValueError("x_q and x_s come together (x quantized by its producer), or neither")
+    check_quantized(x, x_q, x_s, group_k)
+    K = x.shape[-1]
+    return x_q.view(-1, K), x_s.view(-1, x_s.shape[-1])                      # [M, K], [M, G]
+
+
 @torch.library.triton_op("mla::decode_linear_fp8", mutates_args={})
 def decode_linear_fp8(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
-                      group_n: int, group_k: int) -> torch.Tensor:
+                      group_n: int, group_k: int, x_q: Optional[torch.Tensor] = None,
+                      x_s: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x_q, x_s: x already quantized per group_k columns by the kernel that produced it (the
+    attention prologue's q_a row for q_b): the kernel path reads them instead of
+    quantizing x again (the same values; elsewhere they are unused)."""
     K = x.shape[-1]
+    given = given_quant(x, x_q, x_s, group_k)
     cfg = _kernel_config(0, x, [(w, scale_inv)], group_n, group_k)
     if cfg is None:
         return F.linear(x, dequantize(w, scale_inv, group_n, group_k, x.dtype))
     x2 = _rows(x, K)
     y = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)   # [M, N]
-    run(x2, w, scale_inv, None, None, 0, y, None, group_n, group_k, cfg)
+    run(x2, w, scale_inv, None, None, 0, y, None, group_n, group_k, cfg, x_quant=given)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
@@ -287,15 +361,19 @@ def decode_linear_pair_fp8(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
 @torch.library.triton_op("mla::decode_gate_up_fp8", mutates_args={})
 def decode_gate_up_fp8(x: torch.Tensor, w_gate: torch.Tensor, s_gate: torch.Tensor,
                        w_up: torch.Tensor, s_up: torch.Tensor, group_n: int,
-                       group_k: int) -> torch.Tensor:
+                       group_k: int, x_q: Optional[torch.Tensor] = None,
+                       x_s: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x_q, x_s: x quantized by its producer (the post-attention norm), as
+    decode_linear_fp8's."""
     K = x.shape[-1]
+    given = given_quant(x, x_q, x_s, group_k)
     cfg = _kernel_config(2, x, [(w_gate, s_gate), (w_up, s_up)], group_n, group_k)
     if cfg is None:
         g = F.linear(x, dequantize(w_gate, s_gate, group_n, group_k, x.dtype))
         return F.silu(g) * F.linear(x, dequantize(w_up, s_up, group_n, group_k, x.dtype))
     x2 = _rows(x, K)
     y = torch.empty((x2.shape[0], w_gate.shape[0]), dtype=x.dtype, device=x.device)  # [M, N]
-    run(x2, w_gate, s_gate, w_up, s_up, 2, y, None, group_n, group_k, cfg)
+    run(x2, w_gate, s_gate, w_up, s_up, 2, y, None, group_n, group_k, cfg, x_quant=given)
     return y.view(*x.shape[:-1], w_gate.shape[0])
 
 

@@ -7,7 +7,8 @@ experts on a second stream: block.py's op for an FP8 checkpoint.
                               gate_up [E, 2I, H] e4m3, gate_up_scale, down [E, H, I] e4m3,
                               down_scale, shared_gate [S, H] e4m3, shared_gate_scale,
                               shared_up [S, H] e4m3, shared_up_scale, shared_down [H, S]
-                              e4m3, shared_down_scale, group_n, group_k)
+                              e4m3, shared_down_scale, group_n, group_k,
+                              x_q=None, x_s=None)
         -> pairs [T, K, H] fp32, shared [1, T, H] in x's dtype
 
     pairs[t, k] = topk_weight[t, k] * expert_{topk_idx[t, k]}(x[t]): the router as
@@ -15,6 +16,10 @@ experts on a second stream: block.py's op for an FP8 checkpoint.
                   leave it before their sum over k;
     shared      = the shared experts' down_proj(SiLU(gate(x)) * up(x)) as the fp8 decode
                   GEMM ops compute it (W8A8, HF's FP8Linear numerics), rounded to x's dtype.
+
+x_q, x_s (optional): x already quantized per group_k columns by the kernel that produced it
+(the post-attention norm, mla::residual_rms_norm_fp8): the routed experts' gate_up and the
+shared experts' gate + up read them instead of quantizing x themselves (the same values).
 
 The caller sums, pairs.sum(1).to(dtype) + shared[0] (block.py's expression), which is
 what the separate ops (mla::moe_route, mla::moe_experts_decode_fp8,
@@ -81,24 +86,25 @@ def _check(x, router_weight, bias, mode, top_k, n_group, topk_group, gate_up, ga
             raise ValueError(f"{name} is on {w.device}, x on {x.device}")
 
 
-def _shared(x, shared, out, group_n, group_k) -> None:
+def _shared(x, shared, out, group_n, group_k, x_quant) -> None:
     """out [T, H] = down(SiLU(x @ gate.T) * (x @ up.T)), each GEMM as its decode op runs it."""
     (sg, sgs), (su, sus), (sd, sds) = shared
     T, H = x.shape
     S = sg.shape[0]
     h = torch.empty((T, S), dtype=x.dtype, device=x.device)                   # [T, S]
     fp8_gemm.run(x, sg, sgs, su, sus, 2, h, None, group_n, group_k,
-                 pick_config(2, S, H, T, group_k))
+                 pick_config(2, S, H, T, group_k), x_quant=x_quant)
     fp8_gemm.run(h, sd, sds, None, None, 0, out, None, group_n, group_k,
                  pick_config(0, H, S, T, group_k))
 
 
 def _routed(x, route, gate_up, gate_up_scale, down, down_scale, group_n, group_k,
-            pairs) -> None:
+            pairs, x_quant) -> None:
     topk_idx, topk_weight = moe_router.launch(x, *route)
     T, K, H = pairs.shape
     fp8_experts.launch_pairs(x, topk_idx, topk_weight, gate_up, gate_up_scale, down,
-                             down_scale, group_n, group_k, pairs.view(T * K, H))
+                             down_scale, group_n, group_k, pairs.view(T * K, H),
+                             x_quant=x_quant)
 
 
 @torch.library.custom_op("mla::moe_block_decode_fp8", mutates_args=())
@@ -110,11 +116,14 @@ def moe_block_decode_fp8(x: torch.Tensor, router_weight: torch.Tensor,
                          shared_gate: torch.Tensor, shared_gate_scale: torch.Tensor,
                          shared_up: torch.Tensor, shared_up_scale: torch.Tensor,
                          shared_down: torch.Tensor, shared_down_scale: torch.Tensor,
-                         group_n: int, group_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         group_n: int, group_k: int, x_q: Optional[torch.Tensor] = None,
+                         x_s: Optional[torch.Tensor] = None) -> tuple[torch.Tensor,
+                                                                      torch.Tensor]:
     shared_w = ((shared_gate, shared_gate_scale), (shared_up, shared_up_scale),
                 (shared_down, shared_down_scale))
     _check(x, router_weight, bias, mode, top_k, n_group, topk_group, gate_up, gate_up_scale,
            down, down_scale, shared_w, group_n, group_k)
+    x_quant = fp8_gemm.given_quant(x, x_q, x_s, group_k)          # [T, H], [T, G] or None
     weights = (gate_up, gate_up_scale, down, down_scale, *shared_w[0], *shared_w[1],
                *shared_w[2], group_n, group_k)
     require_kernels("moe_block_decode_fp8", x,
@@ -127,8 +136,9 @@ def moe_block_decode_fp8(x: torch.Tensor, router_weight: torch.Tensor,
     # the outputs are allocated here, on the caller's stream
     shared = torch.empty((1, T, H), dtype=x.dtype, device=x.device)             # [1, T, H]
     pairs = torch.empty((T, top_k, H), dtype=torch.float32, device=x.device)    # [T, K, H]
-    routed = (x, route, gate_up, gate_up_scale, down, down_scale, group_n, group_k, pairs)
-    fork_shared(x, lambda: _shared(x, shared_w, shared[0], group_n, group_k),
+    routed = (x, route, gate_up, gate_up_scale, down, down_scale, group_n, group_k, pairs,
+              x_quant)
+    fork_shared(x, lambda: _shared(x, shared_w, shared[0], group_n, group_k, x_quant),
                 lambda: _routed(*routed))
     return pairs, shared
 
@@ -136,6 +146,6 @@ def moe_block_decode_fp8(x: torch.Tensor, router_weight: torch.Tensor,
 @moe_block_decode_fp8.register_fake
 def _(x, router_weight, bias, mode, top_k, n_group, topk_group, norm_topk_prob, scale,
       gate_up, gate_up_scale, down, down_scale, shared_gate, shared_gate_scale, shared_up,
-      shared_up_scale, shared_down, shared_down_scale, group_n, group_k):
+      shared_up_scale, shared_down, shared_down_scale, group_n, group_k, x_q=None, x_s=None):
     T, H = x.shape
     return x.new_empty((T, top_k, H), dtype=torch.float32), x.new_empty((1, T, H))

@@ -105,10 +105,12 @@ def reference(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_scale
 
 
 def launch_pairs(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_scale, gn, gk,
-                 out, pre_quant=None) -> None:
+                 out, pre_quant=None, x_quant=None) -> None:
     """Both kernels into out fp32 [T * K, H] (every row written): pair (t, k)'s weighted
     expert output, before the sum over k. x [T, H] with a unit last stride. pre_quant:
-    (gate_up's, down's) PRE_QUANT over the configs' (None: as they say)."""
+    (gate_up's, down's) PRE_QUANT over the configs' (None: as they say). x_quant: x
+    already quantized by its producer ((e4m3 [T, H], fp32 [T, cdiv(H, gk)]), contiguous),
+    which gate_up then reads."""
     T, H = x.shape
     K = topk_idx.shape[1]
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
@@ -118,8 +120,8 @@ def launch_pairs(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_sc
     block_r = max(16, triton.next_power_of_2(P))
     h = torch.empty((P, I), dtype=x.dtype, device=x.device)                  # [P, I]
     bn, warps, stages, pq = pick_config("gate_up", I, H, T)
-    pq = pq if pre_quant is None else pre_quant[0]
-    xa, xs, stride_xs = quantized(x, gk, pq)                  # x, or e4m3 [T, H] + scales
+    pq = (pq if pre_quant is None else pre_quant[0]) or x_quant is not None
+    xa, xs, stride_xs = quantized(x, gk, pq, x_quant)         # x, or e4m3 [T, H] + scales
     torch.library.wrap_triton(moe_gate_up_fp8_kernel)[(P, triton.cdiv(I, bn))](
         xa, gate_up, gate_up_scale, h, pairs, P, E, I, H, K,
         triton.cdiv(I, gn), xa.stride(0), gate_up.stride(0), gate_up.stride(1),

@@ -151,13 +151,16 @@ def fp8_mlp_served(mlp) -> bool:
     return all(is_block_fp8(m) for m in mods) and len({groups(m) for m in mods}) == 1
 
 
-def fp8_linear(mod, x: torch.Tensor, residual=None) -> torch.Tensor:
-    """mod(x) (+ residual) on mla::decode_linear_fp8(_residual)."""
+def fp8_linear(mod, x: torch.Tensor, residual=None, x_quant=None) -> torch.Tensor:
+    """mod(x) (+ residual) on mla::decode_linear_fp8(_residual); x_quant: (x_q, x_s), x
+    quantized per group_k columns by the kernel that produced it (read without a
+    residual: q_b after the prologue)."""
     gn, gk = groups(mod)
     if residual is not None:
         return torch.ops.mla.decode_linear_fp8_residual(x, mod.weight, mod.weight_scale_inv,
                                                         residual, gn, gk)
-    return torch.ops.mla.decode_linear_fp8(x, mod.weight, mod.weight_scale_inv, gn, gk)
+    return torch.ops.mla.decode_linear_fp8(x, mod.weight, mod.weight_scale_inv, gn, gk,
+                                           *(x_quant or (None, None)))
 
 
 def fp8_linear_pair(m1, m2, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,12 +170,23 @@ def fp8_linear_pair(m1, m2, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
                                                 m2.weight, m2.weight_scale_inv, gn, gk)
 
 
-def fp8_mlp(mlp, x: torch.Tensor, residual=None) -> torch.Tensor:
+def fp8_mlp(mlp, x: torch.Tensor, residual=None, x_quant=None) -> torch.Tensor:
     """down_proj(silu(gate_proj(x)) * up_proj(x)) (+ residual) of an HF MLP whose three
     linears are FP8: gate + up + SiLU x up in one launch, down_proj (and the add) in
-    another."""
+    another. x_quant: (x_q, x_s), x quantized per group_k columns by the norm that made
+    it (mla::residual_rms_norm_fp8), which gate + up then read."""
     g, u = mlp.gate_proj, mlp.up_proj
     gn, gk = groups(g)
     h = torch.ops.mla.decode_gate_up_fp8(x, g.weight, g.weight_scale_inv, u.weight,
-                                         u.weight_scale_inv, gn, gk)          # [..., I]
+                                         u.weight_scale_inv, gn, gk,
+                                         *(x_quant or (None, None)))          # [..., I]
     return fp8_linear(mlp.down_proj, h, residual)
+
+
+def mlp_quant_group(mlp) -> int:
+    """group_k of a converted MLP whose gate + up run the fp8 decode GEMMs (they read x
+    quantized per group_k columns), else 0."""
+    if (not getattr(mlp, "mla_converted", False) or not hasattr(mlp, "gate_proj")
+            or not fp8_mlp_served(mlp)):
+        return 0
+    return groups(mlp.gate_proj)[1]

@@ -13,6 +13,11 @@ layers' two and the model's final one) run as mla::rms_norm, one pass over a row
 registers. Where o_proj's decode GEMM splits K (V2-Lite's), its partials' sum, the residual
 add and the post-attention norm are one launch, mla::residual_rms_norm. Same roundings as
 HF's modules; off the GPU's decode path the ops compute exactly what the modules do.
+
+An FP8 checkpoint's MLP or MoE block quantizes its input per 128 columns for its fp8
+GEMMs; where the post-attention norm is that launch (o_proj splits K: DeepSeek-V3's), it
+also writes its output quantized (mla::residual_rms_norm_fp8) and the MLP's GEMMs read
+that instead of quantizing it in launches of their own (the same values).
 """
 from __future__ import annotations
 
@@ -21,7 +26,9 @@ import torch
 from lowering import config as mla_config
 import lowering.fused.norm  # noqa: F401  (registers mla::rms_norm)
 
+from mla_ops.hf.fp8_linear import mlp_quant_group
 from mla_ops.hf.linear import converted_class, hf_rms_norm
+from mla_ops.hf.moe import block_quant_group
 
 _LAYERS = ("DeepseekV3DecoderLayer", "DeepseekV2DecoderLayer", "DeepseekV32DecoderLayer")
 
@@ -67,12 +74,13 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None,
                            use_cache=use_cache, position_embeddings=position_embeddings,
                            mla_residual=residual, mla_post_norm=self.post_attention_layernorm,
                            **kwargs)[0]
-    if isinstance(first, tuple):      # on the paged cache: (residual + attention, its norm)
-        h, x = first
+    x_quant = ()
+    if isinstance(first, tuple):      # on the paged cache: (residual + attention, its norm
+        h, x, *x_quant = first        # [, the norm quantized for an fp8 MLP])
     else:                             # HF's attention (another cache): residual + attention
         h, x = first, self.post_attention_layernorm(first)
-    if getattr(self.mlp, "mla_converted", False):                     # the fused SiLU MLP
-        return self.mlp(x, h)                                         # h + mlp(x)
+    if getattr(self.mlp, "mla_converted", False):         # the fused SiLU MLP, our MoE block
+        return self.mlp(x, h, *x_quant)                               # h + mlp(x)
     return h + self.mlp(x)
 
 
@@ -95,3 +103,8 @@ def convert_layers(model) -> None:
         n.__class__ = decode_norm_class(type(n))
     for l in layers:
         l.__class__ = fused_layer_class(type(l))
+        # an fp8 MLP / MoE block after the post-attention norm: the norm's launch quantizes
+        # its output for the fp8 GEMMs (linear_residual_norm)
+        group = mlp_quant_group(l.mlp) or block_quant_group(l.mlp)
+        if group:
+            l.post_attention_layernorm.mla_quant_group = group

@@ -66,7 +66,9 @@ def linear_residual_norm(mod, x: torch.Tensor, residual: torch.Tensor, norm):
     projection, its residual add and its post-attention RMSNorm. Where mod's decode GEMM
     (16-bit, or an FP8 checkpoint's) splits K and norm is a converted RMSNorm
     (mla_ops/hf/layer.py), the partials' sum, the add and the norm are one launch
-    (mla::residual_rms_norm), else linear() then norm."""
+    (mla::residual_rms_norm), else linear() then norm. Where the norm's output feeds fp8
+    GEMMs (norm.mla_quant_group > 0, set by convert_layers), that launch also quantizes it
+    for them (mla::residual_rms_norm_fp8) and the result is (h, norm(h), (y_q, y_s))."""
     if (getattr(norm, "mla_converted", False)
             and not (torch.is_grad_enabled() and norm.weight.requires_grad)):
         parts = None
@@ -77,17 +79,22 @@ def linear_residual_norm(mod, x: torch.Tensor, residual: torch.Tensor, norm):
             if split_k > 1:
                 parts = torch.ops.mla.decode_linear_partials(x, mod.weight, split_k)
         if parts is not None:
-            return torch.ops.mla.residual_rms_norm(parts, residual, norm.weight,
-                                                   float(norm.variance_epsilon))
+            eps, group = float(norm.variance_epsilon), getattr(norm, "mla_quant_group", 0)
+            if group:
+                h, y, y_q, y_s = torch.ops.mla.residual_rms_norm_fp8(parts, residual,
+                                                                     norm.weight, eps, group)
+                return h, y, (y_q, y_s)
+            return torch.ops.mla.residual_rms_norm(parts, residual, norm.weight, eps)
     h = linear(mod, x, residual)
     return h, norm(h)
 
 
-def linear(mod, x: torch.Tensor, residual=None) -> torch.Tensor:
+def linear(mod, x: torch.Tensor, residual=None, x_quant=None) -> torch.Tensor:
     """mod(x) (+ residual) for an HF linear module; mla::decode_linear(_residual) when it
-    is a plain nn.Linear (mla::decode_linear_fp8 for HF's FP8 linears)."""
+    is a plain nn.Linear (mla::decode_linear_fp8 for HF's FP8 linears; x_quant: x quantized
+    for it by the kernel that produced x)."""
     if fp8.uses_fp8_ops(mod):
-        return fp8.fp8_linear(mod, x, residual)
+        return fp8.fp8_linear(mod, x, residual, x_quant)
     if use_ops(mod):
         return decode_linear(x, mod.weight, residual)
     return mod(x) if residual is None else residual + mod(x)
@@ -167,14 +174,16 @@ def prefill_part(m1, m2, x: torch.Tensor, *norms):
 
 
 def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
-    """(q_a_layernorm(q_a), [kv_a_layernorm(kv_c) | RoPE(k_pe)]) of a DeepSeek-V3 (or V2
-    with q_lora) attention module for hidden states x [B, S, H]: the q_a + kv_a GEMM's
-    split-K partials (a prefill's rows: the two modules' outputs, prefill_part), then one
-    op (mla::decode_qkv_prologue) for both norms and the key's RoPE. None where that path
-    does not apply (no q_lora, another family, other norms, or decode rows whose pair
-    config has no split-K: then the caller runs the modules). HF's FP8 linears: the fp8 pair kernel's
-    fp32 partials (its config's K splits, maybe one) where it serves x
-    (mla::decode_linear_pair_fp8_partials)."""
+    """(q_a_layernorm(q_a), [kv_a_layernorm(kv_c) | RoPE(k_pe)], q_a_quant) of a DeepSeek-V3
+    (or V2 with q_lora) attention module for hidden states x [B, S, H]: the q_a + kv_a
+    GEMM's split-K partials (a prefill's rows: the two modules' outputs, prefill_part),
+    then one op (mla::decode_qkv_prologue) for both norms and the key's RoPE. None where
+    that path does not apply (no q_lora, another family, other norms, or decode rows whose
+    pair config has no split-K: then the caller runs the modules). HF's FP8 linears: the
+    fp8 pair kernel's fp32 partials (its config's K splits, maybe one) where it serves x
+    (mla::decode_linear_pair_fp8_partials); with an fp8 q_b_proj too, the prologue also
+    quantizes q_a for q_b's GEMM (mla::decode_qkv_prologue_fp8: q_a_quant = (q_q, q_s),
+    else None)."""
     angles = rope_angles(attn, position_embeddings)
     if angles is None or attn.q_lora_rank is None:
         return None
@@ -197,9 +206,13 @@ def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
             parts = torch.ops.mla.decode_linear_pair_partials(x, w1, w2, split_k)  # [K, B, S, ..]
     cos, sin, rope = angles                                   # [B, S, R] (V2: R / 2) each
     nq, nkv = attn.q_a_layernorm, attn.kv_a_layernorm
-    return torch.ops.mla.decode_qkv_prologue(
-        parts, nq.weight, nkv.weight, cos, sin, float(nq.variance_epsilon),
-        float(nkv.variance_epsilon), rope)
+    args = (parts, nq.weight, nkv.weight, cos, sin, float(nq.variance_epsilon),
+            float(nkv.variance_epsilon), rope)
+    if fp8_pair and fp8.uses_fp8_ops(attn.q_b_proj):   # q_a quantized for q_b's fp8 GEMM
+        q_a, kv_row, q_q, q_s = torch.ops.mla.decode_qkv_prologue_fp8(
+            *args, fp8.groups(attn.q_b_proj)[1])
+        return q_a, kv_row, (q_q, q_s)
+    return (*torch.ops.mla.decode_qkv_prologue(*args), None)
 
 
 def q_kv_rope_prologue(attn, x: torch.Tensor, position_embeddings):
@@ -275,11 +288,12 @@ def fusable_mlp(m) -> bool:
             and m.gate_proj.weight.shape == m.up_proj.weight.shape)
 
 
-def _mlp_forward(self, x, residual=None):
+def _mlp_forward(self, x, residual=None, x_quant=None):
     """down_proj(silu(gate_proj(x)) * up_proj(x)) (+ residual, the decoder layer's add, in
-    down_proj's epilogue): x [..., H] -> [..., H]. FP8 linears: the fp8 ops."""
+    down_proj's epilogue): x [..., H] -> [..., H]. FP8 linears: the fp8 ops (x_quant: x
+    quantized by the norm before them, mla_ops/hf/layer.py)."""
     if fp8.uses_fp8_ops(self.gate_proj, self.up_proj, self.down_proj):
-        return fp8.fp8_mlp(self, x, residual)
+        return fp8.fp8_mlp(self, x, residual, x_quant)
     if mla_config.linear_impl == "torch" or _needs_grad(self.gate_proj, self.up_proj,
                                                          self.down_proj):
         y = self.hf_forward(x)

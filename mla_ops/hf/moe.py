@@ -199,13 +199,27 @@ def fp8_block_decode_args(block, x: torch.Tensor):
     return (x, block.gate.weight, *route_args(block), *w)
 
 
-def _moe_forward(self, hidden_states: torch.Tensor, residual=None) -> torch.Tensor:
-    """HF's MoE block (+ residual, in HF's order): hidden_states [B, S, H] -> [B, S, H]."""
+def block_quant_group(block) -> int:
+    """group_k of a converted FP8 checkpoint's block whose decode rows run
+    mla::moe_block_decode_fp8 (its experts read x quantized per group_k columns), else 0."""
+    if not getattr(block, "mla_fuse_experts", False) or not fp8.is_fp8_experts(block.experts):
+        return 0
+    group = fp8.groups(block.experts)[1]
+    return group if fp8.mlp_quant_group(block.shared_experts) == group else 0
+
+
+def _moe_forward(self, hidden_states: torch.Tensor, residual=None,
+                 x_quant=None) -> torch.Tensor:
+    """HF's MoE block (+ residual, in HF's order): hidden_states [B, S, H] -> [B, S, H].
+    x_quant: (x_q, x_s), hidden_states quantized per group_k columns by the norm that made
+    it (mla_ops/hf/layer.py), which an FP8 block's experts then read."""
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])                                   # [T, H]
     args, op = block_decode_args(self, x), torch.ops.mla.moe_block_decode
     if args is None:
         args, op = fp8_block_decode_args(self, x), torch.ops.mla.moe_block_decode_fp8
+        if args is not None and x_quant is not None:                 # [T, H], [T, G]
+            args = (*args, x_quant[0].reshape(x.shape), x_quant[1].reshape(x.shape[0], -1))
     if args is not None:               # decode rows: one op, the shared experts beside
         pairs, shared = op(*args)      # [T, K, H], [split_k, T, H] (fp8: [1, T, H])
         shared = shared[0] if shared.shape[0] == 1 else shared.sum(0).to(x.dtype)  # [T, H]
