@@ -261,3 +261,60 @@ def test_gpu_decode_steps_with_and_without_producer_quant_are_bit_for_bit(monkey
     assert torch.equal(with_quant.sequences, without.sequences)
     for a, b in zip(with_quant.logits, without.logits):
         assert torch.equal(a, b)
+
+
+def _compile_producers_for_sm90():
+    """Both producer kernels with their quant (DeepSeek-V3's widths) compiled for SM90:
+    {kernel name: whether its PTX uses local memory (spills)}."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from lowering.fused.prologue_kernel import qkv_prologue_kernel
+    from lowering.fused.residual_norm_kernel import residual_rms_norm_kernel
+    out = {}
+    for kernel, sig, consts, warps in (
+            (residual_rms_norm_kernel,
+             dict(p_ptr="*fp32", r_ptr="*bf16", w_ptr="*bf16", h_ptr="*bf16", y_ptr="*bf16",
+                  yq_ptr="*fp8e4nv", ys_ptr="*fp32", T="i32", N="i32", G="i32",
+                  stride_r="i32", eps="fp32"),
+             dict(S=4, BLOCK=8192, QUANT_K=128, NATIVE_CAST=True), 8),
+            (qkv_prologue_kernel,
+             dict(part_ptr="*fp32", wq_ptr="*bf16", wkv_ptr="*bf16", cos_ptr="*bf16",
+                  sin_ptr="*bf16", q_out_ptr="*bf16", kv_out_ptr="*bf16", qq_ptr="*fp8e4nv",
+                  qs_ptr="*fp32", stride_split="i32", stride_cs="i32", stride_cc="i32",
+                  eps_q="fp32", eps_kv="fp32"),
+             dict(SPLIT=8, NQ=1536, L=512, R=64, BLOCK_Q=2048, BLOCK_L=512, BLOCK_H=32,
+                  ROPE=1, Q_ROPE=False, NH=1, HEADS=1, BLOCK_P=1, QUANT_K=128, QG=12,
+                  NATIVE_CAST=True), 4)):
+        sig.update({k: "constexpr" for k in consts})
+        k = triton.compile(ASTSource(kernel, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+        out[kernel.__name__] = ".local" in k.asm["ptx"]
+    return out
+
+
+def test_producer_kernels_compile_for_sm90_without_spills():
+    """The quantizing norm and prologue compile for Hopper (offline, in a child process: the
+    interpreter this session runs under cannot compile), their rows in registers."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"this triton cannot compile offline: {exc}")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"),
+                                         env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, __file__], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    spills = json.loads(run.stdout.strip().splitlines()[-1])
+    assert spills == {"residual_rms_norm_kernel": False, "qkv_prologue_kernel": False}
+
+
+if __name__ == "__main__":
+    import json
+    print(json.dumps(_compile_producers_for_sm90()))
