@@ -116,14 +116,19 @@ def test_moe_block_op_reads_the_given_quant_bit_for_bit(family, T):
                           test_utils=("test_faketensor",))
 
 
-def test_converted_fp8_model_quantizes_in_the_producers(monkeypatch):
+@pytest.mark.parametrize("absorbed", [False, True])
+def test_converted_fp8_model_quantizes_in_the_producers(monkeypatch, absorbed):
     """convert() marks the post-attention norms of layers whose MLP or MoE block runs fp8
     GEMMs. Where o_proj's fp8 partials reach that norm and the q_a + kv_a pair's reach the
     prologue (forced here: on the CPU the fp8 ops' torch paths), the compiled decode step
     holds mla::residual_rms_norm_fp8, whose quantized output the fp8 MLP's gate + up reads,
-    and mla::decode_qkv_prologue_fp8, whose quantized q_a q_b's GEMM reads; the tokens
-    stay HF's."""
+    and mla::decode_qkv_prologue_fp8, whose quantized q_a q_b's GEMM reads, or with
+    `absorbed` (the query kernel taken as it is on a GPU) mla::decode_q_absorb_w8a8; the
+    tokens stay HF's."""
     import mla_ops.hf as H
+    import mla_ops.hf.linear as hf_linear
+    if absorbed:
+        monkeypatch.setattr(hf_linear, "w8a8_unmet", lambda *a: None)
     from hf_models import left_padded, tiny_config
     from mla_ops.hf import fp8_linear as hf_fp8
     from test_fp8_checkpoint import fp8_pair, generate
@@ -165,7 +170,11 @@ def test_converted_fp8_model_quantizes_in_the_producers(monkeypatch):
     prologues = [n for n in nodes if "decode_qkv_prologue_fp8" in str(n.target)]
     q_b = [n for n in nodes if str(n.target) == "mla.decode_linear_fp8"
            and len(n.args) > 6 and n.args[5] is not None]
-    assert len(prologues) == 2 and [n.args[5].args[0] for n in q_b] == prologues
+    query = [n for n in nodes if "decode_q_absorb_w8a8" in str(n.target)]
+    assert len(prologues) == 2
+    readers, arg = (query, 1) if absorbed else (q_b, 5)
+    assert not (query if not absorbed else q_b)
+    assert [n.args[arg].args[0] for n in readers] == prologues
 
 
 # splits, tokens, NQ (V3's q_lora 1536: 12 groups in a 16-group block; 200: a partial
@@ -226,13 +235,17 @@ def test_prologue_fp8_op_torch_path_and_errors():
 def test_gpu_decode_steps_with_and_without_producer_quant_are_bit_for_bit(monkeypatch, graph):
     """The tiny FP8 V3 on CUDA with its GEMMs split (so o_proj's partials reach the norm):
     generate() with the producers quantizing (the norms for the dense MLP and the MoE block
-    op, the prologue for q_b) gives the logits of the same model whose GEMMs quantize
-    their inputs themselves, bit for bit; eager steps, and replayed from a CUDA graph."""
+    op, the prologue for q_b's GEMM) gives the logits of the same model whose GEMMs
+    quantize their inputs themselves, bit for bit; eager steps, and replayed from a CUDA
+    graph. (q_b's GEMM, not the absorbed W8A8 query kernel, whose sums are ordered
+    otherwise: its own test is below.)"""
     import mla_ops.hf as H
     import mla_ops.hf.convert as hf_convert
+    import mla_ops.hf.linear as hf_linear
     from hf_models import left_padded
     from test_fp8_checkpoint import cuda_fp8_model, generate
     monkeypatch.setattr(fp8_linear_configs, "MIN_GROUPS_PER_SPLIT", 1)
+    monkeypatch.setattr(hf_linear, "w8a8_unmet", lambda *a: "the test runs q_b's GEMM")
     model = cuda_fp8_model()
     model.mla_generate_graph = graph
     ids, mask = (t.cuda() for t in left_padded([5, 17, 30]))
@@ -264,12 +277,13 @@ def test_gpu_decode_steps_with_and_without_producer_quant_are_bit_for_bit(monkey
 
 
 def _compile_producers_for_sm90():
-    """Both producer kernels with their quant (DeepSeek-V3's widths) compiled for SM90:
-    {kernel name: whether its PTX uses local memory (spills)}."""
+    """The producer kernels with their quant and the W8A8 query kernel (DeepSeek-V3's
+    widths) compiled for SM90: {kernel name: whether its PTX uses local memory (spills)}."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from lowering.fused.prologue_kernel import qkv_prologue_kernel
+    from lowering.fused.q_absorb_kernel import q_absorb_kernel
     from lowering.fused.residual_norm_kernel import residual_rms_norm_kernel
     out = {}
     for kernel, sig, consts, warps in (
@@ -285,7 +299,13 @@ def _compile_producers_for_sm90():
                   eps_q="fp32", eps_kv="fp32"),
              dict(SPLIT=8, NQ=1536, L=512, R=64, BLOCK_Q=2048, BLOCK_L=512, BLOCK_H=32,
                   ROPE=1, Q_ROPE=False, NH=1, HEADS=1, BLOCK_P=1, QUANT_K=128, QG=12,
-                  NATIVE_CAST=True), 4)):
+                  NATIVE_CAST=True), 4),
+            (q_absorb_kernel,
+             dict(a_ptr="*fp8e4nv", w_ptr="*fp8e4nv", wuk_ptr="*bf16", cos_ptr="*bf16",
+                  sin_ptr="*bf16", y_ptr="*bf16", scale_ptr="*bf16", T="i32", N="i32",
+                  stride_at="i32", stride_cs="i32", ws_ptr="*fp32", xs_ptr="*fp32"),
+             dict(Q=1536, P=128, R=64, L=512, BLOCK_T=16, BLOCK_K=128, BLOCK_L=128, ROPE=1,
+                  DOT_F32=False, QUANT=False, W8A8=True, GROUP_N=128), 8)):
         sig.update({k: "constexpr" for k in consts})
         k = triton.compile(ASTSource(kernel, signature=sig, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
@@ -294,8 +314,9 @@ def _compile_producers_for_sm90():
 
 
 def test_producer_kernels_compile_for_sm90_without_spills():
-    """The quantizing norm and prologue compile for Hopper (offline, in a child process: the
-    interpreter this session runs under cannot compile), their rows in registers."""
+    """The quantizing norm and prologue and the W8A8 query kernel compile for Hopper
+    (offline, in a child process: the interpreter the tests run under cannot compile),
+    with no spills."""
     import json
     import subprocess
     import sys
@@ -312,9 +333,50 @@ def test_producer_kernels_compile_for_sm90_without_spills():
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     spills = json.loads(run.stdout.strip().splitlines()[-1])
-    assert spills == {"residual_rms_norm_kernel": False, "qkv_prologue_kernel": False}
+    assert spills == {"residual_rms_norm_kernel": False, "qkv_prologue_kernel": False,
+                      "q_absorb_kernel": False}
 
 
 if __name__ == "__main__":
     import json
     print(json.dumps(_compile_producers_for_sm90()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_absorbed_w8a8_query_of_a_decode_step_vs_fp64(monkeypatch):
+    """The tiny FP8 V3's decode steps on CUDA build their absorbed query in one launch from
+    the prologue's quantized q_a (mla::decode_q_absorb_w8a8); each against float64 q_b
+    (W8A8, rounded to bf16), RoPE and the absorption on the inputs it got."""
+    import mla_ops.hf as H
+    import mla_ops.hf.convert as hf_convert
+    from hf_models import left_padded
+    from mla_ops.hf.linear import rope_angles
+    from test_fp8_checkpoint import cuda_fp8_model, expand_scales, generate
+    from test_q_absorb import _reference, _rel
+    model = cuda_fp8_model()
+    model.mla_generate_graph = False
+    calls = []
+    absorbed = hf_convert.absorbed_decode_query
+
+    def watched(attn, q_a, rows, q_a_quant=None):
+        out = absorbed(attn, q_a, rows, q_a_quant)
+        if out is not None:
+            calls.append((attn, q_a.clone(), rope_angles(attn, rows), out.clone()))
+        return out
+    monkeypatch.setattr(hf_convert, "absorbed_decode_query", watched)
+    ids, mask = (t.cuda() for t in left_padded([5, 17, 30]))
+    cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=64,
+                            device="cuda", dtype=torch.bfloat16)
+    generate(model, ids, mask, 3, past_key_values=cache, disable_compile=True)
+    assert len(calls) >= 2 * model.config.num_hidden_layers
+    for attn, q_a, (cos, sin, rope), out in calls:
+        lin = attn.q_b_proj
+        w, s = lin.weight.cpu(), lin.weight_scale_inv.cpu()
+        T = out.shape[0]
+        x = q_a.reshape(T, -1).float().cpu()
+        q64 = quant_act_ref(x) @ (w.double() * expand_scales(s, *w.shape)).T
+        ref = _reference(q64, torch.eye(w.shape[0], dtype=torch.float64),
+                         attn.mla_attn.W_UK_T.double().cpu(), cos.reshape(T, -1).cpu(),
+                         sin.reshape(T, -1).cpu(), bool(rope), torch.bfloat16)
+        assert _rel(out, ref) < 2e-2

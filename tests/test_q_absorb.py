@@ -172,3 +172,73 @@ def test_complex_rope_torch_path_equals_hf():
     assert torch.equal(y[..., L:], q_pe.transpose(1, 2)[:, 0])
     with pytest.raises(ValueError, match="rope must be"):
         torch.ops.mla.decode_q_absorb(q_a, w, wuk, cos, sin, 3)
+
+
+# ------------------------------------------------------------ an FP8 checkpoint's q_b (W8A8)
+
+# tokens, Q, heads, P, R, L, the scale block (gn, gk), interleave: scale row blocks that
+# split heads (gn 32 over 48-row heads), K steps of 32, V3's query widths at two heads
+W8A8_CASES = [
+    (1, 256, 2, 16, 32, 32, 32, 128, True),
+    (5, 96, 3, 16, 32, 48, 128, 32, False),
+    (3, 1536, 2, 128, 64, 512, 128, 128, True),
+]
+
+
+@pytest.mark.parametrize("T,Q,N,P,R,L,gn,gk,interleave", W8A8_CASES)
+def test_w8a8_kernel_vs_fp64(T, Q, N, P, R, L, gn, gk, interleave):
+    """q_b as HF's FP8Linear computes it (q_a quantized per gk columns, fp8 x fp8 times
+    both block scales), rounded to q_a's dtype, then RoPE and the absorption: against the
+    same in float64."""
+    from lowering.gemm.fp8_linear import quantize_rows_torch
+    from test_fp8_checkpoint import expand_scales, quant_act_ref, rand_fp8
+    g = torch.Generator().manual_seed(T * 10 + Q + gn)
+    dt, tol = (torch.bfloat16, 2e-2) if DEV == "cuda" else (torch.float32, 1e-5)
+    q_a = (torch.randn(T, Q, generator=g) * 2).to(dt)
+    w, s = rand_fp8(N * (P + R), Q, g, gn, gk)
+    wuk = (torch.randn(N, P, L, generator=g) * P ** -0.5).to(dt)
+    _, _, _, cos, sin = _inputs(1, T, 1, 1, R, g, dt)
+    q64 = quant_act_ref(q_a.float(), gk) @ (w.double() * expand_scales(s, *w.shape, gn, gk)).T
+    ref = _reference(q64, torch.eye(N * (P + R), dtype=torch.float64), wuk.double(), cos, sin,
+                     interleave, dt)
+    q_q, q_s = quantize_rows_torch(q_a, gk)
+    y = torch.full((T, N, L + R), float("nan"), dtype=dt, device=DEV)
+    q_absorb.launch(q_q.to(DEV), w.to(DEV), wuk.to(DEV), cos.to(DEV), sin.to(DEV),
+                    interleave, y, config=q_absorb.w8a8_config(T, Q, L, gk),
+                    w8a8=(s.to(DEV), q_s.to(DEV), gn))
+    assert not y.isnan().any()
+    assert _rel(y[..., :L], ref[..., :L]) < tol
+    assert _rel(y[..., L:], ref[..., L:]) < tol
+
+
+def test_w8a8_op_torch_path_and_bad_input():
+    """Off the kernel the op is the fp8 decode GEMM op, the query's RoPE and the absorbed
+    GEMM, bit for bit (with q_scale, then the static quant); bad weights, scales or a
+    quantized q_a that does not match are named."""
+    from lowering.gemm.fp8_linear import quantize_rows_torch
+    from lowering.gemm.head_gemm import absorb_query
+    from test_fp8_checkpoint import rand_fp8
+    g = torch.Generator().manual_seed(9)
+    T, Q, N, P, R, L = 3, 256, 2, 16, 32, 32
+    q_a = torch.randn(T, Q, generator=g).to(torch.bfloat16)
+    w, s = rand_fp8(N * (P + R), Q, g)
+    wuk = (torch.randn(N, P, L, generator=g) * 0.25).to(torch.bfloat16)
+    _, _, _, cos, sin = _inputs(1, T, 1, 1, R, g, torch.bfloat16)
+    q_q, q_s = quantize_rows_torch(q_a, 128)
+    args = (q_a, q_q, q_s, w, s, wuk, cos, sin, 1, 128, 128)
+    y = torch.ops.mla.decode_q_absorb_w8a8(*args)
+    q = torch.ops.mla.decode_linear_fp8(q_a, w, s, 128, 128).view(T, N, P + R)
+    want = absorb_query(torch.ops.mla.decode_q_rope(q, cos, sin, True), wuk)
+    assert torch.equal(y, want)
+    scale = torch.tensor([0.05])
+    y8 = torch.ops.mla.decode_q_absorb_w8a8(*args, scale)
+    assert torch.equal(y8.view(torch.uint8), (want.float() / 0.05).clamp(-448, 448).to(
+        torch.float8_e4m3fn).view(torch.uint8))
+    with pytest.raises(TypeError, match="w must be"):
+        torch.ops.mla.decode_q_absorb_w8a8(q_a, q_q, q_s, w.to(torch.bfloat16), *args[4:])
+    with pytest.raises(ValueError, match="weight_scale_inv"):
+        torch.ops.mla.decode_q_absorb_w8a8(*args[:4], s[:, :1], *args[5:])
+    with pytest.raises(ValueError, match="x_s"):
+        torch.ops.mla.decode_q_absorb_w8a8(q_a, q_q, q_s[:, :1], *args[3:])
+    torch.library.opcheck(torch.ops.mla.decode_q_absorb_w8a8.default, args,
+                          test_utils=("test_faketensor",))

@@ -8,6 +8,14 @@
     mla::decode_q_absorb_fp8(..., rope, q_scale [1] fp32)
         -> the same query quantized to float8_e4m3fn with the static scale, in that launch
 
+    mla::decode_q_absorb_w8a8(q_a, q_q, q_s, w e4m3, w_scale, W_UK_T, cos, sin, rope,
+                              group_n, group_k, q_scale=None)
+        -> the same for an FP8 checkpoint's q_b_proj (w float8_e4m3fn with fp32 scale_inv
+           [ceil(N (P + R) / group_n), Q / group_k]): q = q_a @ w.T as the fp8 decode GEMM
+           computes it (W8A8 from q_a's quantization q_q, q_s, which the prologue wrote:
+           mla::decode_qkv_prologue_fp8), then RoPE and the absorption as above (with
+           q_scale, quantized as decode_q_absorb_fp8's)
+
 rope (ROPES): 0 rotate_half, 1 DeepSeek-V3's interleaved pairs (cos / sin HF's rows
 [*lead, R]; a bool interleave means these two); 2 DeepSeek-V2's complex pairs, rotated in
 place (cos / sin the real and imaginary parts of its freqs_cis, [*lead, R / 2], in fp32).
@@ -18,12 +26,15 @@ Defined with torch.library.triton_op, so Inductor sees the kernel in the graph.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 
 from lowering.fused.decode_rows import MAX_ROWS, angle_rows, check_angles, decode_rows_unmet
 from lowering.fused.q_absorb_kernel import q_absorb_kernel
 from lowering.fused.q_rope import ROPES, q_rope_any
+from lowering.gemm import fp8_linear
 from lowering.gemm.head_gemm import absorb_query
 
 # q_absorb_kernel's launch: rows <= 16 -> (BLOCK_K, BLOCK_L, num_warps, num_stages); the
@@ -31,6 +42,10 @@ from lowering.gemm.head_gemm import absorb_query
 # at 1 row, 31.4 at 32, against 32.9 / 32.3 for (64, 128, 4, 4); in the decode step
 # 0.994x of that at both)
 CONFIGS = {True: (128, 128, 8, 3), False: (128, 128, 8, 3)}
+# the W8A8 form (an FP8 checkpoint's q_b), its BLOCK_K the scale group whatever the entry
+# says: the 16-bit entries until `python benchmarks/bench_q_absorb.py --weights fp8` has
+# swept it on a GPU
+W8A8_CONFIGS = dict(CONFIGS)
 
 
 def rope_width(cos: torch.Tensor, rope: int) -> int:
@@ -42,15 +57,16 @@ def rope_width(cos: torch.Tensor, rope: int) -> int:
     return 2 * width if rope == 2 else width
 
 
-def _q_absorb_shape(q_a, w, W_UK_T, cos, sin, rope):
-    """(Q, N, P, R, L) of a decode_q_absorb call, after its checks."""
+def _q_absorb_shape(q_a, w, W_UK_T, cos, sin, rope, w_dtype=None):
+    """(Q, N, P, R, L) of a decode_q_absorb call, after its checks (w of w_dtype: q_a's
+    by default)."""
     for name, t in (("q_a", q_a), ("w", w), ("W_UK_T", W_UK_T)):
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
     check_angles(cos, sin)
-    if w.dtype != q_a.dtype or W_UK_T.dtype != q_a.dtype:
-        raise TypeError(f"w and W_UK_T must have q_a's dtype {q_a.dtype}, got {w.dtype} and "
-                        f"{W_UK_T.dtype}")
+    if w.dtype != (w_dtype or q_a.dtype) or W_UK_T.dtype != q_a.dtype:
+        raise TypeError(f"w must be {w_dtype or q_a.dtype} and W_UK_T of q_a's dtype "
+                        f"{q_a.dtype}, got {w.dtype} and {W_UK_T.dtype}")
     if q_a.dim() < 1 or w.dim() != 2 or W_UK_T.dim() != 3 or w.shape[1] != q_a.shape[-1]:
         raise ValueError(f"need q_a [*lead, Q], w [N * (P + R), Q] and W_UK_T [N, P, L]; got "
                          f"q_a {tuple(q_a.shape)}, w {tuple(w.shape)}, W_UK_T "
@@ -104,22 +120,27 @@ def q_absorb_unmet(q_a, w, W_UK_T, R: int) -> str | None:
     return None
 
 
-def launch(q_a, w, W_UK_T, cos, sin, rope, y, *, config=None, q_scale=None):
+def launch(q_a, w, W_UK_T, cos, sin, rope, y, *, config=None, q_scale=None, w8a8=None):
     """Run q_absorb_kernel: q_a [T, Q] (last dim contiguous), w [N * (P + R), Q] and
     W_UK_T [N, P, L] contiguous, cos / sin [T, R] ([T, R / 2] with rope 2; last dim
     contiguous), y [T, N, L + R] contiguous (float8_e4m3fn with q_scale [1] fp32: the
     quantized query). config: (BLOCK_K, BLOCK_L, num_warps, num_stages), by default
-    q_absorb_config's."""
+    q_absorb_config's. w8a8 = (w_scale, q_s, group_n): w is e4m3 with its fp32 scale_inv
+    [rows / group_n, Q / BLOCK_K] (contiguous), q_a the e4m3 rows [T, Q] of the 16-bit
+    q_a (contiguous) and q_s their scales [T, Q / BLOCK_K]; BLOCK_K must be the scale
+    group."""
     T, Q = q_a.shape
     N, P, L = W_UK_T.shape
     R = rope_width(cos, int(rope))
     bk, bl, warps, stages = config or q_absorb_config(T, Q, L)
     block_t = max(16, triton.next_power_of_2(min(T, MAX_ROWS)))
+    ws, xs, gn = w8a8 if w8a8 is not None else (None, None, 1)
     kernel = torch.library.wrap_triton(q_absorb_kernel)
     kernel[(N, triton.cdiv(T, block_t))](
         q_a, w, W_UK_T, cos, sin, y, cos if q_scale is None else q_scale, T, N, q_a.stride(0),
         cos.stride(0), Q=Q, P=P, R=R, L=L, BLOCK_T=block_t, BLOCK_K=bk, BLOCK_L=bl,
         ROPE=int(rope), DOT_F32=not q_a.is_cuda, QUANT=q_scale is not None,
+        ws_ptr=ws, xs_ptr=xs, W8A8=w8a8 is not None, GROUP_N=gn,
         num_warps=warps, num_stages=stages)
 
 
@@ -166,4 +187,53 @@ def decode_q_absorb_fp8(q_a: torch.Tensor, w: torch.Tensor, W_UK_T: torch.Tensor
     c, s = _angles(cos, sin, T, q_a.dtype, rope)
     y = torch.empty((T, N, L + R), dtype=torch.float8_e4m3fn, device=q_a.device)
     launch(a, w, W_UK_T, c, s, int(rope), y, q_scale=q_scale.reshape(1))
+    return y
+
+
+def w8a8_unmet(q_a, w, W_UK_T, R: int, group_k: int) -> str | None:
+    """None when q_absorb_kernel runs a decode_q_absorb_w8a8 call (its K steps are the
+    scale groups), else the unmet condition (the fp8 decode GEMM and the torch steps then
+    run)."""
+    Q = q_a.shape[-1]
+    if group_k not in (32, 64, 128, 256) or Q % group_k:
+        return f"group_k={group_k} must be 32, 64, 128 or 256 and divide Q={Q}"
+    return q_absorb_unmet(q_a, w, W_UK_T, R)
+
+
+def w8a8_config(T: int, Q: int, L: int, group_k: int):
+    """(group_k, BLOCK_L, num_warps, num_stages) for T rows: W8A8_CONFIGS' entry, its K
+    step the scale group and BLOCK_L fitted to L."""
+    _, bl, warps, stages = W8A8_CONFIGS[T <= 16]
+    while bl > 16 and L % bl:
+        bl //= 2
+    return group_k, bl, warps, stages
+
+
+@torch.library.triton_op("mla::decode_q_absorb_w8a8", mutates_args={})
+def decode_q_absorb_w8a8(q_a: torch.Tensor, q_q: torch.Tensor, q_s: torch.Tensor,
+                         w: torch.Tensor, w_scale: torch.Tensor, W_UK_T: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor, rope: int, group_n: int,
+                         group_k: int, q_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    Q, N, P, R, L = _q_absorb_shape(q_a, w, W_UK_T, cos, sin, rope,
+                                    w_dtype=torch.float8_e4m3fn)
+    fp8_linear.check_fp8_weight("w", w, w_scale, group_n, group_k)
+    fp8_linear.check_quantized(q_a, q_q, q_s, group_k)
+    if q_scale is not None and (q_scale.dtype != torch.float32 or q_scale.numel() != 1
+                                or q_scale.device != q_a.device):
+        raise TypeError(f"q_scale must be a one-element float32 tensor on {q_a.device}")
+    T = q_a.numel() // Q
+    if w8a8_unmet(q_a, w, W_UK_T, R, group_k) is not None:
+        q = torch.ops.mla.decode_linear_fp8(q_a, w, w_scale, group_n, group_k, q_q, q_s)
+        q = q.view(*q_a.shape[:-1], N, P + R)
+        y = absorb_query(q_rope_any(q, cos, sin, rope).reshape(T, N, P + R), W_UK_T)
+        if q_scale is None:
+            return y                                                         # [T, N, L + R]
+        return (y.float() / q_scale.reshape(())).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    c, s = _angles(cos, sin, T, q_a.dtype, rope)
+    out_dtype = q_a.dtype if q_scale is None else torch.float8_e4m3fn
+    y = torch.empty((T, N, L + R), dtype=out_dtype, device=q_a.device)
+    launch(q_q.reshape(T, Q), w, W_UK_T, c, s, int(rope), y,
+           config=w8a8_config(T, Q, L, group_k),
+           q_scale=None if q_scale is None else q_scale.reshape(1),
+           w8a8=(w_scale, q_s.reshape(T, -1), group_n))
     return y

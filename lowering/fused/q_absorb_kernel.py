@@ -23,6 +23,13 @@ fp32 rounded once, RoPE in fp32 rounded once (q_rope_kernel.py's `rotate`). With
 (y float8_e4m3fn, an fp8 decode query) each value rounded so is then quantized as a static
 fp8 quant does it: fp8(clamp(v / scale, -448, 448)), the division correctly rounded.
 
+W8A8 (an FP8 checkpoint's q_b_proj: w float8_e4m3fn with fp32 scale_inv ws [N * (P + R) /
+GROUP_N, Q / BLOCK_K] per block): q_a arrives quantized per BLOCK_K (= the scale group)
+columns, a_ptr its e4m3 rows and xs_ptr its scales [T, Q / BLOCK_K] (the prologue's
+mla::decode_qkv_prologue_fp8), and each K step adds dot(w, a) * ws[row's block, k] *
+xs[t, k] to the fp32 accumulators, as the fp8 decode GEMM (fp8_linear_kernel.py) sums
+HF's W8A8 product; the rest is the same.
+
     grid = (N, cdiv(T, BLOCK_T))
 """
 from __future__ import annotations
@@ -48,8 +55,9 @@ def _out(v, scale, y_ptr, QUANT: tl.constexpr):
 @triton.jit
 def q_absorb_kernel(
     a_ptr,                     # q_a [T, Q] rows, stride stride_at (last dim contiguous)
-    w_ptr,                     # q_b weight [N * (P + R), Q] contiguous
-    wuk_ptr,                   # W_UK_T [N, P, L] contiguous
+                               # (W8A8: its e4m3 quantization)
+    w_ptr,                     # q_b weight [N * (P + R), Q] contiguous (W8A8: e4m3)
+    wuk_ptr,                   # W_UK_T [N, P, L] contiguous, in q_a's dtype
     cos_ptr, sin_ptr,          # [T, R] rows, stride stride_cs (last dim contiguous)
     y_ptr,                     # [T, N, L + R] contiguous: q_a's dtype, or e4m3 with QUANT
     scale_ptr,                 # [1] fp32 (QUANT: the fp8 query's static scale)
@@ -57,9 +65,11 @@ def q_absorb_kernel(
     Q: tl.constexpr, P: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
     ROPE: tl.constexpr, DOT_F32: tl.constexpr, QUANT: tl.constexpr,
+    ws_ptr=None, xs_ptr=None,  # W8A8: w's scale_inv (row stride Q / BLOCK_K), q_a's scales
+    W8A8: tl.constexpr = False, GROUP_N: tl.constexpr = 1,
 ):
     H: tl.constexpr = R // 2
-    dt = a_ptr.dtype.element_ty          # q_a's dtype: every rounding before the quant
+    dt = wuk_ptr.dtype.element_ty        # q_a's dtype: every rounding before the quant
     scale = 1.0
     if QUANT:
         scale = tl.load(scale_ptr)
@@ -84,14 +94,24 @@ def q_absorb_kernel(
     a_ptrs = a_ptr + rows.to(tl.int64)[None, :] * stride_at + k[:, None]   # [BLOCK_K, BLOCK_T]
     acc_n = tl.zeros((P, BLOCK_T), dtype=tl.float32)
     acc_r = tl.zeros((R, BLOCK_T), dtype=tl.float32)
-    for _ in range(0, Q // BLOCK_K):
+    if W8A8:         # each row's scale block, and q_a's scales, per K step (= scale group)
+        KG: tl.constexpr = Q // BLOCK_K
+        sn_ptrs = ws_ptr + ((h * (P + R) + p) // GROUP_N) * KG                  # [P]
+        sr_ptrs = ws_ptr + ((h * (P + R) + P + ir) // GROUP_N) * KG             # [R]
+        xs_ptrs = xs_ptr + rows.to(tl.int64) * KG                               # [BLOCK_T]
+    for k in range(0, Q // BLOCK_K):
         a = tl.load(a_ptrs, mask=r_ok[None, :], other=0.0)
         wn = tl.load(wn_ptrs)
         wr = tl.load(wr_ptrs)
-        if DOT_F32:      # the CPU interpreter mis-multiplies 16-bit dots
+        if DOT_F32:      # the CPU interpreter mis-multiplies 16-bit dots (fp8: exact)
             a, wn, wr = a.to(tl.float32), wn.to(tl.float32), wr.to(tl.float32)
-        acc_n = tl.dot(wn, a, acc_n)                                         # [P, BLOCK_T]
-        acc_r = tl.dot(wr, a, acc_r)                                         # [R, BLOCK_T]
+        if W8A8:         # fp8 x fp8 -> fp32, times both scales (fp8_linear_kernel's sum)
+            xs = tl.load(xs_ptrs + k, mask=r_ok, other=0.0)[None, :]            # [1, BLOCK_T]
+            acc_n += tl.dot(wn, a) * tl.load(sn_ptrs + k)[:, None] * xs         # [P, BLOCK_T]
+            acc_r += tl.dot(wr, a) * tl.load(sr_ptrs + k)[:, None] * xs         # [R, BLOCK_T]
+        else:
+            acc_n = tl.dot(wn, a, acc_n)                                     # [P, BLOCK_T]
+            acc_r = tl.dot(wr, a, acc_r)                                     # [R, BLOCK_T]
         a_ptrs += BLOCK_K
         wn_ptrs += BLOCK_K
         wr_ptrs += BLOCK_K

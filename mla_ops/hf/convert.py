@@ -87,7 +87,7 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
         q_a, kv_row, q_a_quant = fused                        # [B, S, q_lora], [B, S, L+R]
         kv_row = kv_row.reshape(T, L + R)
         if step.meta.num_decode_tokens == T:                  # (then step.perm is None)
-            decode_q = absorbed_decode_query(self, q_a, rows)               # [T, N, L+R]
+            decode_q = absorbed_decode_query(self, q_a, rows, q_a_quant)    # [T, N, L+R]
         if decode_q is None:                                  # (q_a_quant: an fp8 q_b's input)
             q = linear(self.q_b_proj, q_a, x_quant=q_a_quant).view(B, S, N, P + R)
             q = rope_query(q, *rope_angles(self, rows))                      # [B, S, N, P+R]

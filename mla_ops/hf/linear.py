@@ -23,7 +23,8 @@ from lowering.fused import norm as _norm  # noqa: F401  (registers mla::residual
 from lowering.fused import prologue  # noqa: F401  (registers mla::decode_qkv_prologue)
 from lowering.fused import q_rope  # noqa: F401  (registers mla::decode_q_rope)
 from lowering.fused.decode_rows import decode_rows_unmet, row_kernels_unmet
-from lowering.fused.q_absorb import q_absorb_unmet, rope_width  # and mla::decode_q_absorb(_fp8)
+from lowering.fused.q_absorb import (q_absorb_unmet, rope_width,  # and the mla::decode_q_absorb
+                                     w8a8_unmet)                    # (_fp8, _w8a8) ops
 from lowering.fused.q_rope import q_rope_any
 from lowering.gemm import linear as gemm  # registers the mla::decode_* GEMM ops
 from mla_ops.hf import fp8_linear as fp8
@@ -242,18 +243,30 @@ def q_kv_rope_prologue(attn, x: torch.Tensor, position_embeddings):
                                           float(nkv.variance_epsilon), attn.mla_attn.num_heads)
 
 
-def absorbed_decode_query(attn, q_a: torch.Tensor, position_embeddings):
+def absorbed_decode_query(attn, q_a: torch.Tensor, position_embeddings, q_a_quant=None):
     """The absorbed decode query [T, N, L + R] = [q_nope @ W_UK_T | RoPE(q_pe)] of a
     converted DeepSeek-V3 (or V2 with q_lora) attention, from q_a_layernorm's output q_a
     [B, S, q_lora]: q_b_proj, the query's RoPE and the absorption in one launch (mla::decode_q_absorb; with an fp8
-    decode query, mla::decode_q_absorb_fp8, quantized with the layer's q_scale). Call it
-    for decode rows only. None where its kernel does not serve the call (then the caller
-    runs q_b_proj and the attention op absorbs)."""
+    decode query, mla::decode_q_absorb_fp8, quantized with the layer's q_scale). An FP8
+    checkpoint's q_b_proj: mla::decode_q_absorb_w8a8, from q_a_quant = (q_q, q_s), q_a
+    quantized by the prologue (qkv_a_prologue). Call it for decode rows only. None where
+    its kernel does not serve the call (then the caller runs q_b_proj and the attention op
+    absorbs)."""
     mla = attn.mla_attn
     angles = rope_angles(attn, position_embeddings)
-    if angles is None or not use_ops(attn.q_b_proj):
+    if angles is None:
         return None
     w, (cos, sin, rope) = attn.q_b_proj.weight, angles        # cos / sin [B, S, R] (V2: R/2)
+    if q_a_quant is not None and fp8.uses_fp8_ops(attn.q_b_proj):       # fp8 weights, W8A8
+        gn, gk = fp8.groups(attn.q_b_proj)
+        if (mla.W_UK_T.dtype != q_a.dtype
+                or w8a8_unmet(q_a, w, mla.W_UK_T, rope_width(cos, rope), gk) is not None):
+            return None
+        return torch.ops.mla.decode_q_absorb_w8a8(q_a, *q_a_quant, w,
+                                                  attn.q_b_proj.weight_scale_inv, mla.W_UK_T,
+                                                  cos, sin, rope, gn, gk, mla.q_scale)
+    if not use_ops(attn.q_b_proj):
+        return None
     if (w.dtype != q_a.dtype or mla.W_UK_T.dtype != q_a.dtype
             or q_absorb_unmet(q_a, w, mla.W_UK_T, rope_width(cos, rope)) is not None):
         return None
