@@ -108,7 +108,7 @@ def test_v2_lite_attention_prologue_matches_hf_modules(rows):
     with torch.no_grad():
         fused = q_kv_rope_prologue(attn, x, freqs)
         assert fused is not None, "V2-Lite shapes should take the fused prologue"
-        q, kv_row = fused
+        q, kv_row, _ = fused
         q_hf = attn.q_proj(x).view(rows, 1, 16, 192).transpose(1, 2)
         kv = attn.kv_a_proj_with_mqa(x)
         k = kv[..., 512:].reshape(rows, 1, 1, 64)
@@ -154,7 +154,7 @@ def test_prefill_rows_take_the_prologue_ops(family):
         else:
             fused = q_kv_rope_prologue(attn, x, pe)
             assert fused is not None, "V2-Lite's prefill rows should take the prologue op"
-            q, kv_row = fused
+            q, kv_row, _ = fused
             q_hf = attn.q_proj(x).view(1, rows, 16, 192).transpose(1, 2)
             q_pe, k_pe = m2.apply_rotary_emb(q_hf[..., 128:], k, pe)
         ref_kv = torch.cat([attn.kv_a_layernorm(kv[..., :512]), k_pe.reshape(1, rows, 64)], -1)
@@ -167,8 +167,9 @@ def test_prefill_rows_take_the_prologue_ops(family):
 @pytest.mark.parametrize("family", ["v3", "v2-lite", "v2"])
 def test_v3_shaped_decode_graph_logits_match_hf(family):
     """End to end at V3's (V2-Lite's) attention shapes: a prefill (24 rows, fused too) and
-    captured DecodeGraph steps (V3 and V2 with q_lora: with the absorbed query in one op),
-    teacher-forced, against the unconverted model with a DynamicCache."""
+    captured DecodeGraph steps (each family with its absorbed query in one op: V2-Lite's
+    with its cache row too), teacher-forced, against the unconverted model with a
+    DynamicCache."""
     import copy
     import mla_ops.hf as H
     from hf_models import logit_err
@@ -185,8 +186,9 @@ def test_v3_shaped_decode_graph_logits_match_hf(family):
             fused = qkv_a_prologue(attn, x, pe)
             assert fused is not None
             assert absorbed_decode_query(attn, fused[0], pe) is not None
-        else:
-            assert q_kv_rope_prologue(attn, x, pe) is not None
+        else:                            # decode rows: the query absorbed in that launch
+            q, kv_row, decode_q = q_kv_rope_prologue(attn, x, pe, decode=True)
+            assert q is None and tuple(decode_q.shape) == (B, 16, 576)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(3, 256, (B, S0), generator=g).cuda()
     pos = torch.arange(S0, device="cuda").expand(B, S0)

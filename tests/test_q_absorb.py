@@ -242,3 +242,59 @@ def test_w8a8_op_torch_path_and_bad_input():
         torch.ops.mla.decode_q_absorb_w8a8(q_a, q_q, q_s[:, :1], *args[3:])
     torch.library.opcheck(torch.ops.mla.decode_q_absorb_w8a8.default, args,
                           test_utils=("test_faketensor",))
+
+
+# ------------------------------------------ DeepSeek-V2 without q_lora: from the partials
+
+# splits, tokens, heads, P, R, L: one token, one split; rows past one 16-row block;
+# V2-Lite's widths (16 heads, P 128, R 64, L 512) at 32 rows and 4 splits
+Q_KV_CASES = [(1, 1, 2, 16, 32, 32), (3, 17, 3, 32, 32, 48), (4, 32, 16, 128, 64, 512)]
+
+
+@pytest.mark.parametrize("S,T,N,P,R,L", Q_KV_CASES)
+def test_q_kv_kernel_vs_fp64(S, T, N, P, R, L):
+    """The absorbed query and the cache row from the partials, against float64: the sums
+    rounded to the activation dtype, V2's complex RoPE, the absorption, the key's norm."""
+    from test_prologue import _complex_angles, _rope_complex64
+    g = torch.Generator().manual_seed(S * 100 + T + N)
+    dt, tol = (torch.bfloat16, 2e-2) if DEV == "cuda" else (torch.float32, 1e-5)
+    NQ = N * (P + R)
+    part = torch.randn(S, T, NQ + L + R, generator=g, dtype=torch.float64) * 3
+    w_kv = (1 + 0.5 * torch.randn(L, generator=g, dtype=torch.float64)).to(dt)
+    wuk = (torch.randn(N, P, L, generator=g, dtype=torch.float64) * P ** -0.5).to(dt)
+    cos, sin = _complex_angles(T, R // 2, g)
+    x = part.float().sum(0).double()           # (the kernel's fp32 sum is within tol of it)
+    q = x[:, :NQ].reshape(T, N, P + R).to(dt).double()
+    kv, k = x[:, NQ:NQ + L].to(dt).double(), x[:, NQ + L:].to(dt).double()
+    ref_q = torch.cat([torch.einsum("tnp,npl->tnl", q[..., :P], wuk.double()),
+                       _rope_complex64(q[..., P:], cos[:, None], sin[:, None])], -1)
+    ref_kv = torch.cat([kv / torch.sqrt((kv * kv).mean(-1, keepdim=True) + 1e-6)
+                        * w_kv.double(), _rope_complex64(k, cos, sin)], -1)
+    y = torch.full((T, N, L + R), float("nan"), dtype=dt, device=DEV)
+    kv_out = torch.full((T, L + R), float("nan"), dtype=dt, device=DEV)
+    q_absorb.launch_q_kv(part.float().to(DEV), w_kv.to(DEV), wuk.to(DEV), cos.to(DEV),
+                         sin.to(DEV), 1e-6, y, kv_out)
+    assert not (y.isnan().any() or kv_out.isnan().any())
+    assert _rel(y[..., :L], ref_q[..., :L]) < tol and _rel(y[..., L:], ref_q[..., L:]) < tol
+    assert _rel(kv_out[:, :L], ref_kv[:, :L]) < tol and _rel(kv_out[:, L:], ref_kv[:, L:]) < tol
+
+
+def test_q_kv_op_torch_path_and_bad_input():
+    """Off the kernel the op is mla::decode_q_kv_rope and the absorbed GEMM, bit for bit; a
+    W_UK_T of the wrong shape is named."""
+    from lowering.gemm.head_gemm import absorb_query
+    from test_prologue import _complex_angles
+    g = torch.Generator().manual_seed(4)
+    S, B, N, P, R, L = 2, 3, 2, 16, 32, 32
+    part = torch.randn(S, B, 1, N * (P + R) + L + R, generator=g)
+    w_kv = torch.rand(L, generator=g).add(0.5).to(torch.bfloat16)
+    wuk = (torch.randn(N, P, L, generator=g) * 0.25).to(torch.bfloat16)
+    cos, sin = (a.view(B, 1, R // 2) for a in _complex_angles(B, R // 2, g))
+    y, kv = torch.ops.mla.decode_q_kv_absorb(part, w_kv, wuk, cos, sin, 1e-6, N)
+    q0, kv0 = torch.ops.mla.decode_q_kv_rope(part, w_kv, cos, sin, 1e-6, N)
+    assert torch.equal(kv, kv0) and kv.shape == (B, 1, L + R)
+    assert torch.equal(y, absorb_query(q0.reshape(B, N, P + R), wuk))
+    with pytest.raises(ValueError, match="W_UK_T"):
+        torch.ops.mla.decode_q_kv_absorb(part, w_kv, wuk[:1], cos, sin, 1e-6, N)
+    torch.library.opcheck(torch.ops.mla.decode_q_kv_absorb.default,
+                          (part, w_kv, wuk, cos, sin, 1e-6, N), test_utils=("test_faketensor",))

@@ -16,6 +16,13 @@
            mla::decode_qkv_prologue_fp8), then RoPE and the absorption as above (with
            q_scale, quantized as decode_q_absorb_fp8's)
 
+    mla::decode_q_kv_absorb(part [S, *lead, N (P + R) + L + R] fp32, w_kv [L], W_UK_T,
+                            cos, sin, eps_kv, num_heads)
+        -> (the absorbed decode query [T, N, L + R], the cache row [*lead, L + R])
+           DeepSeek-V2 without q_lora (V2-Lite): prologue.py's mla::decode_q_kv_rope and
+           the absorption in one launch (q_kv_absorb_kernel.py), from the q_proj + kv_a
+           GEMM's split-K partials; cos / sin V2's freqs_cis parts [*lead, R / 2]
+
 rope (ROPES): 0 rotate_half, 1 DeepSeek-V3's interleaved pairs (cos / sin HF's rows
 [*lead, R]; a bool interleave means these two); 2 DeepSeek-V2's complex pairs, rotated in
 place (cos / sin the real and imaginary parts of its freqs_cis, [*lead, R / 2], in fp32).
@@ -33,6 +40,7 @@ import triton
 
 from lowering.fused.decode_rows import MAX_ROWS, angle_rows, check_angles, decode_rows_unmet
 from lowering.fused.q_absorb_kernel import q_absorb_kernel
+from lowering.fused.q_kv_absorb_kernel import q_kv_absorb_kernel
 from lowering.fused.q_rope import ROPES, q_rope_any
 from lowering.gemm import fp8_linear
 from lowering.gemm.head_gemm import absorb_query
@@ -91,14 +99,17 @@ def _pow2(v: int) -> bool:
     return v >= 16 and not v & (v - 1)
 
 
+def _fit(block: int, n: int) -> int:
+    """block halved (not below 16) until it divides n."""
+    while block > 16 and n % block:
+        block //= 2
+    return block
+
+
 def q_absorb_config(T: int, Q: int, L: int):
     """(BLOCK_K, BLOCK_L, num_warps, num_stages) for T rows, fitted to Q and L."""
     bk, bl, warps, stages = CONFIGS[T <= 16]
-    while bk > 16 and Q % bk:
-        bk //= 2
-    while bl > 16 and L % bl:
-        bl //= 2
-    return bk, bl, warps, stages
+    return _fit(bk, Q), _fit(bl, L), warps, stages
 
 
 def q_absorb_unmet(q_a, w, W_UK_T, R: int) -> str | None:
@@ -204,9 +215,7 @@ def w8a8_config(T: int, Q: int, L: int, group_k: int):
     """(group_k, BLOCK_L, num_warps, num_stages) for T rows: W8A8_CONFIGS' entry, its K
     step the scale group and BLOCK_L fitted to L."""
     _, bl, warps, stages = W8A8_CONFIGS[T <= 16]
-    while bl > 16 and L % bl:
-        bl //= 2
-    return group_k, bl, warps, stages
+    return group_k, _fit(bl, L), warps, stages
 
 
 @torch.library.triton_op("mla::decode_q_absorb_w8a8", mutates_args={})
@@ -237,3 +246,69 @@ def decode_q_absorb_w8a8(q_a: torch.Tensor, q_q: torch.Tensor, q_s: torch.Tensor
            q_scale=None if q_scale is None else q_scale.reshape(1),
            w8a8=(w_scale, q_s.reshape(T, -1), group_n))
     return y
+
+
+# q_kv_absorb_kernel's launch: (BLOCK_L, num_warps, num_stages); q_absorb's BLOCK_L, not yet
+# swept on a GPU
+Q_KV_CONFIG = (128, 4, 2)
+
+
+def q_kv_absorb_unmet(part, W_UK_T, R: int) -> str | None:
+    """None when q_kv_absorb_kernel runs a decode_q_kv_absorb call, else the unmet
+    condition (mla::decode_q_kv_rope and the absorbed GEMM then run)."""
+    N, P, L = W_UK_T.shape
+    T = part[0].numel() // max(1, part.shape[-1])
+    rows = decode_rows_unmet(part.device, W_UK_T.dtype, T)
+    if rows is not None:
+        return rows
+    if not (_pow2(P) and _pow2(R // 2)):
+        return f"P={P} and R/2={R // 2} must be powers of two >= 16"
+    if L % _fit(Q_KV_CONFIG[0], L) or L < 16:
+        return f"L={L} must be >= 16 and a multiple of 16"
+    if not W_UK_T.is_contiguous():
+        return "W_UK_T must be contiguous"
+    return None
+
+
+@torch.library.triton_op("mla::decode_q_kv_absorb", mutates_args={})
+def decode_q_kv_absorb(part: torch.Tensor, w_kv: torch.Tensor, W_UK_T: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, eps_kv: float,
+                       num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from lowering.fused.prologue import _check_v2
+    NQ, L, R = _check_v2(part, w_kv, cos, sin, num_heads)
+    N, P = num_heads, NQ // num_heads - R
+    if (W_UK_T.dim() != 3 or tuple(W_UK_T.shape) != (N, P, L) or W_UK_T.dtype != w_kv.dtype
+            or W_UK_T.device != part.device):
+        raise ValueError(f"W_UK_T must be [num_heads={N}, P={P}, L={L}] of w_kv's dtype on "
+                         f"{part.device}, got {W_UK_T.dtype} {tuple(W_UK_T.shape)} on "
+                         f"{W_UK_T.device}")
+    lead = part.shape[1:-1]
+    T = part[0].numel() // part.shape[-1]
+    if q_kv_absorb_unmet(part, W_UK_T, R) is not None:
+        q, kv_row = torch.ops.mla.decode_q_kv_rope(part, w_kv, cos, sin, eps_kv, num_heads)
+        return absorb_query(q.reshape(T, N, P + R), W_UK_T), kv_row        # [T, N, L + R]
+    p = part.reshape(part.shape[0], T, part.shape[-1]).contiguous()       # [S, T, NQ+L+R]
+    c, s = angle_rows(cos, sin, T, torch.float32)                          # [T, R / 2] fp32
+    y = torch.empty((T, N, L + R), dtype=w_kv.dtype, device=part.device)
+    kv_out = torch.empty((T, L + R), dtype=w_kv.dtype, device=part.device)
+    launch_q_kv(p, w_kv, W_UK_T, c, s, float(eps_kv), y, kv_out)
+    return y, kv_out.view(*lead, L + R)
+
+
+def launch_q_kv(part, w_kv, W_UK_T, cos, sin, eps_kv: float, y, kv_out) -> None:
+    """Run q_kv_absorb_kernel: part [S, T, N (P + R) + L + R] fp32 contiguous, W_UK_T
+    [N, P, L] contiguous, cos / sin [T, R / 2] fp32 (equal strides), y [T, N, L + R] and
+    kv_out [T, L + R] contiguous in W_UK_T's dtype."""
+    S, T, _ = part.shape
+    N, P, L = W_UK_T.shape
+    R = y.shape[-1] - L
+    block_l, warps, stages = Q_KV_CONFIG
+    block_t = max(16, triton.next_power_of_2(min(T, MAX_ROWS)))
+    block_l = _fit(block_l, L)
+    kernel = torch.library.wrap_triton(q_kv_absorb_kernel)
+    kernel[(N + block_t, triton.cdiv(T, block_t))](
+        part, w_kv, W_UK_T, cos, sin, y, kv_out, T, N, part.stride(0), cos.stride(0),
+        cos.stride(1), eps_kv, P=P, R=R, L=L, SPLIT=S, BLOCK_T=block_t,
+        BLOCK_L=block_l, BLOCK_LK=triton.next_power_of_2(L),
+        BLOCK_H=triton.next_power_of_2(R // 2), ROPE=2, DOT_F32=not part.is_cuda,
+        num_warps=warps, num_stages=stages)

@@ -53,6 +53,17 @@ def _out(v, scale, y_ptr, QUANT: tl.constexpr):
 
 
 @triton.jit
+def rope_rows(R: tl.constexpr, ROPE: tl.constexpr):
+    """[R] offsets of a head's rope rows in the order RoPE pairs them: x1 then x2 (rows j
+    then H + j for rotate_half; 2j then 2j + 1 for the interleaved and complex pairs)."""
+    H: tl.constexpr = R // 2
+    rr = tl.arange(0, R)
+    if ROPE == 0:
+        return rr
+    return tl.where(rr < H, 2 * rr, 2 * (rr - H) + 1)
+
+
+@triton.jit
 def q_absorb_kernel(
     a_ptr,                     # q_a [T, Q] rows, stride stride_at (last dim contiguous)
                                # (W8A8: its e4m3 quantization)
@@ -68,8 +79,7 @@ def q_absorb_kernel(
     ws_ptr=None, xs_ptr=None,  # W8A8: w's scale_inv (row stride Q / BLOCK_K), q_a's scales
     W8A8: tl.constexpr = False, GROUP_N: tl.constexpr = 1,
 ):
-    H: tl.constexpr = R // 2
-    dt = wuk_ptr.dtype.element_ty        # q_a's dtype: every rounding before the quant
+    dt: tl.constexpr = wuk_ptr.dtype.element_ty   # q_a's dtype: every rounding before the quant
     scale = 1.0
     if QUANT:
         scale = tl.load(scale_ptr)
@@ -78,14 +88,7 @@ def q_absorb_kernel(
     r_ok = rows < T
     k = tl.arange(0, BLOCK_K)
     p = tl.arange(0, P)
-    j = tl.arange(0, H)
-    rr = tl.arange(0, R)
-    if ROPE == 0:                    # x1 = rows j, x2 = rows H + j
-        ir = rr
-        c2 = H + j
-    else:                            # x1 = rows 2j, x2 = rows 2j + 1
-        ir = tl.where(rr < H, 2 * rr, 2 * (rr - H) + 1)
-        c2 = j
+    ir = rope_rows(R, ROPE)          # the rope rows in RoPE's pair order
 
     # q_b: q_h^T = w_h [P + R, Q] @ q_a^T [Q, BLOCK_T], as nope and rope row blocks
     w_head = w_ptr + h.to(tl.int64) * (P + R) * Q
@@ -116,8 +119,25 @@ def q_absorb_kernel(
         wn_ptrs += BLOCK_K
         wr_ptrs += BLOCK_K
 
+    absorb_rope_store(acc_n, acc_r, h, rows, r_ok, wuk_ptr, cos_ptr, sin_ptr, y_ptr, scale,
+                      N, stride_cs, P, R, L, BLOCK_T, BLOCK_L, ROPE, DOT_F32, QUANT, dt)
+
+
+@triton.jit
+def absorb_rope_store(acc_n, acc_r, h, rows, r_ok, wuk_ptr, cos_ptr, sin_ptr, y_ptr, scale,
+                      N, stride_cs, P: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, ROPE: tl.constexpr,
+                      DOT_F32: tl.constexpr, QUANT: tl.constexpr, dt: tl.constexpr):
+    """Head h's query from its fp32 rows, nope acc_n [P, BLOCK_T] and rope acc_r
+    [R, BLOCK_T] (in RoPE's pair order: x1 then x2), into y [T, N, L + R]: both rounded to
+    dt (q's own rounding), [nope @ W_UK_T[h] (fp32, rounded once) | RoPE(rope) (fp32,
+    rounded once)], each value as _out stores it. rows / r_ok [BLOCK_T]: the tokens."""
+    H: tl.constexpr = R // 2
+    p = tl.arange(0, P)
+    j = tl.arange(0, H)
+    c2 = H + j if ROPE == 0 else j
     # absorbed: y[t, h, :L]^T = W_UK_T[h]^T [L, P] @ q_nope^T [P, BLOCK_T]
-    qn = acc_n.to(dt)                                                        # q_b's rounding
+    qn = acc_n.to(dt)                                                        # q's rounding
     if DOT_F32:
         qn = qn.to(tl.float32)
     y_row = y_ptr + rows.to(tl.int64) * (N * (L + R)) + h * (L + R)         # [BLOCK_T]
@@ -131,7 +151,7 @@ def q_absorb_kernel(
         tl.store(y_row[None, :] + (l0 + l)[:, None], _out(o.to(dt), scale, y_ptr, QUANT),
                  mask=r_ok[None, :])
 
-    # RoPE of the rope rows, after q_b's rounding
+    # RoPE of the rope rows, after q's rounding
     xr = acc_r.to(dt).to(tl.float32).reshape(2, H, BLOCK_T)                 # [x1; x2]
     x1, x2 = tl.split(tl.permute(xr, (1, 2, 0)))                             # [H, BLOCK_T] each
     cs = rows.to(tl.int64)[None, :] * stride_cs

@@ -78,10 +78,11 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     if self.mla_query_scale is None:
         fused = qkv_a_prologue(self, hidden_states, rows)
         if fused is None:     # V2 without q_lora: the key norm and both RoPEs in one op
-            v2_fused = q_kv_rope_prologue(self, hidden_states, rows)
+            v2_fused = q_kv_rope_prologue(self, hidden_states, rows,         # (decode rows:
+                                          decode=step.meta.num_decode_tokens == T)  # absorbed)
     q = decode_q = None
     if v2_fused is not None:
-        q, kv_row = v2_fused                                  # [B, S, N, P+R], [B, S, L+R]
+        q, kv_row, decode_q = v2_fused   # [B, S, N, P+R] or None, [B, S, L+R], [T, N, L+R]
         kv_row = kv_row.reshape(T, L + R)
     elif fused is not None:
         q_a, kv_row, q_a_quant = fused                        # [B, S, q_lora], [B, S, L+R]

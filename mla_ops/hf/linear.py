@@ -23,8 +23,8 @@ from lowering.fused import norm as _norm  # noqa: F401  (registers mla::residual
 from lowering.fused import prologue  # noqa: F401  (registers mla::decode_qkv_prologue)
 from lowering.fused import q_rope  # noqa: F401  (registers mla::decode_q_rope)
 from lowering.fused.decode_rows import decode_rows_unmet, row_kernels_unmet
-from lowering.fused.q_absorb import (q_absorb_unmet, rope_width,  # and the mla::decode_q_absorb
-                                     w8a8_unmet)                    # (_fp8, _w8a8) ops
+from lowering.fused.q_absorb import (q_absorb_unmet, q_kv_absorb_unmet,  # and their ops
+                                     rope_width, w8a8_unmet)
 from lowering.fused.q_rope import q_rope_any
 from lowering.gemm import linear as gemm  # registers the mla::decode_* GEMM ops
 from mla_ops.hf import fp8_linear as fp8
@@ -216,13 +216,15 @@ def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
     return (*torch.ops.mla.decode_qkv_prologue(*args), None)
 
 
-def q_kv_rope_prologue(attn, x: torch.Tensor, position_embeddings):
-    """(q with RoPE [B, S, N, P + R], [kv_a_layernorm(kv_c) | RoPE(k_pe)] [B, S, L + R]) of a
-    DeepSeek-V2 attention without q_lora for the rows x [B, S, H]: the q_proj + kv_a GEMM's
-    fp32 partials for decode rows (its config's K splits, maybe one), the two modules'
-    outputs for a prefill's (prefill_part), then one op
-    (mla::decode_q_kv_rope) for the key norm and both RoPEs on V2's complex pairs. None
-    where that path does not apply (another family, q_lora, a GEMM or rows the decode
+def q_kv_rope_prologue(attn, x: torch.Tensor, position_embeddings, decode: bool = False):
+    """(q with RoPE [B, S, N, P + R], [kv_a_layernorm(kv_c) | RoPE(k_pe)] [B, S, L + R],
+    None) of a DeepSeek-V2 attention without q_lora for the rows x [B, S, H]: the q_proj +
+    kv_a GEMM's fp32 partials for decode rows (its config's K splits, maybe one), the two
+    modules' outputs for a prefill's (prefill_part), then one op (mla::decode_q_kv_rope)
+    for the key norm and both RoPEs on V2's complex pairs. With decode (every row a decode
+    row) where its kernel serves: (None, the cache row, the absorbed decode query
+    [B * S, N, L + R]), the query absorbed in the same launch (mla::decode_q_kv_absorb).
+    None where that path does not apply (another family, q_lora, a GEMM or rows the decode
     kernels do not serve: then the caller runs the modules)."""
     angles = rope_angles(attn, position_embeddings)
     if angles is None or angles[2] != 2 or attn.q_lora_rank is not None:
@@ -238,9 +240,14 @@ def q_kv_rope_prologue(attn, x: torch.Tensor, position_embeddings):
         split_k = gemm.pair_split_k(x, m1.weight, m2.weight)
         parts = torch.ops.mla.decode_linear_pair_partials(x, m1.weight, m2.weight, split_k)
     cos, sin, _ = angles                                      # [B, S, R/2] each (freqs_cis)
-    nkv = attn.kv_a_layernorm
-    return torch.ops.mla.decode_q_kv_rope(parts, nkv.weight, cos, sin,
-                                          float(nkv.variance_epsilon), attn.mla_attn.num_heads)
+    nkv, mla = attn.kv_a_layernorm, attn.mla_attn
+    args = (parts, nkv.weight, cos, sin, float(nkv.variance_epsilon), mla.num_heads)
+    if (decode and mla.q_scale is None and mla.W_UK_T.dtype == x.dtype
+            and q_kv_absorb_unmet(parts, mla.W_UK_T, 2 * cos.shape[-1]) is None):
+        decode_q, kv_row = torch.ops.mla.decode_q_kv_absorb(parts, nkv.weight, mla.W_UK_T,
+                                                            *args[2:])
+        return None, kv_row, decode_q
+    return (*torch.ops.mla.decode_q_kv_rope(*args), None)
 
 
 def absorbed_decode_query(attn, q_a: torch.Tensor, position_embeddings, q_a_quant=None):
