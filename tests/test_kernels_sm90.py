@@ -37,7 +37,7 @@ KERNELS = [
           sin_ptr="*fp32", y_ptr="*bf16", kv_ptr="*bf16", T="i32", N="i32",
           stride_split="i32", stride_cs="i32", stride_cc="i32", eps_kv="fp32"),
      dict(P=128, R=64, L=512, SPLIT=2, BLOCK_T=16, BLOCK_L=128, BLOCK_LK=512, BLOCK_H=32,
-          ROPE=2, DOT_F32=False), 4),
+          ROPE=2, DOT_F32=False, L_SPLIT=4), 4),
 ]
 
 

@@ -246,9 +246,11 @@ def test_w8a8_op_torch_path_and_bad_input():
 
 # ------------------------------------------ DeepSeek-V2 without q_lora: from the partials
 
-# splits, tokens, heads, P, R, L: one token, one split; rows past one 16-row block;
-# V2-Lite's widths (16 heads, P 128, R 64, L 512) at 32 rows and 4 splits
-Q_KV_CASES = [(1, 1, 2, 16, 32, 32), (3, 17, 3, 32, 32, 48), (4, 32, 16, 128, 64, 512)]
+# splits, tokens, heads, P, R, L: one token, one split; rows past one 16-row block; a
+# head's absorption in two programs (L 256); V2-Lite's widths (16 heads, P 128, R 64, L
+# 512: four programs a head) at 32 rows and 4 splits
+Q_KV_CASES = [(1, 1, 2, 16, 32, 32), (3, 17, 3, 32, 32, 48), (2, 5, 2, 16, 32, 256),
+              (4, 32, 16, 128, 64, 512)]
 
 
 @pytest.mark.parametrize("S,T,N,P,R,L", Q_KV_CASES)

@@ -248,9 +248,10 @@ def decode_q_absorb_w8a8(q_a: torch.Tensor, q_q: torch.Tensor, q_s: torch.Tensor
     return y
 
 
-# q_kv_absorb_kernel's launch: (BLOCK_L, num_warps, num_stages); q_absorb's BLOCK_L, not yet
-# swept on a GPU
-Q_KV_CONFIG = (128, 4, 2)
+# q_kv_absorb_kernel's launch: (BLOCK_L, L_SPLIT, num_warps, num_stages); each query head's
+# absorption split in L_SPLIT programs of L / L_SPLIT columns (V2-Lite's L = 512: one
+# 128-column block each); not yet swept on a GPU
+Q_KV_CONFIG = (128, 4, 4, 2)
 
 
 def q_kv_absorb_unmet(part, W_UK_T, R: int) -> str | None:
@@ -263,7 +264,7 @@ def q_kv_absorb_unmet(part, W_UK_T, R: int) -> str | None:
         return rows
     if not (_pow2(P) and _pow2(R // 2)):
         return f"P={P} and R/2={R // 2} must be powers of two >= 16"
-    if L % _fit(Q_KV_CONFIG[0], L) or L < 16:
+    if L < 16 or L % (_fit(Q_KV_CONFIG[0], L) * _l_split(L)):
         return f"L={L} must be >= 16 and a multiple of 16"
     if not W_UK_T.is_contiguous():
         return "W_UK_T must be contiguous"
@@ -302,13 +303,21 @@ def launch_q_kv(part, w_kv, W_UK_T, cos, sin, eps_kv: float, y, kv_out) -> None:
     S, T, _ = part.shape
     N, P, L = W_UK_T.shape
     R = y.shape[-1] - L
-    block_l, warps, stages = Q_KV_CONFIG
+    _, _, warps, stages = Q_KV_CONFIG
     block_t = max(16, triton.next_power_of_2(min(T, MAX_ROWS)))
-    block_l = _fit(block_l, L)
+    block_l, split = _fit(Q_KV_CONFIG[0], L), _l_split(L)
     kernel = torch.library.wrap_triton(q_kv_absorb_kernel)
-    kernel[(N + block_t, triton.cdiv(T, block_t))](
+    kernel[(N * split + block_t, triton.cdiv(T, block_t))](
         part, w_kv, W_UK_T, cos, sin, y, kv_out, T, N, part.stride(0), cos.stride(0),
         cos.stride(1), eps_kv, P=P, R=R, L=L, SPLIT=S, BLOCK_T=block_t,
         BLOCK_L=block_l, BLOCK_LK=triton.next_power_of_2(L),
         BLOCK_H=triton.next_power_of_2(R // 2), ROPE=2, DOT_F32=not part.is_cuda,
-        num_warps=warps, num_stages=stages)
+        L_SPLIT=split, num_warps=warps, num_stages=stages)
+
+
+def _l_split(L: int) -> int:
+    """Q_KV_CONFIG's L_SPLIT, lowered until the split parts are whole BLOCK_L blocks."""
+    block, split = _fit(Q_KV_CONFIG[0], L), Q_KV_CONFIG[1]
+    while split > 1 and L % (block * split):
+        split //= 2
+    return split

@@ -120,18 +120,22 @@ def q_absorb_kernel(
         wr_ptrs += BLOCK_K
 
     absorb_rope_store(acc_n, acc_r, h, rows, r_ok, wuk_ptr, cos_ptr, sin_ptr, y_ptr, scale,
-                      N, stride_cs, P, R, L, BLOCK_T, BLOCK_L, ROPE, DOT_F32, QUANT, dt)
+                      N, stride_cs, 0, L, True, P, R, L, BLOCK_T, BLOCK_L, ROPE, DOT_F32,
+                      QUANT, dt)
 
 
 @triton.jit
 def absorb_rope_store(acc_n, acc_r, h, rows, r_ok, wuk_ptr, cos_ptr, sin_ptr, y_ptr, scale,
-                      N, stride_cs, P: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
+                      N, stride_cs, l_lo, l_hi, do_rope,
+                      P: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, ROPE: tl.constexpr,
                       DOT_F32: tl.constexpr, QUANT: tl.constexpr, dt: tl.constexpr):
     """Head h's query from its fp32 rows, nope acc_n [P, BLOCK_T] and rope acc_r
     [R, BLOCK_T] (in RoPE's pair order: x1 then x2), into y [T, N, L + R]: both rounded to
     dt (q's own rounding), [nope @ W_UK_T[h] (fp32, rounded once) | RoPE(rope) (fp32,
-    rounded once)], each value as _out stores it. rows / r_ok [BLOCK_T]: the tokens."""
+    rounded once)], each value as _out stores it. rows / r_ok [BLOCK_T]: the tokens;
+    only the absorbed columns [l_lo, l_hi) (multiples of BLOCK_L), and the rope columns
+    where do_rope."""
     H: tl.constexpr = R // 2
     p = tl.arange(0, P)
     j = tl.arange(0, H)
@@ -143,7 +147,7 @@ def absorb_rope_store(acc_n, acc_r, h, rows, r_ok, wuk_ptr, cos_ptr, sin_ptr, y_
     y_row = y_ptr + rows.to(tl.int64) * (N * (L + R)) + h * (L + R)         # [BLOCK_T]
     l = tl.arange(0, BLOCK_L)
     wuk_ptrs = wuk_ptr + h.to(tl.int64) * P * L + p[None, :] * L + l[:, None]   # [BLOCK_L, P]
-    for l0 in range(0, L, BLOCK_L):
+    for l0 in range(l_lo, l_hi, BLOCK_L):
         wuk = tl.load(wuk_ptrs + l0)
         if DOT_F32:
             wuk = wuk.to(tl.float32)
@@ -152,18 +156,19 @@ def absorb_rope_store(acc_n, acc_r, h, rows, r_ok, wuk_ptr, cos_ptr, sin_ptr, y_
                  mask=r_ok[None, :])
 
     # RoPE of the rope rows, after q's rounding
-    xr = acc_r.to(dt).to(tl.float32).reshape(2, H, BLOCK_T)                 # [x1; x2]
-    x1, x2 = tl.split(tl.permute(xr, (1, 2, 0)))                             # [H, BLOCK_T] each
-    cs = rows.to(tl.int64)[None, :] * stride_cs
-    m = r_ok[None, :]
-    cos1 = tl.load(cos_ptr + cs + j[:, None], mask=m, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + cs + j[:, None], mask=m, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + cs + c2[:, None], mask=m, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + cs + c2[:, None], mask=m, other=0.0).to(tl.float32)
-    o1, o2 = rotate(x1, x2, cos1, sin1, cos2, sin2, dt)
-    if ROPE == 2:                    # V2: each pair back in its place
-        d1, d2 = 2 * j, 2 * j + 1
-    else:
-        d1, d2 = j, H + j
-    tl.store(y_row[None, :] + L + d1[:, None], _out(o1, scale, y_ptr, QUANT), mask=m)
-    tl.store(y_row[None, :] + L + d2[:, None], _out(o2, scale, y_ptr, QUANT), mask=m)
+    if do_rope:
+        xr = acc_r.to(dt).to(tl.float32).reshape(2, H, BLOCK_T)             # [x1; x2]
+        x1, x2 = tl.split(tl.permute(xr, (1, 2, 0)))                         # [H, BLOCK_T] each
+        cs = rows.to(tl.int64)[None, :] * stride_cs
+        m = r_ok[None, :]
+        cos1 = tl.load(cos_ptr + cs + j[:, None], mask=m, other=0.0).to(tl.float32)
+        sin1 = tl.load(sin_ptr + cs + j[:, None], mask=m, other=0.0).to(tl.float32)
+        cos2 = tl.load(cos_ptr + cs + c2[:, None], mask=m, other=0.0).to(tl.float32)
+        sin2 = tl.load(sin_ptr + cs + c2[:, None], mask=m, other=0.0).to(tl.float32)
+        o1, o2 = rotate(x1, x2, cos1, sin1, cos2, sin2, dt)
+        if ROPE == 2:                # V2: each pair back in its place
+            d1, d2 = 2 * j, 2 * j + 1
+        else:
+            d1, d2 = j, H + j
+        tl.store(y_row[None, :] + L + d1[:, None], _out(o1, scale, y_ptr, QUANT), mask=m)
+        tl.store(y_row[None, :] + L + d2[:, None], _out(o2, scale, y_ptr, QUANT), mask=m)

@@ -6,14 +6,17 @@ the q_proj + kv_a GEMM's split-K partials, one launch.
     kv_out   = [rms_norm(kv_c) * w_kv | RoPE(k_pe)]           [T, L + R]     (the cache row)
     q_h      = sum(part)[:, h (P + R) : (h + 1)(P + R)] rounded to the activation dtype
 
-    grid = (N + BLOCK_T, cdiv(T, BLOCK_T)): program (h < N, b) the query head h of token
-    block b, program (N + i, b) the cache row of token b * BLOCK_T + i
+    grid = (N * L_SPLIT + BLOCK_T, cdiv(T, BLOCK_T)): program (h * L_SPLIT + i, b) the
+    query head h of token block b, its absorbed columns [i L / L_SPLIT, (i + 1) L / L_SPLIT)
+    (and with i = 0 its rope columns), program (N * L_SPLIT + i, b) the cache row of token
+    b * BLOCK_T + i
 
 Unfused these are the prologue (prologue_kernel.py's V2 form: the cache row and the query
 with RoPE through memory) and the attention op's absorbed W_UK_T GEMM
 (lowering/gemm/head_gemm.py). Here a query program sums its head's partials in split order,
 rounds them (the GEMM's output), and hands them to q_absorb_kernel.py's tail, which
-absorbs the nope part and rotates the rope part (V2's complex pairs, ROPE 2, angles the
+absorbs the nope part (its share of W_UK_T[h]: a model with few heads, V2-Lite's 16, would
+otherwise stream the whole weight from 16 programs) and rotates the rope part (V2's complex pairs, ROPE 2, angles the
 real and imaginary parts of its freqs_cis [T, R / 2] in fp32). The cache row's program is
 the prologue's program 0 for its token. Roundings are the unfused ops'.
 """
@@ -38,13 +41,16 @@ def q_kv_absorb_kernel(
     P: tl.constexpr, R: tl.constexpr, L: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_LK: tl.constexpr,
     BLOCK_H: tl.constexpr, ROPE: tl.constexpr, DOT_F32: tl.constexpr,
+    L_SPLIT: tl.constexpr,
 ):
-    h = tl.program_id(0)
+    pid = tl.program_id(0)
     row0 = tl.program_id(1) * BLOCK_T
     dt: tl.constexpr = wuk_ptr.dtype.element_ty
     NQ = N * (P + R)
     W = NQ + L + R                                                   # a partial row's width
-    if h < N:
+    if pid < N * L_SPLIT:
+        h = pid // L_SPLIT
+        part = pid % L_SPLIT
         rows = row0 + tl.arange(0, BLOCK_T)                                      # [BLOCK_T]
         r_ok = rows < T
         head = part_ptr + rows.to(tl.int64)[None, :] * W + h * (P + R)          # [1, BLOCK_T]
@@ -56,10 +62,12 @@ def q_kv_absorb_kernel(
         for s in tl.static_range(1, SPLIT):                      # the splits, in order
             acc_n += tl.load(head + s * stride_split + p[:, None], mask=m, other=0.0)
             acc_r += tl.load(head + s * stride_split + (P + ir)[:, None], mask=m, other=0.0)
+        LP: tl.constexpr = L // L_SPLIT
         absorb_rope_store(acc_n, acc_r, h, rows, r_ok, wuk_ptr, cos_ptr, sin_ptr, y_ptr, 1.0,
-                          N, stride_cs, P, R, L, BLOCK_T, BLOCK_L, ROPE, DOT_F32, False, dt)
+                          N, stride_cs, part * LP, part * LP + LP, part == 0, P, R, L,
+                          BLOCK_T, BLOCK_L, ROPE, DOT_F32, False, dt)
     else:
-        t = row0 + h - N
+        t = row0 + pid - N * L_SPLIT
         if t < T:
             row = part_ptr + t.to(tl.int64) * W
             out = kv_ptr + t.to(tl.int64) * (L + R)
