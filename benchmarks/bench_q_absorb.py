@@ -15,8 +15,14 @@ unfused is the fp8 decode GEMM op reading that quantization, the RoPE and the ab
 GEMM; fused the kernel's W8A8 form (mla::decode_q_absorb_w8a8), its K step the scale
 group; the entries printed are `W8A8_CONFIGS`'.
 
+With --model v2-lite, DeepSeek-V2-Lite's decode query (16 heads, no q_lora): unfused is
+the prologue op from the q_proj + kv_a partials (mla::decode_q_kv_rope: the query with
+RoPE and the cache row) and the absorbed GEMM; fused mla::decode_q_kv_absorb's kernel, each
+config of SWEEP_Q_KV (BLOCK_L, L_SPLIT, num_warps, num_stages); W_UK_T's 2.1 MB read.
+
     python benchmarks/bench_q_absorb.py --timer kernel --show      # rows 1 and 32
     python benchmarks/bench_q_absorb.py --weights fp8 --timer kernel
+    python benchmarks/bench_q_absorb.py --model v2-lite --timer kernel
 """
 from __future__ import annotations
 
@@ -35,6 +41,8 @@ from mla_ops.hf.linear import decode_linear
 SWEEP = [(bk, bl, w, s) for bk in (64, 128) for bl in (64, 128) for w in (4, 8)
          for s in (2, 3, 4, 5)]
 SWEEP_W8A8 = [(128, bl, w, s) for bl in (64, 128) for w in (4, 8) for s in (2, 3, 4, 5)]
+SWEEP_Q_KV = [(bl, ls, w, s) for bl in (64, 128) for ls in (1, 2, 4, 8) for w in (4, 8)
+              for s in (1, 2)]
 
 
 def _graphed(fn):
@@ -48,10 +56,15 @@ def main():
     ap.add_argument("--rows", default="1,32", help="comma-separated token counts")
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
                     help="q_b's weights: bf16, or an FP8 checkpoint's (W8A8)")
+    ap.add_argument("--model", choices=("v3", "v2-lite"), default="v3",
+                    help="v3: q_b's query kernel; v2-lite: the query and cache row from the "
+                         "q_proj + kv_a partials")
     add_timer_args(ap)
     args = ap.parse_args()
     timer = chosen_timer(args)
     ceil = announce_ceiling()
+    if args.model == "v2-lite":
+        return v2_lite(args, timer, ceil)
     Q, N, P, R, L = 1536, 128, 128, 64, 512
     dt, dev = torch.bfloat16, "cuda"
     fp8 = args.weights == "fp8"
@@ -103,6 +116,46 @@ def main():
           f"(rows <= 16):")
     for k, cfg in best.items():
         print(f"    {k}: {cfg},")
+
+
+def v2_lite(args, timer, ceil):
+    """--model v2-lite: decode_q_kv_rope + the absorbed GEMM against q_kv_absorb_kernel."""
+    N, P, R, L, H, S = 16, 128, 64, 512, 2048, 2          # two K splits of q_proj + kv_a
+    dt, dev = torch.bfloat16, "cuda"
+    wuk = torch.randn(N, P, L, device=dev, dtype=dt) * P ** -0.5
+    w_kv = torch.rand(L, device=dev, dtype=dt) + 0.5
+    nbytes = wuk.numel() * 2
+    print("\n| rows | unfused µs (of ceiling) | fused µs (of ceiling) | fused / unfused | config |"
+          "\n|---|---|---|---|---|")
+    best = {}
+    for T in (int(r) for r in args.rows.split(",")):
+        part = torch.randn(S, T, N * (P + R) + L + R, device=dev) * (H ** -0.5)
+        ang = torch.rand(T, R // 2, device=dev) * 100
+        cos, sin = ang.cos(), ang.sin()
+
+        def unfused():
+            q, kv = torch.ops.mla.decode_q_kv_rope(part, w_kv, cos, sin, 1e-6, N)
+            return absorb_query(q.reshape(T, N, P + R), wuk)
+        ref = unfused().float()
+        t_unfused = timer(_graphed(unfused))
+        y = torch.empty(T, N, L + R, device=dev, dtype=dt)
+        kv_out = torch.empty(T, L + R, device=dev, dtype=dt)
+
+        def make_run(cfg):
+            def run():
+                q_absorb.launch_q_kv(part, w_kv, wuk, cos, sin, 1e-6, y, kv_out, config=cfg)
+            return run, lambda: y
+        us, cfg = best_config(SWEEP_Q_KV, make_run, ref, timer=timer, show=args.show)
+
+        def cell(t):
+            return f"{t:.1f} ({nbytes / t / 1e6 / (ceil / 1e12):.2f})"
+        print(f"| {T} | {cell(t_unfused)} | {cell(us)} | {us / t_unfused:.2f} | {cfg} |",
+              flush=True)
+        best[T] = cfg
+    print("\nlowering.fused.q_absorb.Q_KV_CONFIG candidates (BLOCK_L, L_SPLIT, num_warps, "
+          "num_stages) by rows:")
+    for k, cfg in best.items():
+        print(f"    {k}: {cfg}")
 
 
 if __name__ == "__main__":

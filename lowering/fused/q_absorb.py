@@ -296,16 +296,19 @@ def decode_q_kv_absorb(part: torch.Tensor, w_kv: torch.Tensor, W_UK_T: torch.Ten
     return y, kv_out.view(*lead, L + R)
 
 
-def launch_q_kv(part, w_kv, W_UK_T, cos, sin, eps_kv: float, y, kv_out) -> None:
+def launch_q_kv(part, w_kv, W_UK_T, cos, sin, eps_kv: float, y, kv_out,
+                config=None) -> None:
     """Run q_kv_absorb_kernel: part [S, T, N (P + R) + L + R] fp32 contiguous, W_UK_T
     [N, P, L] contiguous, cos / sin [T, R / 2] fp32 (equal strides), y [T, N, L + R] and
-    kv_out [T, L + R] contiguous in W_UK_T's dtype."""
+    kv_out [T, L + R] contiguous in W_UK_T's dtype. config: (BLOCK_L, L_SPLIT, num_warps,
+    num_stages), Q_KV_CONFIG by default (both fitted to L)."""
     S, T, _ = part.shape
     N, P, L = W_UK_T.shape
     R = y.shape[-1] - L
-    _, _, warps, stages = Q_KV_CONFIG
+    config = config or Q_KV_CONFIG
+    _, _, warps, stages = config
     block_t = max(16, triton.next_power_of_2(min(T, MAX_ROWS)))
-    block_l, split = _fit(Q_KV_CONFIG[0], L), _l_split(L)
+    block_l, split = _fit(config[0], L), _l_split(L, config)
     kernel = torch.library.wrap_triton(q_kv_absorb_kernel)
     kernel[(N * split + block_t, triton.cdiv(T, block_t))](
         part, w_kv, W_UK_T, cos, sin, y, kv_out, T, N, part.stride(0), cos.stride(0),
@@ -315,9 +318,9 @@ def launch_q_kv(part, w_kv, W_UK_T, cos, sin, eps_kv: float, y, kv_out) -> None:
         L_SPLIT=split, num_warps=warps, num_stages=stages)
 
 
-def _l_split(L: int) -> int:
-    """Q_KV_CONFIG's L_SPLIT, lowered until the split parts are whole BLOCK_L blocks."""
-    block, split = _fit(Q_KV_CONFIG[0], L), Q_KV_CONFIG[1]
+def _l_split(L: int, config=Q_KV_CONFIG) -> int:
+    """config's L_SPLIT, lowered until the split parts are whole BLOCK_L blocks."""
+    block, split = _fit(config[0], L), config[1]
     while split > 1 and L % (block * split):
         split //= 2
     return split
