@@ -101,7 +101,9 @@ def test_ops_check_the_given_quant():
         torch.ops.mla.decode_gate_up_fp8(x, w, s, w, s, 128, 128, q[:1], sc)
 
 
-@INTERPRETED
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the block's CPU inputs need TRITON_INTERPRET=1 (on a GPU: the "
+                           "model test below)")
 @pytest.mark.parametrize("family,T", [("v3", 1), ("v2", 3)])
 def test_moe_block_op_reads_the_given_quant_bit_for_bit(family, T):
     """mla::moe_block_decode_fp8 with x_q, x_s: the routed experts and the shared experts
