@@ -20,6 +20,13 @@ per layer). Targets (issue 31): fp8 >= 1.6x bf16 at B = 1, and <= 1.3x its floor
     python benchmarks/bench_fp8_weights.py                       # B = 1 and 32, S = 4096
     python benchmarks/bench_fp8_weights.py --shapes 1x4096 --experts 64 --no-compile
     python benchmarks/bench_fp8_weights.py --sweep    # the fp8 GEMM kernel's configs per shape
+    python benchmarks/bench_fp8_weights.py --prefill 1x512,1x2048,1x8192   # prefill instead
+
+--prefill times one eager forward of B prompts of S tokens into an empty cache per model
+(as generate() runs a prefill; the median of --rounds after a warm-up). Past the decode
+GEMMs' 64 rows the fp8 model's linears dequantize their weights in each call and run
+cuBLAS, and its routed experts run the grouped W8A8 GEMMs (lowering/moe/fp8_prefill.py)
+where transformers' own fp8 kernel does not load.
 
 --sweep times the fp8 decode GEMM kernel (lowering/gemm/fp8_linear.py; its configs in fp8_linear_configs.py) alone at V3's
 decode shapes, 1 and 32 rows, over candidate configs (BLOCK_N, stages and the K splits
@@ -75,6 +82,27 @@ def fill_cache(cfg, B, S, room, dev):
         kv.normal_()
     cache.occupy([S] * B)
     return cache
+
+
+def time_prefill(model, cfg, B, S, dev, rounds) -> float:
+    """Median ms of one eager forward of B x S random tokens into an empty cache."""
+    import mla_ops.hf
+    ids = torch.randint(3, cfg.vocab_size, (B, S), device=dev)
+    times = []
+    for i in range(rounds + 1):                       # the first call warms up, untimed
+        cache = mla_ops.hf.PagedMLACache(cfg, max_batch_size=B, max_cache_len=S + 64,
+                                         block_size=64, device=dev, dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.no_grad():
+            a.record()
+            model(input_ids=ids, past_key_values=cache)
+            b.record()
+        b.synchronize()
+        if i:
+            times.append(a.elapsed_time(b))
+        del cache
+    return statistics.median(times)
 
 
 def time_steps(runner, B, dev, iters, rounds) -> float:
@@ -282,6 +310,8 @@ def main():
     ap.add_argument("--json", default=None, help="append results here as JSON lines")
     ap.add_argument("--sweep", action="store_true",
                     help="time the fp8 GEMM kernel's configs at V3's shapes instead")
+    ap.add_argument("--prefill", default=None,
+                    help="BxS,...: time one eager prefill forward per model instead")
     args = ap.parse_args()
     if args.sweep:
         return sweep()
@@ -303,6 +333,8 @@ def main():
           f"layers ({args.dense_layers} dense), {cfg.n_routed_experts} experts top "
           f"{cfg.num_experts_per_tok}; {'eager step' if args.no_compile else 'inductor'} in "
           f"a CUDA graph", flush=True)
+    if args.prefill:
+        return prefill_rows(args, models, cfg, dev)
     room = 2 + 2 + 4 + args.iters * args.rounds + 8
     rows = []
     for shape in args.shapes.split(","):
@@ -331,6 +363,23 @@ def main():
     for r in rows:
         print(f"| {r['B']}, {r['S']} | {r['bf16']:.3f} | {r['fp8']:.3f} | {r['speedup']:.2f}x "
               f"| {r['fp8-floor']:.3f} | {r['fp8/floor']:.2f}x |")
+
+
+def prefill_rows(args, models, cfg, dev):
+    """--prefill: ms of one eager forward per model and shape, fp8 against bf16."""
+    print("\n| B, S | bf16 ms | fp8 ms | bf16 / fp8 |\n|---|---|---|---|")
+    for shape in args.prefill.split(","):
+        B, S = (int(v) for v in shape.split("x"))
+        res = {"prefill": True, "B": B, "S": S, "layers": cfg.num_hidden_layers,
+               "experts": cfg.n_routed_experts}
+        for name, model in models.items():
+            res[name] = time_prefill(model, cfg, B, S, dev, args.rounds)
+            torch.cuda.empty_cache()
+        print(f"| {B}, {S} | {res['bf16']:.2f} | {res['fp8']:.2f} | "
+              f"{res['bf16'] / res['fp8']:.2f}x |", flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(res) + "\n")
 
 
 if __name__ == "__main__":

@@ -94,3 +94,65 @@ def test_moe_fp8_scales_checked():
                                  128, 128)
 
 
+
+
+# tokens, experts, k, I, H, (BLOCK_M, BLOCK_N): several tiles per expert and an expert with
+# no pair; I and H not multiples of the tiles or of 128 (partial scale blocks, K not a
+# multiple of the group); one token
+GROUPED_CASES = [(37, 5, 2, 128, 256, (16, 64)), (23, 4, 3, 192, 200, (16, 32)),
+                 (1, 3, 2, 64, 128, (16, 64))]
+
+
+@pytest.mark.parametrize("T,E,K,I,H,tile", GROUPED_CASES)
+def test_grouped_prefill_experts_vs_fp64(T, E, K, I, H, tile):
+    """The prefill batches' grouped W8A8 GEMMs (lowering/moe/fp8_prefill.py) against the
+    float64 W8A8 reference; a pair whose expert is outside [0, E) adds zero."""
+    from lowering.moe import fp8_prefill
+    g = torch.Generator().manual_seed(T + E + I)
+    x = torch.randn(T, H, generator=g)
+    idx = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(T)])  # E-1 idle
+    wts = torch.rand(T, K, generator=g)
+    gu = (torch.randn(E, 2 * I, H, generator=g) * 100).clamp(-448, 448).to(FP8)
+    gus = torch.rand(E, 2 * (-(-I // 128)), -(-H // 128), generator=g) * 0.02 + 1e-3
+    dn = (torch.randn(E, H, I, generator=g) * 100).clamp(-448, 448).to(FP8)
+    dns = torch.rand(E, -(-H // 128), -(-I // 128), generator=g) * 0.02 + 1e-3
+    dt, tol = (torch.bfloat16, 3e-2) if CUDA else (torch.float32, 1e-5)
+    cast = (lambda t: t.to(dt).double())
+    xs = x.to(DEV, dt)
+    cfg = {k: (*tile, 4, 2) for k in ("gate_up", "down")}
+    dev = [t.to(DEV) for t in (idx, wts, gu, gus, dn, dns)]
+    got = fp8_prefill.grouped_experts(xs, *dev, 128, 128, configs=cfg)
+    assert got.dtype == dt
+    assert rel(got, moe_w8a8_ref(xs.cpu().float(), idx, wts, gu, gus, dn, dns, cast)) < tol
+    bad = idx.clone()
+    keep = torch.ones(T, K)
+    bad[0, 0], keep[0, 0] = -1, 0                             # outside [0, E): below
+    if T > 1:
+        bad[-1, -1], keep[-1, -1] = E, 0                      # and above
+    got = fp8_prefill.grouped_experts(xs, bad.to(DEV), *dev[1:], 128, 128, configs=cfg)
+    want = moe_w8a8_ref(xs.cpu().float(), idx, wts * keep, gu, gus, dn, dns, cast)
+    assert torch.isfinite(got).all() and rel(got, want) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_op_takes_the_grouped_path_past_the_decode_rows():
+    """mla::moe_experts_decode_fp8 at 200 tokens in bf16 on CUDA: the grouped path (not the
+    per-pair reference) serves it, within bf16 rounding of the float64 W8A8 experts."""
+    from lowering.moe import fp8_experts, fp8_prefill
+    g = torch.Generator().manual_seed(7)
+    T, E, K, I, H = 200, 8, 2, 256, 384
+    x = torch.randn(T, H, generator=g).to("cuda", torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    wts = torch.rand(T, K, generator=g)
+    gu = (torch.randn(E, 2 * I, H, generator=g) * 100).clamp(-448, 448).to(FP8)
+    gus = torch.rand(E, 2 * (I // 128), H // 128, generator=g) * 0.02 + 1e-3
+    dn = (torch.randn(E, H, I, generator=g) * 100).clamp(-448, 448).to(FP8)
+    dns = torch.rand(E, H // 128, I // 128, generator=g) * 0.02 + 1e-3
+    args = [t.cuda() for t in (idx, wts, gu, gus, dn, dns)]
+    assert not fp8_experts.kernel_serves(x, *args[2:], 128)
+    assert fp8_prefill.serves(x, *args[2:], 128)
+    got = torch.ops.mla.moe_experts_decode_fp8(x, *args, 128, 128)
+    cast = (lambda t: t.to(torch.bfloat16).double())
+    ref = moe_w8a8_ref(x.cpu().float(), idx, wts, gu, gus, dn, dns, cast)
+    assert rel(got, ref) < 3e-2

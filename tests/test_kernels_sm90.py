@@ -1,7 +1,7 @@
 """Triton kernels compiled offline for Hopper (SM90), where a GPU-only compile failure or a
 register spill would otherwise show only on the GPU: the fp8 producers (the norm and the
-prologue that quantize for the fp8 GEMMs), the query kernel's W8A8 form and V2-Lite's
-query-and-cache-row kernel, at DeepSeek's widths. Their numerics are tested under the
+prologue that quantize for the fp8 GEMMs), the query kernel's W8A8 form, V2-Lite's
+query-and-cache-row kernel and the fp8 experts' grouped prefill GEMM, at DeepSeek's widths. Their numerics are tested under the
 interpreter (test_fp8_producer_quant.py, test_q_absorb.py) and on a GPU."""
 import json
 import os
@@ -39,6 +39,16 @@ KERNELS = [
      dict(P=128, R=64, L=512, SPLIT=2, BLOCK_T=16, BLOCK_L=128, BLOCK_LK=512, BLOCK_H=32,
           ROPE=2, DOT_F32=False, L_SPLIT=4), 4),
 ]
+_GROUPED_SIG = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", rows_ptr="*i32", w_ptr="*fp8e4nv",
+                    ws_ptr="*fp32", y_ptr="*bf16", starts_ptr="*i32", ends_ptr="*i32",
+                    tile_ends_ptr="*i32", P="i32", N="i32", K="i32", E="i32",
+                    UP_ROW0="i32", UP_S_ROW0="i32", stride_a="i32", stride_as="i32",
+                    stride_we="i32", stride_wn="i32", stride_se="i32", stride_sn="i32",
+                    stride_y="i32")
+for _gated in (True, False):       # an FP8 checkpoint's prefill experts: gate + up, down
+    KERNELS.append(("lowering.moe.fp8_grouped_kernel", "moe_grouped_fp8_kernel", _GROUPED_SIG,
+                    dict(GATED=_gated, BLOCK_E=256, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
+                         GROUP_N=128, EVEN_K=True, DOT_F32=False), 8))
 
 
 def _compile_all() -> dict:
@@ -49,7 +59,8 @@ def _compile_all() -> dict:
     from triton.compiler import ASTSource
     out = {}
     for module, name, sig, consts, warps in KERNELS:
-        kernel = getattr(importlib.import_module(module), name)
+        name = name + ("_gated" if consts.get("GATED") else "")
+        kernel = getattr(importlib.import_module(module), name.removesuffix("_gated"))
         sig = {**sig, **{k: "constexpr" for k in consts}}
         k = triton.compile(ASTSource(kernel, signature=sig, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
@@ -71,7 +82,8 @@ def test_kernels_compile_for_sm90_without_spills():
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     spills = json.loads(run.stdout.strip().splitlines()[-1])
-    assert spills == {name: False for _, name, *_ in KERNELS}
+    assert spills == {name + ("_gated" if consts.get("GATED") else ""): False
+                      for _, name, _, consts, _ in KERNELS}
 
 
 if __name__ == "__main__":

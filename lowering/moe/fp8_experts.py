@@ -14,9 +14,11 @@ up_proj).
 On CUDA in bf16 / fp16 with at most MAX_ROWS tokens: fp8_gate_up_kernel.py and
 fp8_down_kernel.py, which stream only the chosen experts' fp8 rows and compute each linear
 as HF's FP8Linear does (activations quantized per gk columns, W8A8 with fp32
-accumulation); the routing sum as experts.py's kernels. Anything else: the torch reference
-of experts.py on the chosen experts' weights dequantized (what HF computes on the CPU,
-where it loads an FP8 checkpoint dequantized).
+accumulation); the routing sum as experts.py's kernels. More tokens on CUDA: the grouped
+W8A8 GEMMs of fp8_prefill.py over the pairs sorted by expert (the same numerics per linear;
+each pair's output rounded to x's dtype before the weighted sum, as HF's grouped path).
+Anything else: the torch reference of experts.py on the chosen experts' weights
+dequantized (what HF computes on the CPU, where it loads an FP8 checkpoint dequantized).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import triton
 
 from lowering.gemm.fp8_linear import quantized
 from lowering.moe import experts as moe
+from lowering.moe import fp8_prefill
 from lowering.moe.fp8_down_kernel import moe_down_fp8_kernel
 from lowering.moe.fp8_gate_up_kernel import moe_gate_up_fp8_kernel
 
@@ -162,6 +165,10 @@ def moe_experts_decode_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight:
     """Arguments checked by the caller (the converted MoE block checks the scales once at
     convert(); routing tensors come from its own router)."""
     if not kernel_serves(x, gate_up, gate_up_scale, down, down_scale, group_k):
+        if fp8_prefill.serves(x, gate_up, gate_up_scale, down, down_scale, group_k):
+            return fp8_prefill.grouped_experts(x, topk_idx, topk_weight, gate_up,
+                                               gate_up_scale, down, down_scale, group_n,
+                                               group_k)                   # prefill-sized
         return reference(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_scale,
                          group_n, group_k)
     return run_kernels(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_scale,

@@ -17,9 +17,10 @@ autograd would need the weight's gradient.
 HF's FP8Experts (gate_up_proj [E, 2I, H] and down_proj [E, H, I] e4m3 with their
 *_scale_inv) in a block converted with fuse_experts: a decode step's routed experts run
 mla::moe_experts_decode_fp8 (the chosen experts' fp8 rows, HF's W8A8 numerics); other
-batches run HF's experts module where transformers' fp8 kernel loads (CUDA), else the op's
-reference on the chosen experts' dequantized weights (the CPU's answer; it gathers one
-dequantized copy of its expert per (token, k) pair, so long prompts want HF's kernel).
+batches run HF's experts module where transformers' fp8 kernel loads (CUDA), else the same
+op: on CUDA its grouped W8A8 GEMMs over the pairs sorted by expert (lowering/moe/
+fp8_prefill.py), on the CPU its reference on the chosen experts' dequantized weights (the
+CPU's answer).
 """
 from __future__ import annotations
 

@@ -1,0 +1,89 @@
+"""An FP8 checkpoint's routed experts for a prefill-sized batch (more tokens than the decode
+kernels take), W8A8 as HF's FP8Linear computes each linear, without host syncs:
+
+    pairs sorted by expert (torch.sort), their counts (histc) and tile counts (cumsum) on
+    the device; x quantized once per 128 columns; the gate + up grouped GEMM
+    (fp8_grouped_kernel.py, GATED) into h [P, I]; h quantized; the down grouped GEMM into
+    y [P, H]; mla::moe_combine weights and sums each token's pairs (prefill.py).
+
+Memory grows with the pairs (h, y and the quantized copies: about P (3 I + 3 H) bytes),
+not with a dequantized copy of any weight. Before it, such batches ran the per-pair
+reference of fp8_experts.py, which gathers one dequantized copy of its expert per pair
+(P x 3 I H x 3 bytes: past memory for a few hundred tokens of DeepSeek-V3) wherever
+transformers' own fp8 kernel does not load.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from lowering.gemm.fp8_linear import quantized
+from lowering.moe import prefill  # noqa: F401  (registers mla::moe_combine)
+from lowering.moe.fp8_grouped_kernel import moe_grouped_fp8_kernel
+
+# kernel -> (BLOCK_M, BLOCK_N, num_warps, num_stages); not yet swept on a GPU
+CONFIGS = {"gate_up": (64, 128, 8, 3), "down": (64, 128, 8, 3)}
+
+
+def serves(x: torch.Tensor, gate_up, gate_up_scale, down, down_scale, gk: int) -> bool:
+    """Whether grouped_experts serves a batch: CUDA, 16-bit x, a power-of-two scale group,
+    contiguous weights (shapes, dtypes and devices only)."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] > 0
+            and gk in (16, 32, 64, 128, 256)
+            and all(t.is_contiguous() for t in (gate_up, gate_up_scale, down, down_scale)))
+
+
+def launch(a, a_scale, rows, w, w_scale, y, starts, ends, tile_ends, group_n: int,
+           group_k: int, *,
+           gated: bool, up_row0: int = 0, up_s_row0: int = 0, config=None) -> None:
+    """y [P, N] from the e4m3 activations a [R, K] with their scales a_scale [R, G] (rows
+    [P] int32 pick each sorted pair's row), the expert weights w [E, NW, K] e4m3 with
+    scale_inv w_scale, starts / ends [E] int32 (where each expert's sorted pairs begin and
+    end) and tile_ends [E] int32 (cumulative BLOCK_M tiles per expert; BLOCK_M is config's
+    first entry)."""
+    P, N = y.shape
+    E, _, K = w.shape
+    bm, bn, warps, stages = config or CONFIGS["gate_up" if gated else "down"]
+    grid = (triton.cdiv(P, bm) + E, triton.cdiv(N, bn))
+    torch.library.wrap_triton(moe_grouped_fp8_kernel)[grid](
+        a, a_scale, rows, w, w_scale, y, starts, ends, tile_ends, P, N, K, E, up_row0,
+        up_s_row0,
+        a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0),
+        w_scale.stride(1), y.stride(0), GATED=gated, BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=group_k, GROUP_N=group_n, EVEN_K=K % group_k == 0,
+        DOT_F32=not a.is_cuda, num_warps=warps, num_stages=stages)
+
+
+def grouped_experts(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_scale,
+                    group_n: int, group_k: int, configs=None) -> torch.Tensor:
+    """sum_k topk_weight[t, k] * expert_{topk_idx[t, k]}(x[t]) for x [T, H] (module
+    docstring): [T, H] in x's dtype. On any device the kernels can run (the CPU under
+    TRITON_INTERPRET=1); callers check serves(). configs: {kernel: config} over CONFIGS."""
+    configs = {**CONFIGS, **(configs or {})}
+    T, K = topk_idx.shape
+    E, I = gate_up.shape[0], gate_up.shape[1] // 2
+    P = T * K
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    ids, perm = torch.sort(topk_idx.reshape(-1))                                 # [P]
+    counts = torch.histc(ids.float() if not ids.is_cuda else ids.int(), bins=E, min=0,
+                         max=E - 1).to(torch.int32)                              # [E]
+    # pairs whose expert is outside [0, E) (none from a router) sort before or after the
+    # experts' pairs: skipped by the tiles, their y rows zero, so they add nothing
+    ends = torch.cumsum(counts, 0, dtype=torch.int32) + (ids < 0).sum(dtype=torch.int32)
+    starts = ends - counts                                                       # [E]
+    tile_ends = {k: torch.cumsum((counts + cfg[0] - 1) // cfg[0], 0, dtype=torch.int32)
+                 for k, cfg in configs.items()}                    # [E] each, per BLOCK_M
+    xq, xs, _ = quantized(x, group_k, True)                     # e4m3 [T, H], [T, G]
+    tokens = (perm // K).to(torch.int32)                        # the token of each sorted pair
+    h = torch.empty((P, I), dtype=x.dtype, device=x.device)                     # [P, I]
+    launch(xq, xs, tokens, gate_up, gate_up_scale, h, starts, ends, tile_ends["gate_up"],
+           group_n, group_k, gated=True, up_row0=I, up_s_row0=triton.cdiv(I, group_n),
+           config=configs["gate_up"])
+    hq, hs, _ = quantized(h, group_k, True)                     # e4m3 [P, I], [P, G]
+    y = torch.zeros((P, x.shape[1]), dtype=x.dtype, device=x.device)            # [P, H]
+    launch(hq, hs, torch.arange(P, dtype=torch.int32, device=x.device), down, down_scale, y,
+           starts, ends, tile_ends["down"], group_n, group_k, gated=False,
+           config=configs["down"])
+    slot = torch.empty_like(perm)
+    slot[perm] = torch.arange(P, device=perm.device)                            # [P]
+    return torch.ops.mla.moe_combine(y, slot.view(T, K), topk_weight)
