@@ -298,3 +298,40 @@ def test_act_quant_kernel_vs_fp64_and_both_ways_equal(M, K):
         assert rel(ys[0], ys[1].double().cpu()) < 2e-3
     else:
         assert torch.equal(ys[0], ys[1])
+
+
+# ------------------------------------------------ a prefill's rows: the grouped W8A8 GEMM
+
+@pytest.mark.parametrize("M,N,K,tile", [(70, 96, 256, (16, 32)), (5, 40, 200, (16, 64)),
+                                        (33, 130, 384, (32, 64))])
+def test_prefill_linear_vs_fp64(M, N, K, tile):
+    """fp8_grouped.prefill_linear (every row one group): HF's W8A8 product, rows and columns
+    not multiples of the tile, K not a multiple of the scale group."""
+    from lowering.gemm.fp8_grouped import prefill_linear
+    g = torch.Generator().manual_seed(M + N + K)
+    x = (torch.randn(M, K, generator=g) * 3).to(DEV, DT)
+    w, s = rand_fp8(N, K, g)
+    y = prefill_linear(x, w.to(DEV), s.to(DEV), 128, 128, config=(*tile, 4, 2))
+    assert y.dtype == DT and y.shape == (M, N)
+    tol = 2e-2 if CUDA else 2e-3
+    assert rel(y.float(), w8a8_ref(x.cpu().float(), w, s)) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_ops_take_the_grouped_gemm_past_the_decode_rows():
+    """At 200 rows in bf16 on CUDA the fp8 ops run the grouped W8A8 GEMM: within bf16
+    rounding of the float64 W8A8 product (the dequantized path differs by the activations'
+    fp8 rounding), the residual and gated forms too."""
+    g = torch.Generator().manual_seed(11)
+    M, N, K = 200, 256, 512
+    x = torch.randn(M, K, generator=g).to("cuda", torch.bfloat16)
+    (w, s), (w2, s2) = rand_fp8(N, K, g), rand_fp8(N, K, g)
+    wd, sd, w2d, s2d = (t.cuda() for t in (w, s, w2, s2))
+    ref = w8a8_ref(x.cpu().float(), w, s)
+    assert rel(torch.ops.mla.decode_linear_fp8(x, wd, sd, 128, 128).float(), ref) < 2e-2
+    r = torch.randn(M, N, generator=g).to("cuda", torch.bfloat16)
+    got = torch.ops.mla.decode_linear_fp8_residual(x, wd, sd, r, 128, 128)
+    assert rel(got.float(), ref + r.double().cpu()) < 2e-2
+    h = torch.ops.mla.decode_gate_up_fp8(x, wd, sd, w2d, s2d, 128, 128)
+    assert rel(h.float(), F.silu(ref) * w8a8_ref(x.cpu().float(), w2, s2)) < 3e-2

@@ -46,7 +46,7 @@ _GROUPED_SIG = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", rows_ptr="*i32", w_ptr="*f
                     stride_we="i32", stride_wn="i32", stride_se="i32", stride_sn="i32",
                     stride_y="i32")
 for _gated in (True, False):       # an FP8 checkpoint's prefill experts: gate + up, down
-    KERNELS.append(("lowering.moe.fp8_grouped_kernel", "moe_grouped_fp8_kernel", _GROUPED_SIG,
+    KERNELS.append(("lowering.gemm.fp8_grouped_kernel", "grouped_fp8_kernel", _GROUPED_SIG,
                     dict(GATED=_gated, BLOCK_E=256, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
                          GROUP_N=128, EVEN_K=True, DOT_F32=False), 8))
 

@@ -22,11 +22,13 @@ in a launch of their own. On CUDA, bf16 / fp16, at most MAX_ROWS rows, they run
 fp8_linear_kernel.py: the weight read as fp8 (half a bf16 weight's bytes), each row of x
 quantized per group_k columns in registers, fp8 x fp8 products accumulated in fp32 with
 both scales: HF's FP8Linear numerics on a GPU (W8A8, dynamic per-token-group activation
-scales), so a converted model computes what HF's module computes. Elsewhere (CPU,
-prefill, fp32, lowering.config.linear_impl = "torch") the weight is dequantized exactly as
+scales), so a converted model computes what HF's module computes. Elsewhere (CPU, fp32,
+lowering.config.linear_impl = "torch") the weight is dequantized exactly as
 HF dequantizes an FP8 checkpoint it cannot run in fp8 (fp32 product, rounded to x's
 dtype) and the op runs F.linear / F.silu: what HF's model computes on the CPU, where it
-loads such a checkpoint dequantized. Arguments are checked by the caller (the converted
+loads such a checkpoint dequantized; but more rows than the kernel takes on CUDA in bf16 /
+fp16 (a prefill) run fp8_grouped.py's W8A8 GEMM, HF's FP8Linear numerics on a GPU, from the
+fp8 weight (no dequantized copy). Arguments are checked by the caller (the converted
 layer reads them off HF's modules, checked once by convert()).
 
 Split-K: where a shape's config (CONFIGS, else default_split_k: fp8_linear_configs.py) splits K, the kernel
@@ -46,6 +48,7 @@ import triton
 from lowering import config as mla_config
 from lowering.gemm.fp8_linear_kernel import (act_quant_kernel, fp8_linear_kernel,
                                              fp8_split_reduce_kernel)
+from lowering.gemm.fp8_grouped import GROUPS_K, prefill_linear
 from lowering.gemm.fp8_linear_configs import MAX_ROWS, pick_config, pre_quant_of, split_k_for
 from lowering.gemm.linear import max_shared_bytes
 
@@ -286,6 +289,27 @@ def run(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
     reduce_partials(parts, y1, y2 if mode == 1 else None, residual=residual)
 
 
+def _prefill_serves(x: torch.Tensor, pairs, group_k: int) -> bool:
+    """Whether the grouped W8A8 GEMM (fp8_grouped.py) takes rows the decode kernel does
+    not: CUDA, 16-bit x, more than MAX_ROWS rows, contiguous weights and scales."""
+    return (mla_config.linear_impl != "torch" and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and x.numel() // max(1, x.shape[-1]) > MAX_ROWS and group_k in GROUPS_K
+            and all(w.dtype == FP8 and w.is_contiguous() and s.is_contiguous()
+                    and s.dtype == torch.float32 for w, s in pairs))
+
+
+def _unserved(x: torch.Tensor, w, s, group_n: int, group_k: int, prefill: bool):
+    """x @ W.T where the decode kernel does not serve x: with prefill (_prefill_serves) the
+    grouped W8A8 GEMM (HF's FP8Linear numerics on a GPU), else W dequantized as HF
+    dequantizes a checkpoint it cannot run in fp8, and F.linear (what it computes on the
+    CPU)."""
+    if prefill:
+        y = prefill_linear(_rows(x, x.shape[-1]), w, s, group_n, group_k)
+        return y.view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, dequantize(w, s, group_n, group_k, x.dtype))
+
+
 def _kernel_config(mode, x, pairs, group_n, group_k):
     if fp8_linear_unmet(x, pairs, group_n, group_k) is not None:
         return None
@@ -316,7 +340,8 @@ def decode_linear_fp8(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
     given = given_quant(x, x_q, x_s, group_k)
     cfg = _kernel_config(0, x, [(w, scale_inv)], group_n, group_k)
     if cfg is None:
-        return F.linear(x, dequantize(w, scale_inv, group_n, group_k, x.dtype))
+        return _unserved(x, w, scale_inv, group_n, group_k,
+                         _prefill_serves(x, [(w, scale_inv)], group_k))
     x2 = _rows(x, K)
     y = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)   # [M, N]
     run(x2, w, scale_inv, None, None, 0, y, None, group_n, group_k, cfg, x_quant=given)
@@ -332,7 +357,8 @@ def decode_linear_fp8_residual(x: torch.Tensor, w: torch.Tensor, scale_inv: torc
     K = x.shape[-1]
     cfg = _kernel_config(0, x, [(w, scale_inv)], group_n, group_k)
     if cfg is None:
-        return residual + F.linear(x, dequantize(w, scale_inv, group_n, group_k, x.dtype))
+        return residual + _unserved(x, w, scale_inv, group_n, group_k,
+                                    _prefill_serves(x, [(w, scale_inv)], group_k))
     x2 = _rows(x, K)
     r2 = _rows(residual, w.shape[0])
     y = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)   # [M, N]
@@ -347,8 +373,9 @@ def decode_linear_pair_fp8(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
     K = x.shape[-1]
     cfg = _kernel_config(1, x, [(w1, s1), (w2, s2)], group_n, group_k)
     if cfg is None:
-        return (F.linear(x, dequantize(w1, s1, group_n, group_k, x.dtype)),
-                F.linear(x, dequantize(w2, s2, group_n, group_k, x.dtype)))
+        prefill = _prefill_serves(x, [(w1, s1), (w2, s2)], group_k)
+        return (_unserved(x, w1, s1, group_n, group_k, prefill),
+                _unserved(x, w2, s2, group_n, group_k, prefill))
     x2 = _rows(x, K)
     M = x2.shape[0]
     y1 = torch.empty((M, w1.shape[0]), dtype=x.dtype, device=x.device)        # [M, N1]
@@ -369,8 +396,9 @@ def decode_gate_up_fp8(x: torch.Tensor, w_gate: torch.Tensor, s_gate: torch.Tens
     given = given_quant(x, x_q, x_s, group_k)
     cfg = _kernel_config(2, x, [(w_gate, s_gate), (w_up, s_up)], group_n, group_k)
     if cfg is None:
-        g = F.linear(x, dequantize(w_gate, s_gate, group_n, group_k, x.dtype))
-        return F.silu(g) * F.linear(x, dequantize(w_up, s_up, group_n, group_k, x.dtype))
+        prefill = _prefill_serves(x, [(w_gate, s_gate), (w_up, s_up)], group_k)
+        g = _unserved(x, w_gate, s_gate, group_n, group_k, prefill)
+        return F.silu(g) * _unserved(x, w_up, s_up, group_n, group_k, prefill)
     x2 = _rows(x, K)
     y = torch.empty((x2.shape[0], w_gate.shape[0]), dtype=x.dtype, device=x.device)  # [M, N]
     run(x2, w_gate, s_gate, w_up, s_up, 2, y, None, group_n, group_k, cfg, x_quant=given)

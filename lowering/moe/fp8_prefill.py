@@ -3,7 +3,7 @@ kernels take), W8A8 as HF's FP8Linear computes each linear, without host syncs:
 
     pairs sorted by expert (torch.sort), their counts (histc) and tile counts (cumsum) on
     the device; x quantized once per 128 columns; the gate + up grouped GEMM
-    (fp8_grouped_kernel.py, GATED) into h [P, I]; h quantized; the down grouped GEMM into
+    (lowering/gemm/fp8_grouped.py, gated) into h [P, I]; h quantized; the down grouped GEMM into
     y [P, H]; mla::moe_combine weights and sums each token's pairs (prefill.py).
 
 Memory grows with the pairs (h, y and the quantized copies: about P (3 I + 3 H) bytes),
@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import triton
 
+from lowering.gemm.fp8_grouped import GROUPS_K, launch
 from lowering.gemm.fp8_linear import quantized
 from lowering.moe import prefill  # noqa: F401  (registers mla::moe_combine)
-from lowering.moe.fp8_grouped_kernel import moe_grouped_fp8_kernel
 
 # kernel -> (BLOCK_M, BLOCK_N, num_warps, num_stages); not yet swept on a GPU
 CONFIGS = {"gate_up": (64, 128, 8, 3), "down": (64, 128, 8, 3)}
@@ -29,29 +29,8 @@ def serves(x: torch.Tensor, gate_up, gate_up_scale, down, down_scale, gk: int) -
     """Whether grouped_experts serves a batch: CUDA, 16-bit x, a power-of-two scale group,
     contiguous weights (shapes, dtypes and devices only)."""
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] > 0
-            and gk in (16, 32, 64, 128, 256)
+            and gk in GROUPS_K
             and all(t.is_contiguous() for t in (gate_up, gate_up_scale, down, down_scale)))
-
-
-def launch(a, a_scale, rows, w, w_scale, y, starts, ends, tile_ends, group_n: int,
-           group_k: int, *,
-           gated: bool, up_row0: int = 0, up_s_row0: int = 0, config=None) -> None:
-    """y [P, N] from the e4m3 activations a [R, K] with their scales a_scale [R, G] (rows
-    [P] int32 pick each sorted pair's row), the expert weights w [E, NW, K] e4m3 with
-    scale_inv w_scale, starts / ends [E] int32 (where each expert's sorted pairs begin and
-    end) and tile_ends [E] int32 (cumulative BLOCK_M tiles per expert; BLOCK_M is config's
-    first entry)."""
-    P, N = y.shape
-    E, _, K = w.shape
-    bm, bn, warps, stages = config or CONFIGS["gate_up" if gated else "down"]
-    grid = (triton.cdiv(P, bm) + E, triton.cdiv(N, bn))
-    torch.library.wrap_triton(moe_grouped_fp8_kernel)[grid](
-        a, a_scale, rows, w, w_scale, y, starts, ends, tile_ends, P, N, K, E, up_row0,
-        up_s_row0,
-        a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0),
-        w_scale.stride(1), y.stride(0), GATED=gated, BLOCK_E=triton.next_power_of_2(E),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=group_k, GROUP_N=group_n, EVEN_K=K % group_k == 0,
-        DOT_F32=not a.is_cuda, num_warps=warps, num_stages=stages)
 
 
 def grouped_experts(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down_scale,

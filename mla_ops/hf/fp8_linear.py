@@ -6,8 +6,9 @@ HF's FP8Linear holds weight float8_e4m3fn [N, K], weight_scale_inv fp32
 [ceil(N / bn), ceil(K / bk)] and block_size (bn, bk) (128 x 128 for DeepSeek). The ops
 take those tensors as they are (no copies): on CUDA at decode sizes the weight-streaming
 kernel reads the fp8 weight and quantizes the activation per bk columns as HF's module
-does (W8A8, dynamic scales); elsewhere they dequantize the weight as HF does when it loads
-such a checkpoint where fp8 cannot run (the CPU) and run F.linear.
+does (W8A8, dynamic scales), and a prefill's rows the grouped W8A8 GEMM (the same
+numerics); elsewhere they dequantize the weight as HF does when it loads such a
+checkpoint where fp8 cannot run (the CPU) and run F.linear.
 
 Served: HF's FP8Linear with a block size, no bias, dynamic activation scales and fp32
 scales. Others (per-tensor or static activation scales, ue8m0 scales, biases) keep their

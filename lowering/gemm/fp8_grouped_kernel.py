@@ -60,7 +60,7 @@ def _tile_product(a_ptr, as_ptr, arow, m_ok, w_rows, n_ok, s_rows, K, stride_a, 
 
 
 @triton.jit
-def moe_grouped_fp8_kernel(
+def grouped_fp8_kernel(
     a_ptr, as_ptr, rows_ptr,                 # activations e4m3 [R, K], scales, rows [P]
     w_ptr, ws_ptr,                           # [E, NW, K] e4m3, scale_inv
     y_ptr,                                   # [P, N]

@@ -1,0 +1,63 @@
+"""The grouped W8A8 GEMM of fp8_grouped_kernel.py: its launcher, and an FP8 checkpoint's
+linear for a prefill's rows as one group.
+
+    launch(a, a_scale, rows, w, w_scale, y, starts, ends, tile_ends, ...)   (the kernel)
+    prefill_linear(x [M, K], w [N, K] e4m3, scale_inv, group_n, group_k) -> [M, N]
+
+prefill_linear is HF's FP8Linear on a GPU (x quantized per group_k columns, fp8 x fp8 dots
+times both block scales in fp32, rounded to x's dtype) for more rows than the decode GEMM
+kernel takes (fp8_linear.py): one expert holding every row. It reads the fp8 weight as it
+is, where the decode ops' torch path dequantizes the whole weight in each call (an fp32
+product and a 16-bit copy, then cuBLAS).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from lowering.gemm.fp8_grouped_kernel import grouped_fp8_kernel
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); not yet swept on a GPU
+CONFIG = (64, 128, 8, 3)
+GROUPS_K = (16, 32, 64, 128, 256)
+
+
+def launch(a, a_scale, rows, w, w_scale, y, starts, ends, tile_ends, group_n: int,
+           group_k: int, *, gated: bool = False, up_row0: int = 0, up_s_row0: int = 0,
+           config=None) -> None:
+    """y [P, N] from the e4m3 activations a [R, K] with their scales a_scale [R, G] (rows
+    [P] int32 pick each sorted pair's row), the expert weights w [E, NW, K] e4m3 with
+    scale_inv w_scale, starts / ends [E] int32 (where each expert's sorted pairs begin and
+    end) and tile_ends [E] int32 (cumulative BLOCK_M tiles per expert; BLOCK_M is config's
+    first entry). gated: gate rows [0, N) and up rows [up_row0, up_row0 + N) of each w[e]
+    (up's scale rows from up_s_row0), y = SiLU(gate) * up."""
+    P, N = y.shape
+    E, _, K = w.shape
+    bm, bn, warps, stages = config or CONFIG
+    grid = (triton.cdiv(P, bm) + E, triton.cdiv(N, bn))
+    torch.library.wrap_triton(grouped_fp8_kernel)[grid](
+        a, a_scale, rows, w, w_scale, y, starts, ends, tile_ends, P, N, K, E, up_row0,
+        up_s_row0, a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1),
+        w_scale.stride(0), w_scale.stride(1), y.stride(0), GATED=gated,
+        BLOCK_E=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=group_k,
+        GROUP_N=group_n, EVEN_K=K % group_k == 0, DOT_F32=not a.is_cuda, num_warps=warps,
+        num_stages=stages)
+
+
+def prefill_linear(x2: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, group_n: int,
+                   group_k: int, config=None) -> torch.Tensor:
+    """x2 [M, K] (K contiguous) @ W.T -> [M, N] in x2's dtype, W8A8 (module docstring); on
+    any device the kernel runs (the CPU under TRITON_INTERPRET=1). w and scale_inv
+    contiguous, group_k in GROUPS_K."""
+    from lowering.gemm.fp8_linear import quantized
+    M = x2.shape[0]
+    bm = (config or CONFIG)[0]
+    dev = x2.device
+    xq, xs, _ = quantized(x2, group_k, True)                  # e4m3 [M, K], fp32 [M, G]
+    y = torch.empty((M, w.shape[0]), dtype=x2.dtype, device=dev)                # [M, N]
+    zero = torch.zeros(1, dtype=torch.int32, device=dev)
+    launch(xq, xs, torch.arange(M, dtype=torch.int32, device=dev), w[None], scale_inv[None],
+           y, zero, torch.full((1,), M, dtype=torch.int32, device=dev),
+           torch.full((1,), triton.cdiv(M, bm), dtype=torch.int32, device=dev), group_n,
+           group_k, config=config)
+    return y
