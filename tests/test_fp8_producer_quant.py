@@ -123,14 +123,16 @@ def test_converted_fp8_model_quantizes_in_the_producers(monkeypatch, absorbed):
     """convert() marks the post-attention norms of layers whose MLP or MoE block runs fp8
     GEMMs. Where o_proj's fp8 partials reach that norm and the q_a + kv_a pair's reach the
     prologue (forced here: on the CPU the fp8 ops' torch paths), the compiled decode step
-    holds mla::residual_rms_norm_fp8, whose quantized output the fp8 MLP's gate + up reads,
+    holds mla::rms_norm_fp8, whose quantized output the pair reads, mla::residual_rms_norm_fp8, whose quantized output the fp8 MLP's gate + up reads,
     and mla::decode_qkv_prologue_fp8, whose quantized q_a q_b's GEMM reads, or with
     `absorbed` (the query kernel taken as it is on a GPU) mla::decode_q_absorb_w8a8; the
     tokens stay HF's."""
     import mla_ops.hf as H
+    import mla_ops.hf.layer as hf_layer
     import mla_ops.hf.linear as hf_linear
     if absorbed:
         monkeypatch.setattr(hf_linear, "w8a8_unmet", lambda *a: None)
+    monkeypatch.setattr(hf_layer, "fp8_decode_rows", lambda x: True)
     from hf_models import left_padded, tiny_config
     from mla_ops.hf import fp8_linear as hf_fp8
     from test_fp8_checkpoint import fp8_pair, generate
@@ -138,14 +140,16 @@ def test_converted_fp8_model_quantizes_in_the_producers(monkeypatch, absorbed):
     from transformers.generation.configuration_utils import CompileConfig
     monkeypatch.setattr(hf_fp8, "fp8_partials", lambda mod, x: torch.ops.mla.decode_linear_fp8_partials(
         x, mod.weight, mod.weight_scale_inv, *hf_fp8.groups(mod)))
-    monkeypatch.setattr(hf_fp8, "fp8_pair_partials", lambda m1, m2, x: (
+    monkeypatch.setattr(hf_fp8, "fp8_pair_partials", lambda m1, m2, x, x_quant=None: (
         torch.ops.mla.decode_linear_pair_fp8_partials(x, m1.weight, m1.weight_scale_inv,
                                                       m2.weight, m2.weight_scale_inv,
-                                                      *hf_fp8.groups(m1))))
+                                                      *hf_fp8.groups(m1),
+                                                      *(x_quant or (None, None)))))
     ref, model = fp8_pair(tiny_config("v3", q_lora_rank=256), skip=("lm_head",))
     H.convert(model, fuse_experts=True)
     layers = model.model.layers
     assert [l.post_attention_layernorm.mla_quant_group for l in layers] == [128, 128]
+    assert [l.input_layernorm.mla_quant_group for l in layers] == [128, 128]
     graphs = []
 
     def counting(gm, example_inputs, **kw):
@@ -177,6 +181,11 @@ def test_converted_fp8_model_quantizes_in_the_producers(monkeypatch, absorbed):
     readers, arg = (query, 1) if absorbed else (q_b, 5)
     assert not (query if not absorbed else q_b)
     assert [n.args[arg].args[0] for n in readers] == prologues
+    # the q_a + kv_a pair reads the input norm's quantized output (args 7 and 8)
+    inputs = [n for n in nodes if "rms_norm_fp8" in str(n.target)
+              and "residual" not in str(n.target)]
+    pairs = [n for n in nodes if "decode_linear_pair_fp8_partials" in str(n.target)]
+    assert len(inputs) == 2 and [n.args[7].args[0] for n in pairs] == inputs
 
 
 # splits, tokens, NQ (V3's q_lora 1536: 12 groups in a 16-group block; 200: a partial
@@ -236,8 +245,9 @@ def test_prologue_fp8_op_torch_path_and_errors():
 @pytest.mark.parametrize("graph", [False, True])
 def test_gpu_decode_steps_with_and_without_producer_quant_are_bit_for_bit(monkeypatch, graph):
     """The tiny FP8 V3 on CUDA with its GEMMs split (so o_proj's partials reach the norm):
-    generate() with the producers quantizing (the norms for the dense MLP and the MoE block
-    op, the prologue for q_b's GEMM) gives the logits of the same model whose GEMMs
+    generate() with the producers quantizing (the input norms for q_a + kv_a, the
+    post-attention norms for the dense MLP and the MoE block op, the prologue for q_b's
+    GEMM) gives the logits of the same model whose GEMMs
     quantize their inputs themselves, bit for bit; eager steps, and replayed from a CUDA
     graph. (q_b's GEMM, not the absorbed W8A8 query kernel, whose sums are ordered
     otherwise: its own test is below.)"""
@@ -264,8 +274,9 @@ def test_gpu_decode_steps_with_and_without_producer_quant_are_bit_for_bit(monkey
         seen.append(out is not None and out[2] is not None)
         return out
     monkeypatch.setattr(hf_convert, "qkv_a_prologue", watched)
-    norms = [l.post_attention_layernorm for l in model.model.layers]
-    assert [n.mla_quant_group for n in norms] == [128, 128]
+    norms = [n for l in model.model.layers
+             for n in (l.input_layernorm, l.post_attention_layernorm)]
+    assert [n.mla_quant_group for n in norms] == [128] * 4
     with_quant = runs()
     assert any(seen)                      # the decode steps' prologues quantized q_a
     for n in norms:

@@ -1,5 +1,5 @@
 """Triton kernels compiled offline for Hopper (SM90), where a GPU-only compile failure or a
-register spill would otherwise show only on the GPU: the fp8 producers (the norm and the
+register spill would otherwise show only on the GPU: the fp8 producers (the norms and the
 prologue that quantize for the fp8 GEMMs), the query kernel's W8A8 form, V2-Lite's
 query-and-cache-row kernel and the fp8 experts' grouped prefill GEMM, at DeepSeek's widths. Their numerics are tested under the
 interpreter (test_fp8_producer_quant.py, test_q_absorb.py) and on a GPU."""
@@ -20,6 +20,10 @@ KERNELS = [
           yq_ptr="*fp8e4nv", ys_ptr="*fp32", T="i32", N="i32", G="i32", stride_r="i32",
           eps="fp32"),
      dict(S=4, BLOCK=8192, QUANT_K=128, NATIVE_CAST=True), 8),
+    ("lowering.fused.rms_norm_kernel", "rms_norm_kernel",
+     dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", N="i32", stride_x="i32", eps="fp32",
+          yq_ptr="*fp8e4nv", ys_ptr="*fp32", G="i32"),
+     dict(BLOCK=8192, QUANT_K=128, NATIVE_CAST=True), 8),
     ("lowering.fused.prologue_kernel", "qkv_prologue_kernel",
      dict(part_ptr="*fp32", wq_ptr="*bf16", wkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16",
           q_out_ptr="*bf16", kv_out_ptr="*bf16", qq_ptr="*fp8e4nv", qs_ptr="*fp32",

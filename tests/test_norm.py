@@ -280,3 +280,33 @@ def test_residual_fp8_op_on_gpu_is_the_separate_ops():
         assert torch.equal(h, h0) and torch.equal(y, y0)
         assert torch.equal(ys.view(3, 56), s0)
         assert torch.equal(yq.view(3, 7168).view(torch.uint8), q0.view(torch.uint8))
+
+
+@pytest.mark.parametrize("T,N,gk", [(2, 7168, 128), (3, 100, 32)])
+def test_kernel_quantizes_y_as_the_fp8_gemms_do(T, N, gk):
+    """mla::rms_norm's kernel with a quant group (a layer's input norm before an fp8 q_a +
+    kv_a): y as without it, and y quantized bit for bit as the GEMMs' own quant launch and
+    quantize_rows_torch quantize it; the op's torch path likewise, its bad group named."""
+    from lowering.gemm import fp8_linear
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float16
+    g = torch.Generator().manual_seed(T + N)
+    x = (torch.randn(T, N, generator=g) * 3).to(DEV, dt)
+    w = (torch.rand(N, generator=g) + 0.5).to(DEV, dt)
+    y0 = torch.full((T, N), float("nan"), device=DEV, dtype=dt)
+    y1 = y0.clone()
+    norm.launch(x, w, 1e-6, y0)
+    yq = torch.empty((T, N), dtype=torch.float8_e4m3fn, device=DEV)
+    ys = torch.full((T, -(-N // gk)), float("nan"), device=DEV)
+    norm.launch(x, w, 1e-6, y1, (yq, ys), gk)
+    assert torch.equal(y0, y1)
+    want_q, want_s, _ = fp8_linear.quantized(y1, gk, True)
+    assert torch.equal(ys, want_s) and torch.equal(yq.view(torch.uint8), want_q.view(torch.uint8))
+    xc, wc = x.cpu().to(torch.bfloat16), w.cpu().to(torch.bfloat16)
+    y, q, s = torch.ops.mla.rms_norm_fp8(xc, wc, 1e-6, gk)           # CPU: the torch path
+    tq, ts = fp8_linear.quantize_rows_torch(torch.ops.mla.rms_norm(xc, wc, 1e-6), gk)
+    assert torch.equal(y, torch.ops.mla.rms_norm(xc, wc, 1e-6)) and torch.equal(s, ts)
+    assert torch.equal(q.view(torch.uint8), tq.view(torch.uint8))
+    with pytest.raises(ValueError, match="group_k"):
+        torch.ops.mla.rms_norm_fp8(xc, wc, 1e-6, 48)
+    torch.library.opcheck(torch.ops.mla.rms_norm_fp8.default, (xc, wc, 1e-6, gk),
+                          test_utils=("test_faketensor",))

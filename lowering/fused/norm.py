@@ -1,6 +1,9 @@
 """RMSNorm as a graph op: the decoder layers' norms of a decode step.
 
     mla::rms_norm(x [*, N], weight [N], eps) -> weight * rms_normalized(x)     [*, N]
+    mla::rms_norm_fp8(x, weight, eps, group_k)
+        -> (rms_norm(x), its e4m3 quantization per group_k columns [*, N], fp32 scales
+           [*, cdiv(N, group_k)]) for the fp8 GEMMs after a layer's input norm
     mla::residual_rms_norm(parts [S, *, N] fp32, residual [*, N], weight [N], eps)
         -> (h = residual + sum(parts).to(dtype), rms_norm(h))      a split-K GEMM's output,
            the residual add and the norm after it (residual_norm_kernel.py), one launch
@@ -62,27 +65,53 @@ def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
         raise ValueError(f"eps must be >= 0, got {eps}")
 
 
-def launch(x2: torch.Tensor, weight: torch.Tensor, eps: float, y: torch.Tensor) -> None:
-    """y [T, N] = rms_norm(x2 [T, N] (last dim contiguous)) * weight."""
+def launch(x2: torch.Tensor, weight: torch.Tensor, eps: float, y: torch.Tensor, quant=None,
+           group_k: int = 0) -> None:
+    """y [T, N] = rms_norm(x2 [T, N] (last dim contiguous)) * weight; with quant = (y_q
+    [T, N] e4m3, y_s [T, cdiv(N, group_k)] fp32) also y quantized per group_k columns."""
     T, N = x2.shape
-    block = triton.next_power_of_2(N)
+    block = triton.next_power_of_2(max(N, group_k))
     kernel = torch.library.wrap_triton(rms_norm_kernel)
-    kernel[(T,)](x2, weight, y, N, x2.stride(0), float(eps), BLOCK=block,
-                 num_warps=8 if block >= 4096 else 4)
+    if quant is None:
+        kernel[(T,)](x2, weight, y, N, x2.stride(0), float(eps), BLOCK=block,
+                     num_warps=8 if block >= 4096 else 4)
+        return
+    kernel[(T,)](x2, weight, y, N, x2.stride(0), float(eps), BLOCK=block, yq_ptr=quant[0],
+                 ys_ptr=quant[1], G=quant[1].shape[-1], QUANT_K=group_k,
+                 NATIVE_CAST=y.is_cuda, num_warps=8 if block >= 4096 else 4)
 
 
-@torch.library.triton_op("mla::rms_norm", mutates_args={})
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x, weight, eps, group_k: int = 0):
+    """Both rms_norm ops' body: y, or (y, y_q, y_s) with group_k."""
     _check(x, weight, eps)
     if rms_norm_unmet(x, weight) is not None:
-        return rms_norm_torch(x, weight, eps)
+        y = rms_norm_torch(x, weight, eps)
+        return (y, *quantize_rows_torch(y, group_k)) if group_k else y
     N = x.shape[-1]
     x2 = x.reshape(-1, N)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)          # [T, N]
-    launch(x2, weight, eps, y)
-    return y.view(x.shape)
+    T = x2.shape[0]
+    y = torch.empty((T, N), dtype=x.dtype, device=x.device)                    # [T, N]
+    if not group_k:
+        launch(x2, weight, eps, y)
+        return y.view(x.shape)
+    quant = (torch.empty((T, N), dtype=torch.float8_e4m3fn, device=x.device),
+             torch.empty((T, triton.cdiv(N, group_k)), dtype=torch.float32, device=x.device))
+    launch(x2, weight, eps, y, quant, group_k)
+    return (y.view(x.shape), quant[0].view(x.shape), quant[1].view(*x.shape[:-1], -1))
+
+
+@torch.library.triton_op("mla::rms_norm", mutates_args={})
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm(x, weight, eps)
+
+
+@torch.library.triton_op("mla::rms_norm_fp8", mutates_args={})
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 group_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_producer_group(group_k)
+    return _rms_norm(x, weight, eps, group_k)
 
 
 def residual_rms_norm_torch(parts: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from lowering.fused.q_rope_kernel import rotate
-from lowering.gemm.fp8_linear_kernel import quant_act_tile
+from lowering.gemm.fp8_linear_kernel import quantize_row
 
 
 @triton.jit
@@ -135,11 +135,7 @@ def qkv_prologue_kernel(
         x = _row_sum(row, oq, mq, stride_split, SPLIT).to(dt).to(tl.float32)  # [BLOCK_Q]
         y = _rms_norm(x, wq_ptr, oq, mq, NQ, eps_q, dt)                   # [BLOCK_Q], 0 past NQ
         tl.store(q_row + oq, y, mask=mq)
-        if QUANT_K > 0:         # the row as [QUANT_K, BLOCK_Q / QUANT_K] groups
-            GP: tl.constexpr = BLOCK_Q // QUANT_K
-            groups = tl.trans(tl.reshape(y.to(tl.float32), (GP, QUANT_K)))  # [QUANT_K, GP]
-            q, sc = quant_act_tile(groups, qq_ptr, NATIVE_CAST)       # [QUANT_K, GP], [GP]
-            tl.store(qq_ptr + t.to(tl.int64) * NQ + oq, tl.reshape(tl.trans(q), (BLOCK_Q,)),
-                     mask=mq)
-            g = tl.arange(0, GP)
-            tl.store(qs_ptr + t.to(tl.int64) * QG + g, sc, mask=g < QG)
+        if QUANT_K > 0:         # q_a quantized for q_b's fp8 GEMM
+            quantize_row(y.to(tl.float32), qq_ptr + t.to(tl.int64) * NQ,
+                         qs_ptr + t.to(tl.int64) * QG, oq, mq, QG, QUANT_K, BLOCK_Q,
+                         NATIVE_CAST)

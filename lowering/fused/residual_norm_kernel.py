@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from lowering.fused.rms_norm_kernel import normalized_row
-from lowering.gemm.fp8_linear_kernel import quant_act_tile
+from lowering.gemm.fp8_linear_kernel import quantize_row
 
 
 @triton.jit
@@ -47,10 +47,6 @@ def residual_rms_norm_kernel(
     tl.store(h_ptr + t * N + offs, h, mask=mask)
     y = normalized_row(h.to(tl.float32), w, N, eps, dt).to(dt)                     # [BLOCK]
     tl.store(y_ptr + t * N + offs, y, mask=mask)
-    if QUANT_K > 0:      # the row as [QUANT_K, BLOCK / QUANT_K] groups (zeros past N)
-        GP: tl.constexpr = BLOCK // QUANT_K
-        groups = tl.trans(tl.reshape(y.to(tl.float32), (GP, QUANT_K)))    # [QUANT_K, GP]
-        q, sc = quant_act_tile(groups, yq_ptr, NATIVE_CAST)            # [QUANT_K, GP], [GP]
-        tl.store(yq_ptr + t * N + offs, tl.reshape(tl.trans(q), (BLOCK,)), mask=mask)
-        g = tl.arange(0, GP)
-        tl.store(ys_ptr + t * G + g, sc, mask=g < G)
+    if QUANT_K > 0:      # y quantized for an fp8 GEMM (zeros past N)
+        quantize_row(y.to(tl.float32), yq_ptr + t * N, ys_ptr + t * G, offs, mask, G, QUANT_K,
+                     BLOCK, NATIVE_CAST)

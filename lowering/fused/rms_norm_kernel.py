@@ -6,11 +6,15 @@ Rounded as HF's DeepseekV3RMSNorm (and V2's) computes it: the sum of squares in 
 normalized row rounded to x's dtype, then the weight product rounded once. A decode step
 normalizes B rows of hidden size (7168 for DeepSeek-V3): too few for a looped reduction to
 hide its two passes over each row, so each program loads its row once (BLOCK >= N).
+With QUANT_K > 0 it also writes y quantized per QUANT_K columns for an fp8 GEMM
+(fp8_linear_kernel.py's quantize_row: e4m3 yq [T, N], fp32 ys [T, G]).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from lowering.gemm.fp8_linear_kernel import quantize_row
 
 
 @triton.jit
@@ -29,6 +33,8 @@ def rms_norm_kernel(
     y_ptr,             # [T, N] contiguous
     N, stride_x, eps,
     BLOCK: tl.constexpr,
+    yq_ptr=None, ys_ptr=None, G=1,   # QUANT_K > 0: [T, N] e4m3, [T, G] fp32, contiguous
+    QUANT_K: tl.constexpr = 0, NATIVE_CAST: tl.constexpr = True,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -37,4 +43,8 @@ def rms_norm_kernel(
     # both loads issued before the reduction: one memory latency, not two
     x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0).to(tl.float32)   # [BLOCK]
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)                  # [BLOCK]
-    tl.store(y_ptr + t * N + offs, normalized_row(x, w, N, eps, dt).to(dt), mask=mask)
+    y = normalized_row(x, w, N, eps, dt).to(dt)                                     # [BLOCK]
+    tl.store(y_ptr + t * N + offs, y, mask=mask)
+    if QUANT_K > 0:
+        quantize_row(y.to(tl.float32), yq_ptr + t * N, ys_ptr + t * G, offs, mask, G, QUANT_K,
+                     BLOCK, NATIVE_CAST)

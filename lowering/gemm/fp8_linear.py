@@ -15,7 +15,8 @@ FineGrainedFP8 FP8Linear: weight float8_e4m3fn [N, K], weight_scale_inv fp32
         -> fp32 [S, *, N] summed over dim 0 x @ W.T, unrounded: what mla::residual_rms_norm
            sums (o_proj, its residual add and the post-attention norm in one launch)
 
-where W is the dequantized weight. decode_linear_fp8 and decode_gate_up_fp8 also take
+where W is the dequantized weight. decode_linear_fp8, decode_gate_up_fp8 and
+decode_linear_pair_fp8_partials also take
 x_q, x_s (optional): x already quantized by the kernel that produced it
 (quantize_rows_torch's numerics), which their kernels then read instead of quantizing x
 in a launch of their own. On CUDA, bf16 / fp16, at most MAX_ROWS rows, they run
@@ -408,12 +409,15 @@ def decode_gate_up_fp8(x: torch.Tensor, w_gate: torch.Tensor, s_gate: torch.Tens
 @torch.library.triton_op("mla::decode_linear_pair_fp8_partials", mutates_args={})
 def decode_linear_pair_fp8_partials(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
                                     w2: torch.Tensor, s2: torch.Tensor, group_n: int,
-                                    group_k: int) -> torch.Tensor:
+                                    group_k: int, x_q: Optional[torch.Tensor] = None,
+                                    x_s: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fp32 [S, *lead, N1 + N2] whose sum over dim 0 is [x @ W1.T | x @ W2.T] (one launch,
     unrounded; S = the config's K splits on the kernel path, else 1), the input
     mla::decode_qkv_prologue sums and rounds: its norms and RoPE then follow the fp8 q_a +
-    kv_a GEMM as they follow the 16-bit split-K one."""
+    kv_a GEMM as they follow the 16-bit split-K one. x_q, x_s: x quantized by the layer's
+    input norm (mla::rms_norm_fp8), as decode_linear_fp8's."""
     K = x.shape[-1]
+    given = given_quant(x, x_q, x_s, group_k)
     lead, N1, N2 = x.shape[:-1], w1.shape[0], w2.shape[0]
     cfg = _kernel_config(1, x, [(w1, s1), (w2, s2)], group_n, group_k)
     if cfg is None:
@@ -424,7 +428,7 @@ def decode_linear_pair_fp8_partials(x: torch.Tensor, w1: torch.Tensor, s1: torch
     S = split_k_for(cfg, 1, x2.shape[0], N1 + N2, K, group_k)
     out = torch.empty((S, x2.shape[0], N1 + N2), dtype=torch.float32, device=x.device)
     launch(x2, w1, s1, w2, s2, 1, out, None, group_n, group_k, (*cfg[:3], S),
-           y2_col0=N1, pre_quant=pre_quant_of(cfg))                         # [S, M, N1+N2]
+           y2_col0=N1, pre_quant=pre_quant_of(cfg), x_quant=given)          # [S, M, N1+N2]
     return out.view(S, *lead, N1 + N2)
 
 

@@ -65,6 +65,21 @@ def quant_act_tile(x, fp8_ptr, NATIVE_CAST: tl.constexpr):
 
 
 @triton.jit
+def quantize_row(y, yq_row, ys_row, offs, mask, G, QUANT_K: tl.constexpr,
+                 BLOCK: tl.constexpr, NATIVE_CAST: tl.constexpr):
+    """Store one activation row y [BLOCK] (fp32 holding the row's 16-bit values, zeros past
+    its end) quantized per QUANT_K columns by quant_act_tile: e4m3 at yq_row + offs (where
+    mask) and its G scales at ys_row. For the kernels that produce an fp8 GEMM's input
+    (the norms, the attention prologue), which hold the row in registers."""
+    GP: tl.constexpr = BLOCK // QUANT_K
+    groups = tl.trans(tl.reshape(y, (GP, QUANT_K)))                       # [QUANT_K, GP]
+    q, sc = quant_act_tile(groups, yq_row, NATIVE_CAST)                 # [QUANT_K, GP], [GP]
+    tl.store(yq_row + offs, tl.reshape(tl.trans(q), (BLOCK,)), mask=mask)
+    g = tl.arange(0, GP)
+    tl.store(ys_row + g, sc, mask=g < G)
+
+
+@triton.jit
 def act_quant_kernel(x_ptr, xq_ptr, xs_ptr, K, stride_x, GROUPS,
                      BLOCK_K: tl.constexpr, NATIVE_CAST: tl.constexpr):
     """x [M, K] -> xq [M, K] e4m3 and xs [M, GROUPS] fp32 by quant_act_tile, one program per

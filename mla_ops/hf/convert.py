@@ -45,6 +45,9 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     (a converted decoder layer's residual [B, S, H]) the output is mla_residual + o_proj(...),
     the add in o_proj's epilogue.
 
+    mla_x_quant: hidden_states quantized per group by the layer's input norm (an FP8
+    checkpoint's q_a + kv_a GEMM reads it).
+
     With mla_post_norm too (the layer's post-attention RMSNorm) the first output is the
     pair (that sum, the norm of it), the GEMM's split-K partials, the add and the norm in
     one launch where they serve (linear_residual_norm).
@@ -55,6 +58,7 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     transformers < 5.24 passes the cache as past_key_values, later versions as cache.
     """
     post_norm = kwargs.pop("mla_post_norm", None)
+    x_quant = kwargs.pop("mla_x_quant", None)     # hidden_states quantized by the input norm
     context_bound = kwargs.pop("mla_context_bound", None)   # a captured prefill chunk's
     residual, cache, hf_result = paged_or_hf(self, hidden_states, position_embeddings,
                                              attention_mask, past_key_values, kwargs)
@@ -76,7 +80,7 @@ def _paged_forward(self, hidden_states, position_embeddings=None, attention_mask
     fused = v2_fused = None
     rows = rope_rows(position_embeddings, B, S)          # one rotary row per token
     if self.mla_query_scale is None:
-        fused = qkv_a_prologue(self, hidden_states, rows)
+        fused = qkv_a_prologue(self, hidden_states, rows, x_quant)
         if fused is None:     # V2 without q_lora: the key norm and both RoPEs in one op
             v2_fused = q_kv_rope_prologue(self, hidden_states, rows,         # (decode rows:
                                           decode=step.meta.num_decode_tokens == T)  # absorbed)

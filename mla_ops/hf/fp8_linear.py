@@ -125,16 +125,34 @@ def uses_fp8_ops(*mods) -> bool:
             and len({groups(m) for m in mods}) == 1)
 
 
-def fp8_pair_partials(m1, m2, x: torch.Tensor):
+def fp8_pair_partials(m1, m2, x: torch.Tensor, x_quant=None):
     """fp32 partials [S, *lead, N1 + N2] of the fp8 pair (q_a + kv_a), summed over dim 0
     by mla::decode_qkv_prologue (S: the fp8 kernel config's K splits),
     or None where the fp8 kernel does not serve x (then the caller runs the pair op and
-    the modules' norms)."""
+    the modules' norms). x_quant: (x_q, x_s), x quantized by the layer's input norm."""
     gn, gk = groups(m1)
     pairs = [(m1.weight, m1.weight_scale_inv), (m2.weight, m2.weight_scale_inv)]
     if fp8_ops.fp8_linear_unmet(x, pairs, gn, gk) is not None:
         return None
-    return torch.ops.mla.decode_linear_pair_fp8_partials(x, *pairs[0], *pairs[1], gn, gk)
+    return torch.ops.mla.decode_linear_pair_fp8_partials(x, *pairs[0], *pairs[1], gn, gk,
+                                                         *(x_quant or (None, None)))
+
+
+def decode_rows(x: torch.Tensor) -> bool:
+    """x [..., K] holds rows the fp8 decode kernels take (CUDA, bf16 / fp16, at most their
+    MAX_ROWS): where a producer's quantized copy of x is read."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and 0 < x.numel() // max(1, x.shape[-1]) <= fp8_ops.MAX_ROWS)
+
+
+def pair_quant_group(attn) -> int:
+    """group_k of a converted attention whose q_a + kv_a pair runs the fp8 decode GEMMs (V3,
+    V2 with q_lora: they read x quantized per group_k columns), else 0."""
+    m1, m2 = getattr(attn, "q_a_proj", None), getattr(attn, "kv_a_proj_with_mqa", None)
+    if (getattr(attn, "q_lora_rank", None) is None or not is_block_fp8(m1)
+            or not is_block_fp8(m2) or groups(m1) != groups(m2)):
+        return 0
+    return groups(m1)[1]
 
 
 def fp8_partials(mod, x: torch.Tensor):

@@ -17,7 +17,8 @@ HF's modules; off the GPU's decode path the ops compute exactly what the modules
 An FP8 checkpoint's MLP or MoE block quantizes its input per 128 columns for its fp8
 GEMMs; where the post-attention norm is that launch (o_proj splits K: DeepSeek-V3's), it
 also writes its output quantized (mla::residual_rms_norm_fp8) and the MLP's GEMMs read
-that instead of quantizing it in launches of their own (the same values).
+that instead of quantizing it in launches of their own (the same values); likewise the
+input norm (mla::rms_norm_fp8) for an fp8 q_a + kv_a pair.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ import torch
 from lowering import config as mla_config
 import lowering.fused.norm  # noqa: F401  (registers mla::rms_norm)
 
-from mla_ops.hf.fp8_linear import mlp_quant_group
+from mla_ops.hf.fp8_linear import decode_rows as fp8_decode_rows
+from mla_ops.hf.fp8_linear import mlp_quant_group, pair_quant_group
 from mla_ops.hf.linear import converted_class, hf_rms_norm
 from mla_ops.hf.moe import block_quant_group
 
@@ -69,11 +71,17 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None,
                                position_ids=position_ids, use_cache=use_cache,
                                position_embeddings=position_embeddings, **kwargs)
     residual = hidden_states
-    first = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
-                           attention_mask=attention_mask, position_ids=position_ids,
-                           use_cache=use_cache, position_embeddings=position_embeddings,
-                           mla_residual=residual, mla_post_norm=self.post_attention_layernorm,
-                           **kwargs)[0]
+    norm, group = self.input_layernorm, getattr(self.input_layernorm, "mla_quant_group", 0)
+    if group and fp8_decode_rows(hidden_states):  # an fp8 q_a + kv_a: quantized for it too
+        x, x_q, x_s = torch.ops.mla.rms_norm_fp8(hidden_states, norm.weight,
+                                                 float(norm.variance_epsilon), group)
+        kwargs["mla_x_quant"] = (x_q, x_s)
+    else:
+        x = norm(hidden_states)
+    first = self.self_attn(hidden_states=x, attention_mask=attention_mask,
+                           position_ids=position_ids, use_cache=use_cache,
+                           position_embeddings=position_embeddings, mla_residual=residual,
+                           mla_post_norm=self.post_attention_layernorm, **kwargs)[0]
     x_quant = ()
     if isinstance(first, tuple):      # on the paged cache: (residual + attention, its norm
         h, x, *x_quant = first        # [, the norm quantized for an fp8 MLP])
@@ -108,3 +116,6 @@ def convert_layers(model) -> None:
         group = mlp_quant_group(l.mlp) or block_quant_group(l.mlp)
         if group:
             l.post_attention_layernorm.mla_quant_group = group
+        group = pair_quant_group(l.self_attn)         # the input norm, for q_a + kv_a
+        if group:
+            l.input_layernorm.mla_quant_group = group

@@ -174,7 +174,7 @@ def prefill_part(m1, m2, x: torch.Tensor, *norms):
     return torch.cat([m1(x), m2(x)], dim=-1).unsqueeze(0)
 
 
-def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
+def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings, x_quant=None):
     """(q_a_layernorm(q_a), [kv_a_layernorm(kv_c) | RoPE(k_pe)], q_a_quant) of a DeepSeek-V3
     (or V2 with q_lora) attention module for hidden states x [B, S, H]: the q_a + kv_a
     GEMM's split-K partials (a prefill's rows: the two modules' outputs, prefill_part),
@@ -184,7 +184,8 @@ def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
     fp8 pair kernel's fp32 partials (its config's K splits, maybe one) where it serves x
     (mla::decode_linear_pair_fp8_partials); with an fp8 q_b_proj too, the prologue also
     quantizes q_a for q_b's GEMM (mla::decode_qkv_prologue_fp8: q_a_quant = (q_q, q_s),
-    else None)."""
+    else None). x_quant: (x_q, x_s), x quantized by the layer's input norm for the fp8
+    pair."""
     angles = rope_angles(attn, position_embeddings)
     if angles is None or attn.q_lora_rank is None:
         return None
@@ -194,7 +195,7 @@ def qkv_a_prologue(attn, x: torch.Tensor, position_embeddings):
             or not (hf_rms_norm(attn.q_a_layernorm) and hf_rms_norm(attn.kv_a_layernorm))):
         return None
     if fp8_pair:                         # FP8 weights: the fp8 kernel's split-K partials
-        parts = fp8.fp8_pair_partials(m1, m2, x)                          # [K, B, S, NQ+L+R]
+        parts = fp8.fp8_pair_partials(m1, m2, x, x_quant)                 # [K, B, S, NQ+L+R]
         if parts is None:
             return None
     else:

@@ -70,6 +70,7 @@ def v32_forward(self, hidden_states, position_embeddings=None, attention_mask=No
     o_proj(...), and with mla_post_norm the pair (that, its norm) as in convert.py's
     _paged_forward. Caches other than PagedMLACache run HF's forward."""
     post_norm = kwargs.pop("mla_post_norm", None)
+    kwargs.pop("mla_x_quant", None)           # (its fp8 q_a + kv_a quantize their input)
     residual, cache, hf_result = paged_or_hf(self, hidden_states, position_embeddings,
                                              attention_mask, past_key_values, kwargs)
     if hf_result is not None:
