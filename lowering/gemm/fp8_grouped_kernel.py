@@ -1,5 +1,7 @@
-"""Routed experts over block-quantized fp8 weights for a prefill-sized batch: one grouped
-GEMM over the (token, k) pairs sorted by expert, W8A8 as HF's FP8Linear computes it.
+"""A grouped GEMM over block-quantized fp8 weights for a prefill-sized batch, W8A8 as HF's
+FP8Linear computes it: an FP8 checkpoint's routed experts over the (token, k) pairs sorted
+by expert (lowering/moe/fp8_prefill.py), or one linear with every row in one group
+(fp8_grouped.py's prefill_linear).
 
     a [R, K] e4m3 activations with scales as_ [R, cdiv(K, BLOCK_K)] (quantized per BLOCK_K
     columns, act_quant_kernel); rows [P] int32: the activation row of sorted pair p
@@ -19,7 +21,7 @@ GEMM over the (token, k) pairs sorted by expert, W8A8 as HF's FP8Linear computes
     return at once (the grid is sized on the host without reading the counts)
 
 Each K step (one scale group) adds dot(a, w.T) * ws * as_ to the fp32 accumulator, as
-fp8_linear_kernel.py sums a W8A8 product. The decode kernels (fp8_gate_up_kernel.py) stream
+fp8_linear_kernel.py sums a W8A8 product. The decode kernels (lowering/moe/fp8_*_kernel.py) stream
 each chosen expert once for a few pairs; here a tile of pairs shares each weight tile, so
 the weights are read about once per BLOCK_M pairs of an expert.
 """
