@@ -21,9 +21,9 @@ by expert (lowering/moe/fp8_prefill.py), or one linear with every row in one gro
     return at once (the grid is sized on the host without reading the counts)
 
 Each K step (one scale group) adds dot(a, w.T) * ws * as_ to the fp32 accumulator, as
-fp8_linear_kernel.py sums a W8A8 product. The decode kernels (lowering/moe/fp8_*_kernel.py) stream
-each chosen expert once for a few pairs; here a tile of pairs shares each weight tile, so
-the weights are read about once per BLOCK_M pairs of an expert.
+fp8_linear_kernel.py sums a W8A8 product. The decode kernels (lowering/moe/fp8_*_kernel.py)
+stream each chosen expert once for a few pairs; here a tile of pairs shares each weight
+tile, so the weights are read about once per BLOCK_M pairs of an expert.
 """
 from __future__ import annotations
 
