@@ -33,7 +33,7 @@ import torch
 from timing import (add_timer_args, announce_ceiling, best_config, capture,
                     chosen_timer)
 from lowering.fused import q_absorb
-from lowering.gemm.fp8_linear import quantize_rows_torch
+from lowering.gemm.fp8_act_quant import quantize_rows_torch
 from lowering.gemm.head_gemm import absorb_query
 from mla_ops.hf.linear import decode_linear
 

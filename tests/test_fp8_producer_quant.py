@@ -1,6 +1,7 @@
 """Activations quantized by the kernel that produces them, for the fp8 decode GEMMs after it
-(lowering/gemm/fp8_linear.py's x_quant, mla::residual_rms_norm_fp8 for the MLP and the MoE
-block, mla::decode_qkv_prologue_fp8 for q_b): the same e4m3 values and scales as the GEMMs'
+(lowering/gemm/fp8_act_quant.py, the GEMMs' x_quant, mla::rms_norm_fp8 and
+mla::residual_rms_norm_fp8 for q_a + kv_a, the MLP and the MoE block,
+mla::decode_qkv_prologue_fp8 for q_b): the same e4m3 values and scales as the GEMMs'
 own quantization, so every consumer computes bit for bit what it computes without them.
 CPU: the kernels under the Triton interpreter (fp16, fp32) against the GEMMs' own quant
 and a float64 reference; GPU: the converted FP8 model's decode step with and without."""
@@ -12,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 pytest.importorskip("transformers.integrations.finegrained_fp8")
 
-from lowering.gemm import fp8_linear  # noqa: E402
+from lowering.gemm import fp8_act_quant, fp8_linear  # noqa: E402
 from lowering.gemm import fp8_linear_configs  # noqa: E402
 from test_fp8_checkpoint import quant_act_ref, rand_fp8, rel, w8a8_ref  # noqa: E402
 
@@ -41,12 +42,12 @@ def test_quantize_rows_torch_is_the_kernels_quant(M, K, gk):
     g = torch.Generator().manual_seed(M + K)
     x = (torch.randn(M, K, generator=g) * 5).to(DT)
     x[0, :gk] *= 1e-3                                # a group far smaller than the others
-    q, s = fp8_linear.quantize_rows_torch(x, gk)
+    q, s = fp8_act_quant.quantize_rows_torch(x, gk)
     assert q.dtype == FP8 and s.shape == (M, -(-K // gk))
     want = quant_act_ref(x.float(), gk)
     scales = s.double().repeat_interleave(gk, 1)[:, :K]
     assert torch.equal(q.double() * scales, want)
-    kq, ks, _ = fp8_linear.quantized(x.to(DEV), gk, True)
+    kq, ks, _ = fp8_act_quant.quantized(x.to(DEV), gk, True)
     assert same(kq.cpu(), q) and torch.equal(ks.cpu(), s)
 
 
@@ -68,7 +69,7 @@ def test_gemm_reads_the_given_quant_bit_for_bit(mode, split):
     cfg = (32, 4, 2, split)
     outs = []
     for pre, given in ((True, None), (False, None),
-                       (False, fp8_linear.quantize_rows_torch(x.cpu(), 128))):
+                       (False, fp8_act_quant.quantize_rows_torch(x.cpu(), 128))):
         if given is not None:
             given = tuple(t.to(DEV) for t in given)
         y = torch.full((M, N), float("nan"), device=DEV, dtype=DT)
@@ -86,7 +87,7 @@ def test_ops_check_the_given_quant():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 256, generator=g).to(torch.bfloat16)
     w, s = rand_fp8(64, 256, g)
-    q, sc = fp8_linear.quantize_rows_torch(x, 128)
+    q, sc = fp8_act_quant.quantize_rows_torch(x, 128)
     y = torch.ops.mla.decode_linear_fp8(x, w, s, 128, 128, q, sc)       # CPU: the torch path
     assert torch.equal(y, torch.ops.mla.decode_linear_fp8(x, w, s, 128, 128))
     with pytest.raises(TypeError, match="x_q"):
@@ -111,7 +112,7 @@ def test_moe_block_op_reads_the_given_quant_bit_for_bit(family, T):
     from test_moe_block_fp8 import inputs
     args = inputs(family, T, seed=11 + T)
     pairs, shared = torch.ops.mla.moe_block_decode_fp8(*args)
-    q, s = fp8_linear.quantize_rows_torch(args[0], 128)
+    q, s = fp8_act_quant.quantize_rows_torch(args[0], 128)
     pairs_q, shared_q = torch.ops.mla.moe_block_decode_fp8(*args, q, s)
     assert torch.equal(pairs, pairs_q) and torch.equal(shared, shared_q)
     torch.library.opcheck(torch.ops.mla.moe_block_decode_fp8.default, (*args, q, s),
@@ -214,9 +215,9 @@ def test_prologue_kernel_quantizes_q_a_as_the_fp8_gemms_do(S, T, NQ, gk):
         outs.append((q_out, kv_out, quant))
     (q0, kv0, _), (q1, kv1, (qq, qs)) = outs
     assert same(q0, q1) and same(kv0, kv1) and not q1.isnan().any()
-    want_q, want_s, _ = fp8_linear.quantized(q1, gk, True)
+    want_q, want_s, _ = fp8_act_quant.quantized(q1, gk, True)
     assert same(qq, want_q) and torch.equal(qs, want_s)
-    tq, ts = fp8_linear.quantize_rows_torch(q1.cpu(), gk)
+    tq, ts = fp8_act_quant.quantize_rows_torch(q1.cpu(), gk)
     assert same(qq.cpu(), tq) and torch.equal(qs.cpu(), ts)
 
 
@@ -232,7 +233,7 @@ def test_prologue_fp8_op_torch_path_and_errors():
             1e-6, 1e-6, 1)
     q, kv, qq, qs = torch.ops.mla.decode_qkv_prologue_fp8(*args, 128)
     q0, kv0 = torch.ops.mla.decode_qkv_prologue(*args)
-    tq, ts = fp8_linear.quantize_rows_torch(q0, 128)
+    tq, ts = fp8_act_quant.quantize_rows_torch(q0, 128)
     assert same(q, q0) and same(kv, kv0) and same(qq, tq) and torch.equal(qs, ts)
     with pytest.raises(ValueError, match="group_k"):
         torch.ops.mla.decode_qkv_prologue_fp8(*args, 96)

@@ -220,7 +220,7 @@ def test_residual_kernel_quantizes_y_as_the_fp8_gemms_do(T, N, gk):
     """With a quant group the kernel also writes y quantized per gk columns: bit for bit
     act_quant_kernel's quantization of the y it stored (what the fp8 GEMMs would compute
     in their own launch) and quantize_rows_torch's; h and y as without it."""
-    from lowering.gemm import fp8_linear
+    from lowering.gemm import fp8_act_quant
     dt = torch.bfloat16 if DEV == "cuda" else torch.float16
     g = torch.Generator().manual_seed(T * 7 + N)
     p = (torch.randn(2, T, N, generator=g) * 3).to(DEV)
@@ -233,9 +233,9 @@ def test_residual_kernel_quantizes_y_as_the_fp8_gemms_do(T, N, gk):
     ys = torch.full((T, G), float("nan"), device=DEV)
     norm.launch_residual(p, r, w, 1e-6, outs[2], outs[3], (yq, ys), gk)
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
-    want_q, want_s, _ = fp8_linear.quantized(outs[1], gk, True)
+    want_q, want_s, _ = fp8_act_quant.quantized(outs[1], gk, True)
     assert torch.equal(ys, want_s) and torch.equal(yq.view(torch.uint8), want_q.view(torch.uint8))
-    tq, ts = fp8_linear.quantize_rows_torch(outs[1].cpu(), gk)
+    tq, ts = fp8_act_quant.quantize_rows_torch(outs[1].cpu(), gk)
     assert torch.equal(ts, ys.cpu()) and torch.equal(tq.view(torch.uint8), yq.cpu().view(torch.uint8))
     assert ys.min() > 0 and yq.float().abs().amax() == 448          # each group's max at 448
 
@@ -243,14 +243,14 @@ def test_residual_kernel_quantizes_y_as_the_fp8_gemms_do(T, N, gk):
 def test_residual_fp8_op_torch_path_and_errors():
     """Off CUDA the fp8 op is the residual op plus quantize_rows_torch of its y; a bad group
     or bad partials are refused naming them; its fake matches."""
-    from lowering.gemm import fp8_linear
+    from lowering.gemm import fp8_act_quant
     g = torch.Generator().manual_seed(6)
     p = torch.randn(2, 3, 256, generator=g)
     r = torch.randn(3, 256, generator=g).to(torch.bfloat16)
     w = torch.rand(256, generator=g).add(0.5).to(torch.bfloat16)
     h, y, yq, ys = torch.ops.mla.residual_rms_norm_fp8(p, r, w, 1e-6, 128)
     h0, y0 = torch.ops.mla.residual_rms_norm(p, r, w, 1e-6)
-    q0, s0 = fp8_linear.quantize_rows_torch(y0, 128)
+    q0, s0 = fp8_act_quant.quantize_rows_torch(y0, 128)
     assert torch.equal(h, h0) and torch.equal(y, y0) and torch.equal(ys, s0)
     assert torch.equal(yq.view(torch.uint8), q0.view(torch.uint8)) and ys.shape == (3, 2)
     for bad in (0, 100, 2048):
@@ -266,7 +266,7 @@ def test_residual_fp8_op_torch_path_and_errors():
 def test_residual_fp8_op_on_gpu_is_the_separate_ops():
     """bf16 on CUDA: h and y of mla::residual_rms_norm bit for bit, and y quantized as the
     fp8 GEMMs' own quant launch quantizes it, eager and compiled."""
-    from lowering.gemm import fp8_linear
+    from lowering.gemm import fp8_act_quant
     g = torch.Generator().manual_seed(4)
     p = torch.randn(4, 3, 1, 7168, generator=g).to(DEV)
     r = torch.randn(3, 1, 7168, generator=g).to(DEV, torch.bfloat16)
@@ -275,7 +275,7 @@ def test_residual_fp8_op_on_gpu_is_the_separate_ops():
     def f(p, r):
         return torch.ops.mla.residual_rms_norm_fp8(p, r, w, 1e-6, 128)
     h0, y0 = torch.ops.mla.residual_rms_norm(p, r, w, 1e-6)
-    q0, s0, _ = fp8_linear.quantized(y0.view(3, 7168), 128, True)
+    q0, s0, _ = fp8_act_quant.quantized(y0.view(3, 7168), 128, True)
     for h, y, yq, ys in (f(p, r), torch.compile(f, fullgraph=True)(p, r)):
         assert torch.equal(h, h0) and torch.equal(y, y0)
         assert torch.equal(ys.view(3, 56), s0)
@@ -287,7 +287,7 @@ def test_kernel_quantizes_y_as_the_fp8_gemms_do(T, N, gk):
     """mla::rms_norm's kernel with a quant group (a layer's input norm before an fp8 q_a +
     kv_a): y as without it, and y quantized bit for bit as the GEMMs' own quant launch and
     quantize_rows_torch quantize it; the op's torch path likewise, its bad group named."""
-    from lowering.gemm import fp8_linear
+    from lowering.gemm import fp8_act_quant
     dt = torch.bfloat16 if DEV == "cuda" else torch.float16
     g = torch.Generator().manual_seed(T + N)
     x = (torch.randn(T, N, generator=g) * 3).to(DEV, dt)
@@ -299,11 +299,11 @@ def test_kernel_quantizes_y_as_the_fp8_gemms_do(T, N, gk):
     ys = torch.full((T, -(-N // gk)), float("nan"), device=DEV)
     norm.launch(x, w, 1e-6, y1, (yq, ys), gk)
     assert torch.equal(y0, y1)
-    want_q, want_s, _ = fp8_linear.quantized(y1, gk, True)
+    want_q, want_s, _ = fp8_act_quant.quantized(y1, gk, True)
     assert torch.equal(ys, want_s) and torch.equal(yq.view(torch.uint8), want_q.view(torch.uint8))
     xc, wc = x.cpu().to(torch.bfloat16), w.cpu().to(torch.bfloat16)
     y, q, s = torch.ops.mla.rms_norm_fp8(xc, wc, 1e-6, gk)           # CPU: the torch path
-    tq, ts = fp8_linear.quantize_rows_torch(torch.ops.mla.rms_norm(xc, wc, 1e-6), gk)
+    tq, ts = fp8_act_quant.quantize_rows_torch(torch.ops.mla.rms_norm(xc, wc, 1e-6), gk)
     assert torch.equal(y, torch.ops.mla.rms_norm(xc, wc, 1e-6)) and torch.equal(s, ts)
     assert torch.equal(q.view(torch.uint8), tq.view(torch.uint8))
     with pytest.raises(ValueError, match="group_k"):

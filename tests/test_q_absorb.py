@@ -190,7 +190,7 @@ def test_w8a8_kernel_vs_fp64(T, Q, N, P, R, L, gn, gk, interleave):
     """q_b as HF's FP8Linear computes it (q_a quantized per gk columns, fp8 x fp8 times
     both block scales), rounded to q_a's dtype, then RoPE and the absorption: against the
     same in float64."""
-    from lowering.gemm.fp8_linear import quantize_rows_torch
+    from lowering.gemm.fp8_act_quant import quantize_rows_torch
     from test_fp8_checkpoint import expand_scales, quant_act_ref, rand_fp8
     g = torch.Generator().manual_seed(T * 10 + Q + gn)
     dt, tol = (torch.bfloat16, 2e-2) if DEV == "cuda" else (torch.float32, 1e-5)
@@ -215,7 +215,7 @@ def test_w8a8_op_torch_path_and_bad_input():
     """Off the kernel the op is the fp8 decode GEMM op, the query's RoPE and the absorbed
     GEMM, bit for bit (with q_scale, then the static quant); bad weights, scales or a
     quantized q_a that does not match are named."""
-    from lowering.gemm.fp8_linear import quantize_rows_torch
+    from lowering.gemm.fp8_act_quant import quantize_rows_torch
     from lowering.gemm.head_gemm import absorb_query
     from test_fp8_checkpoint import rand_fp8
     g = torch.Generator().manual_seed(9)

@@ -27,7 +27,7 @@ import triton
 
 from lowering.fused.residual_norm_kernel import residual_rms_norm_kernel
 from lowering.fused.rms_norm_kernel import rms_norm_kernel
-from lowering.gemm.fp8_linear import check_producer_group, quantize_rows_torch
+from lowering.gemm.fp8_act_quant import check_producer_group, quantize_rows_torch
 
 MAX_N = 16384          # a row in registers: 16384 fp32 over 8 warps is 64 per thread
 

@@ -44,7 +44,7 @@ from lowering.fused.decode_rows import angle_rows, check_angles, row_kernels_unm
 from lowering.fused.norm import rms_norm_torch
 from lowering.fused.prologue_kernel import qkv_prologue_kernel
 from lowering.fused.q_rope import ROPES, q_rope_any, rope_complex_torch, rope_torch
-from lowering.gemm.fp8_linear import check_producer_group, quantize_rows_torch
+from lowering.gemm.fp8_act_quant import check_producer_group, quantize_rows_torch
 
 
 def _check_part(part, cos, sin, dtype):

@@ -43,6 +43,7 @@ from lowering.fused.q_absorb_kernel import q_absorb_kernel
 from lowering.fused.q_kv_absorb_kernel import q_kv_absorb_kernel
 from lowering.fused.q_rope import ROPES, q_rope_any
 from lowering.gemm import fp8_linear
+from lowering.gemm.fp8_act_quant import check_quantized
 from lowering.gemm.head_gemm import absorb_query
 
 # q_absorb_kernel's launch: rows <= 16 -> (BLOCK_K, BLOCK_L, num_warps, num_stages); the
@@ -226,7 +227,7 @@ def decode_q_absorb_w8a8(q_a: torch.Tensor, q_q: torch.Tensor, q_s: torch.Tensor
     Q, N, P, R, L = _q_absorb_shape(q_a, w, W_UK_T, cos, sin, rope,
                                     w_dtype=torch.float8_e4m3fn)
     fp8_linear.check_fp8_weight("w", w, w_scale, group_n, group_k)
-    fp8_linear.check_quantized(q_a, q_q, q_s, group_k)
+    check_quantized(q_a, q_q, q_s, group_k)
     if q_scale is not None and (q_scale.dtype != torch.float32 or q_scale.numel() != 1
                                 or q_scale.device != q_a.device):
         raise TypeError(f"q_scale must be a one-element float32 tensor on {q_a.device}")

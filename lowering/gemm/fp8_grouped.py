@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from lowering.gemm.fp8_act_quant import quantized
 from lowering.gemm.fp8_grouped_kernel import grouped_fp8_kernel
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); not yet swept on a GPU
@@ -49,7 +50,6 @@ def prefill_linear(x2: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, g
     """x2 [M, K] (K contiguous) @ W.T -> [M, N] in x2's dtype, W8A8 (module docstring); on
     any device the kernel runs (the CPU under TRITON_INTERPRET=1). w and scale_inv
     contiguous, group_k in GROUPS_K."""
-    from lowering.gemm.fp8_linear import quantized
     M = x2.shape[0]
     bm = (config or CONFIG)[0]
     dev = x2.device

@@ -18,7 +18,7 @@ FineGrainedFP8 FP8Linear: weight float8_e4m3fn [N, K], weight_scale_inv fp32
 where W is the dequantized weight. decode_linear_fp8, decode_gate_up_fp8 and
 decode_linear_pair_fp8_partials also take
 x_q, x_s (optional): x already quantized by the kernel that produced it
-(quantize_rows_torch's numerics), which their kernels then read instead of quantizing x
+(fp8_act_quant.py's numerics), which their kernels then read instead of quantizing x
 in a launch of their own. On CUDA, bf16 / fp16, at most MAX_ROWS rows, they run
 fp8_linear_kernel.py: the weight read as fp8 (half a bf16 weight's bytes), each row of x
 quantized per group_k columns in registers, fp8 x fp8 products accumulated in fp32 with
@@ -47,8 +47,8 @@ import torch.nn.functional as F
 import triton
 
 from lowering import config as mla_config
-from lowering.gemm.fp8_linear_kernel import (act_quant_kernel, fp8_linear_kernel,
-                                             fp8_split_reduce_kernel)
+from lowering.gemm.fp8_linear_kernel import fp8_linear_kernel, fp8_split_reduce_kernel
+from lowering.gemm.fp8_act_quant import given_quant, quantized
 from lowering.gemm.fp8_grouped import GROUPS_K, prefill_linear
 from lowering.gemm.fp8_linear_configs import MAX_ROWS, pick_config, pre_quant_of, split_k_for
 from lowering.gemm.linear import max_shared_bytes
@@ -110,71 +110,6 @@ def check_fp8_weight(name: str, w: torch.Tensor, s: torch.Tensor, group_n: int,
 def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
     x2 = x.reshape(-1, K)                                                     # [M, K]
     return x2 if x2.stride(1) == 1 else x2.contiguous()
-
-
-def quantize_rows_torch(a: torch.Tensor, group_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """a [..., C] -> (e4m3 [..., C], fp32 scales [..., cdiv(C, group_k)]): the kernels'
-    activation quantization (quant_act_tile) in torch ops, bit for bit: per group_k columns
-    s = amax / 448, the values times the correctly rounded reciprocal of max(s, 1e-12),
-    clamped to +-448 and rounded to e4m3 (ties to even); a partial last group is padded
-    with zeros."""
-    C = a.shape[-1]
-    G = triton.cdiv(C, group_k)
-    x = F.pad(a.float(), (0, G * group_k - C)).unflatten(-1, (G, group_k))   # [..., G, gk]
-    s = x.abs().amax(-1) / 448.0                                             # [..., G]
-    r = 1.0 / s.clamp_min(1e-12)
-    q = (x * r[..., None]).clamp(-448.0, 448.0).to(FP8)
-    return q.flatten(-2)[..., :C], s
-
-
-MAX_PRODUCER_GROUP = 1024    # a producer kernel's quant group (a row in registers), at most
-
-
-def check_producer_group(group_k) -> None:
-    """Raise a ValueError unless group_k is a quant group a producer kernel (a norm, the
-    prologue) can write: a power of two in [16, MAX_PRODUCER_GROUP]."""
-    if not (isinstance(group_k, int) and 16 <= group_k <= MAX_PRODUCER_GROUP
-            and group_k & (group_k - 1) == 0):
-        raise ValueError(f"group_k must be a power of two in [16, {MAX_PRODUCER_GROUP}] (the "
-                         f"fp8 GEMMs' activation group), got {group_k!r}")
-
-
-def check_quantized(x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor,
-                    group_k: int) -> None:
-    """Raise a ValueError / TypeError unless (x_q, x_s) can be x's activations quantized per
-    group_k columns: e4m3 of x's shape and fp32 scales [*lead, cdiv(K, group_k)], both
-    contiguous on x's device (the values themselves are the producer's to get right)."""
-    G = triton.cdiv(x.shape[-1], group_k)
-    if x_q.dtype != FP8 or tuple(x_q.shape) != tuple(x.shape):
-        raise TypeError(f"x_q must be float8_e4m3fn {tuple(x.shape)} (x's shape), got "
-                        f"{x_q.dtype} {tuple(x_q.shape)}")
-    want = (*x.shape[:-1], G)
-    if x_s.dtype != torch.float32 or tuple(x_s.shape) != want:
-        raise ValueError(f"x_s must be fp32 {want} (one scale per {group_k} columns of a row), "
-                         f"got {x_s.dtype} {tuple(x_s.shape)}")
-    for name, t in (("x_q", x_q), ("x_s", x_s)):
-        if t.device != x.device or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous on {x.device}")
-
-
-def quantized(a: torch.Tensor, group_k: int, pre_quant: bool, given=None):
-    """(activations, scales, the scales' row stride) for a launch: a [R, C] itself (scales
-    unused) or, with pre_quant, act_quant_kernel's e4m3 copy and its fp32 scales
-    [R, cdiv(C, group_k)] (one program per row and scale group). given: that pair, already
-    made by the kernel that produced a (x_q [R, C], x_s [R, G], contiguous): used as it is,
-    whatever pre_quant says."""
-    if given is not None:
-        x_q, x_s = given
-        return x_q, x_s, x_s.shape[-1]
-    if not pre_quant:
-        return a, a, 0
-    R, C = a.shape
-    G = triton.cdiv(C, group_k)
-    aq = torch.empty((R, C), dtype=FP8, device=a.device)
-    s = torch.empty((R, G), dtype=torch.float32, device=a.device)
-    torch.library.wrap_triton(act_quant_kernel)[(R, G)](
-        a, aq, s, C, a.stride(0), G, BLOCK_K=group_k, NATIVE_CAST=a.is_cuda, num_warps=1)
-    return aq, s, G
 
 
 def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
@@ -316,18 +251,6 @@ def _kernel_config(mode, x, pairs, group_n, group_k):
         return None
     N = sum(w.shape[0] for w, _ in pairs) if mode == 1 else pairs[0][0].shape[0]
     return pick_config(mode, N, x.shape[-1], x.numel() // x.shape[-1], group_k)
-
-
-def given_quant(x: torch.Tensor, x_q: Optional[torch.Tensor], x_s: Optional[torch.Tensor],
-           group_k: int):
-    """The launch's x_quant from an op's optional (x_q, x_s), checked; None when not given."""
-    if x_q is None and x_s is None:
-        return None
-    if x_q is None or x_s is None:
-        raise ValueError("x_q and x_s come together (x quantized by its producer), or neither")
-    check_quantized(x, x_q, x_s, group_k)
-    K = x.shape[-1]
-    return x_q.view(-1, K), x_s.view(-1, x_s.shape[-1])                      # [M, K], [M, G]
 
 
 @torch.library.triton_op("mla::decode_linear_fp8", mutates_args={})

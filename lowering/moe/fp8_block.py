@@ -44,6 +44,7 @@ from typing import Optional
 import torch
 
 from lowering.gemm import fp8_linear as fp8_gemm
+from lowering.gemm.fp8_act_quant import given_quant
 from lowering.gemm.fp8_linear_configs import pick_config
 from lowering.moe import fp8_experts
 from lowering.moe import router as moe_router
@@ -123,7 +124,7 @@ def moe_block_decode_fp8(x: torch.Tensor, router_weight: torch.Tensor,
                 (shared_down, shared_down_scale))
     _check(x, router_weight, bias, mode, top_k, n_group, topk_group, gate_up, gate_up_scale,
            down, down_scale, shared_w, group_n, group_k)
-    x_quant = fp8_gemm.given_quant(x, x_q, x_s, group_k)          # [T, H], [T, G] or None
+    x_quant = given_quant(x, x_q, x_s, group_k)                   # [T, H], [T, G] or None
     weights = (gate_up, gate_up_scale, down, down_scale, *shared_w[0], *shared_w[1],
                *shared_w[2], group_n, group_k)
     require_kernels("moe_block_decode_fp8", x,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from lowering.gemm.fp8_linear import quantized
+from lowering.gemm.fp8_act_quant import quantized
 from lowering.moe import experts as moe
 from lowering.moe import fp8_prefill
 from lowering.moe.fp8_down_kernel import moe_down_fp8_kernel

@@ -18,7 +18,7 @@ import torch
 import triton
 
 from lowering.gemm.fp8_grouped import GROUPS_K, launch
-from lowering.gemm.fp8_linear import quantized
+from lowering.gemm.fp8_act_quant import quantized
 from lowering.moe import prefill  # noqa: F401  (registers mla::moe_combine)
 
 # kernel -> (BLOCK_M, BLOCK_N, num_warps, num_stages); not yet swept on a GPU
