@@ -1,10 +1,10 @@
 """An FP8 checkpoint's routed experts for a prefill-sized batch (more tokens than the decode
 kernels take), W8A8 as HF's FP8Linear computes each linear, without host syncs:
 
-    pairs sorted by expert (torch.sort), their counts (histc) and tile counts (cumsum) on
-    the device; x quantized once per 128 columns; the gate + up grouped GEMM
-    (lowering/gemm/fp8_grouped.py, gated) into h [P, I]; h quantized; the down grouped GEMM into
-    y [P, H]; mla::moe_combine weights and sums each token's pairs (prefill.py).
+    pairs sorted by expert, their counts and tile counts on the device (prefill.py's
+    sorted_pairs); x quantized once per 128 columns; the gate + up grouped GEMM
+    (lowering/gemm/fp8_grouped.py, gated) into h [P, I]; h quantized; the down grouped
+    GEMM into y [P, H]; mla::moe_combine weights and sums each token's pairs (prefill.py).
 
 Memory grows with the pairs (h, y and the quantized copies: about P (3 I + 3 H) bytes),
 not with a dequantized copy of any weight. Before it, such batches ran the per-pair
@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from lowering.gemm.fp8_grouped import GROUPS_K, launch
 from lowering.gemm.fp8_act_quant import quantized
-from lowering.moe import prefill  # noqa: F401  (registers mla::moe_combine)
+from lowering.gemm.fp8_grouped import GROUPS_K, launch
+from lowering.moe.prefill import sorted_pairs  # (and mla::moe_combine)
 
 # kernel -> (BLOCK_M, BLOCK_N, num_warps, num_stages); not yet swept on a GPU
 CONFIGS = {"gate_up": (64, 128, 8, 3), "down": (64, 128, 8, 3)}
@@ -43,9 +43,7 @@ def grouped_experts(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     P = T * K
     x = x if x.stride(-1) == 1 else x.contiguous()
-    ids, perm = torch.sort(topk_idx.reshape(-1))                                 # [P]
-    counts = torch.histc(ids.float() if not ids.is_cuda else ids.int(), bins=E, min=0,
-                         max=E - 1).to(torch.int32)                              # [E]
+    ids, perm, counts, slot = sorted_pairs(topk_idx, E)          # [P], [P], [E], [T, K]
     # pairs whose expert is outside [0, E) (none from a router) sort before or after the
     # experts' pairs: skipped by the tiles, their y rows zero, so they add nothing
     ends = torch.cumsum(counts, 0, dtype=torch.int32) + (ids < 0).sum(dtype=torch.int32)
@@ -63,6 +61,4 @@ def grouped_experts(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down
     launch(hq, hs, torch.arange(P, dtype=torch.int32, device=x.device), down, down_scale, y,
            starts, ends, tile_ends["down"], group_n, group_k, gated=False,
            config=configs["down"])
-    slot = torch.empty_like(perm)
-    slot[perm] = torch.arange(P, device=perm.device)                            # [P]
-    return torch.ops.mla.moe_combine(y, slot.view(T, K), topk_weight)
+    return torch.ops.mla.moe_combine(y, slot, topk_weight)

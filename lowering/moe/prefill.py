@@ -69,17 +69,26 @@ def moe_combine(y: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor) -> to
     return out
 
 
+def sorted_pairs(topk_idx: torch.Tensor, E: int):
+    """The (token, k) pairs of topk_idx [T, K] sorted by expert, without host syncs:
+    (ids [P] sorted, perm [P]: the flat pair of each sorted position, counts [E] int32:
+    pairs per expert in [0, E), slot [T, K]: each pair's sorted position)."""
+    ids, perm = torch.sort(topk_idx.reshape(-1))                                 # [P]
+    counts = torch.histc(ids.int() if ids.is_cuda else ids.float(), bins=E, min=0,
+                         max=E - 1).to(torch.int32)                              # [E]
+    slot = torch.empty_like(perm)
+    slot[perm] = torch.arange(perm.shape[0], device=perm.device)                 # [P]
+    return ids, perm, counts, slot.view(topk_idx.shape)
+
+
 def grouped_experts(x, topk_idx, topk_weight, gate_up, down) -> torch.Tensor:
     """The routed experts of a prefill batch (module docstring): [T, H] in x's dtype."""
-    T, K = topk_idx.shape
+    K = topk_idx.shape[1]
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
-    ids, perm = torch.sort(topk_idx.reshape(-1))                                 # [P]
+    _, perm, counts, slot = sorted_pairs(topk_idx, E)
     xs = x[perm // K]                                                            # [P, H]
-    counts = torch.histc(ids.int() if ids.is_cuda else ids.float(), bins=E, min=0, max=E - 1)
     offs = torch.cumsum(counts, dim=0, dtype=torch.int32)                        # [E]
     gu = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)             # [P, 2I]
     h = F.silu(gu[:, :I]) * gu[:, I:]                                            # [P, I]
     y = torch._grouped_mm(h, down.transpose(-2, -1), offs=offs)                  # [P, H]
-    slot = torch.empty_like(perm)
-    slot[perm] = torch.arange(perm.shape[0], device=perm.device)                 # [P]
-    return torch.ops.mla.moe_combine(y, slot.view(T, K), topk_weight)
+    return torch.ops.mla.moe_combine(y, slot, topk_weight)
