@@ -5,6 +5,11 @@ on mla::moe_experts_decode), with the bytes floor.
 
     python benchmarks/bench_moe.py                      # H200: both shapes, T = 1, 32, 2048
     python benchmarks/bench_moe.py --shapes v2-lite --tokens 1 32 --json moe.json
+    python benchmarks/bench_moe.py --tokens 512 2048 --sweep-stream --no-compile
+
+Prefill rows (more tokens than the decode op takes) also time the routed experts alone in
+both prefill forms (torch's grouped GEMM, the weight-streaming grouped kernel) on the same
+routing, on CUDA.
 
 Rows are tokens through the block: 1 and 32 are a decode step's B, 2048 a prefill. Each
 variant is checked against HF's grouped_mm output first, then timed as the median of
@@ -226,6 +231,62 @@ def sweep_shape(name: str, tokens: list, device) -> None:
     torch.cuda.empty_cache()
 
 
+STREAM_SWEEP = [(bm, bn, bk, w, st) for bm in (16, 32, 64) for bn, bk, w, st in
+                ((64, 128, 4, 3), (64, 64, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3),
+                 (64, 128, 4, 2), (32, 128, 4, 4))]
+
+
+def prefill_experts(name: str, tokens: list, bandwidth: float, device, sweep: bool) -> list:
+    """The routed experts alone at prefill sizes, in lowering/moe/prefill.py's two forms on
+    the same routing: torch's grouped GEMM and the weight-streaming grouped kernel, against
+    the distinct experts' bytes; which one grouped_experts takes (STREAM_PAIRS). With sweep,
+    the streaming kernels over STREAM_SWEEP, the best printed as STREAM_CONFIGS entries."""
+    from lowering.moe import experts, prefill
+    from mla_ops.hf.moe import convert_moe, route
+    block = build_block(SHAPES[name], device, torch.bfloat16)
+    convert_moe(block)
+    gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
+    E = gate_up.shape[0]
+    per_expert = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+    rows = []
+    for T in [t for t in tokens if t > experts.MAX_ROWS]:
+        x = torch.randn(T, gate_up.shape[2], device=device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            idx, w = route(block, x)
+        K = idx.shape[1]
+        nbytes = int(torch.unique(idx).numel()) * per_expert
+        floor_us = nbytes / bandwidth * 1e6
+        picks = "streamed" if T * K <= prefill.STREAM_PAIRS * E else "grouped_mm"
+        print(f"\n{name} routed experts, T={T}: {T * K / E:.1f} pairs an expert, "
+              f"{nbytes / 1e9:.2f} GB, floor {floor_us:.1f} µs; grouped_experts takes {picks}")
+        forms = {"grouped_mm": prefill.grouped_mm_experts, "streamed": prefill.streamed_experts}
+        ref = forms["grouped_mm"](x, idx, w, gate_up, down).float()
+        for form, fn in forms.items():
+            err = ((fn(x, idx, w, gate_up, down).float() - ref).abs().max()
+                   / ref.abs().max()).item()
+            us = time_us(lambda: fn(x, idx, w, gate_up, down), graph=True)
+            rows.append(dict(shape=name, tokens=T, variant=f"experts {form}", us=us,
+                             floor_us=floor_us, bytes=nbytes, rel_err=err))
+            print(f"  {form:12s} {us:10.1f} µs  {us / floor_us:6.2f}x floor  "
+                  f"{nbytes / us / 1e6:5.2f} TB/s  rel err vs grouped_mm {err:.1e}")
+        if not sweep:
+            continue
+        for kernel in ("gate_up", "down"):
+            times = []
+            for cfg in STREAM_SWEEP:
+                fn = lambda: prefill.streamed_experts(x, idx, w, gate_up, down, {kernel: cfg})
+                try:
+                    times.append((time_us(fn, graph=True), cfg))
+                except Exception as exc:                       # out of resources etc.
+                    print(f"  {kernel} {cfg}: {type(exc).__name__}")
+            us, cfg = min(times)
+            print(f"  best {kernel} (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) {cfg}: "
+                  f"{us:.1f} µs (the whole form)")
+    del block
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -239,6 +300,9 @@ def main():
     ap.add_argument("--eager-max", type=int, default=4096,
                     help="time HF's eager experts only up to this many tokens")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON here")
+    ap.add_argument("--sweep-stream", action="store_true",
+                    help="with the prefill rows (tokens past the decode op's), sweep the "
+                         "streaming grouped kernel's configs (CUDA)")
     ap.add_argument("--sweep", action="store_true",
                     help="time the decode op's two kernels over candidate configs instead "
                          "(CUDA) and print the best as lowering.moe.experts.CONFIGS entries")
@@ -256,6 +320,8 @@ def main():
     rows = []
     for name in args.shapes:
         rows += run_shape(name, args.tokens, args, bandwidth, device)
+        if device.type == "cuda":
+            rows += prefill_experts(name, args.tokens, bandwidth, device, args.sweep_stream)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(device), bandwidth=bandwidth, rows=rows), f, indent=1)

@@ -305,9 +305,9 @@ def test_act_quant_kernel_vs_fp64_and_both_ways_equal(M, K):
 @pytest.mark.parametrize("M,N,K,tile", [(70, 96, 256, (16, 32)), (5, 40, 200, (16, 64)),
                                         (33, 130, 384, (32, 64))])
 def test_prefill_linear_vs_fp64(M, N, K, tile):
-    """fp8_grouped.prefill_linear (every row one group): HF's W8A8 product, rows and columns
+    """grouped.prefill_linear (every row one group): HF's W8A8 product, rows and columns
     not multiples of the tile, K not a multiple of the scale group."""
-    from lowering.gemm.fp8_grouped import prefill_linear
+    from lowering.gemm.grouped import prefill_linear
     g = torch.Generator().manual_seed(M + N + K)
     x = (torch.randn(M, K, generator=g) * 3).to(DEV, DT)
     w, s = rand_fp8(N, K, g)

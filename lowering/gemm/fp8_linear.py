@@ -28,7 +28,7 @@ lowering.config.linear_impl = "torch") the weight is dequantized exactly as
 HF dequantizes an FP8 checkpoint it cannot run in fp8 (fp32 product, rounded to x's
 dtype) and the op runs F.linear / F.silu: what HF's model computes on the CPU, where it
 loads such a checkpoint dequantized; but more rows than the kernel takes on CUDA in bf16 /
-fp16 (a prefill) run fp8_grouped.py's W8A8 GEMM, HF's FP8Linear numerics on a GPU, from the
+fp16 (a prefill) run grouped.py's W8A8 GEMM, HF's FP8Linear numerics on a GPU, from the
 fp8 weight (no dequantized copy). Arguments are checked by the caller (the converted
 layer reads them off HF's modules, checked once by convert()).
 
@@ -49,7 +49,7 @@ import triton
 from lowering import config as mla_config
 from lowering.gemm.fp8_linear_kernel import fp8_linear_kernel, fp8_split_reduce_kernel
 from lowering.gemm.fp8_act_quant import given_quant, quantized
-from lowering.gemm.fp8_grouped import GROUPS_K, prefill_linear
+from lowering.gemm.grouped import GROUPS_K, prefill_linear
 from lowering.gemm.fp8_linear_configs import MAX_ROWS, pick_config, pre_quant_of, split_k_for
 from lowering.gemm.linear import max_shared_bytes
 
@@ -226,7 +226,7 @@ def run(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
 
 
 def _prefill_serves(x: torch.Tensor, pairs, group_k: int) -> bool:
-    """Whether the grouped W8A8 GEMM (fp8_grouped.py) takes rows the decode kernel does
+    """Whether the grouped W8A8 GEMM (grouped.py) takes rows the decode kernel does
     not: CUDA, 16-bit x, more than MAX_ROWS rows, contiguous weights and scales."""
     return (mla_config.linear_impl != "torch" and x.is_cuda
             and x.dtype in (torch.bfloat16, torch.float16)

@@ -3,7 +3,7 @@ kernels take), W8A8 as HF's FP8Linear computes each linear, without host syncs:
 
     pairs sorted by expert, their counts and tile counts on the device (prefill.py's
     sorted_pairs); x quantized once per 128 columns; the gate + up grouped GEMM
-    (lowering/gemm/fp8_grouped.py, gated) into h [P, I]; h quantized; the down grouped
+    (lowering/gemm/grouped.py, gated) into h [P, I]; h quantized; the down grouped
     GEMM into y [P, H]; mla::moe_combine weights and sums each token's pairs (prefill.py).
 
 Memory grows with the pairs (h, y and the quantized copies: about P (3 I + 3 H) bytes),
@@ -18,8 +18,8 @@ import torch
 import triton
 
 from lowering.gemm.fp8_act_quant import quantized
-from lowering.gemm.fp8_grouped import GROUPS_K, launch
-from lowering.moe.prefill import sorted_pairs  # (and mla::moe_combine)
+from lowering.gemm.grouped import GROUPS_K, launch
+from lowering.moe.prefill import pair_ranges, sorted_pairs, tile_ends  # (+ moe_combine)
 
 # kernel -> (BLOCK_M, BLOCK_N, num_warps, num_stages); not yet swept on a GPU
 CONFIGS = {"gate_up": (64, 128, 8, 3), "down": (64, 128, 8, 3)}
@@ -44,21 +44,17 @@ def grouped_experts(x, topk_idx, topk_weight, gate_up, gate_up_scale, down, down
     P = T * K
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids, perm, counts, slot = sorted_pairs(topk_idx, E)          # [P], [P], [E], [T, K]
-    # pairs whose expert is outside [0, E) (none from a router) sort before or after the
-    # experts' pairs: skipped by the tiles, their y rows zero, so they add nothing
-    ends = torch.cumsum(counts, 0, dtype=torch.int32) + (ids < 0).sum(dtype=torch.int32)
-    starts = ends - counts                                                       # [E]
-    tile_ends = {k: torch.cumsum((counts + cfg[0] - 1) // cfg[0], 0, dtype=torch.int32)
-                 for k, cfg in configs.items()}                    # [E] each, per BLOCK_M
+    starts, ends = pair_ranges(ids, counts)                                      # [E] each
+    tiles = {k: tile_ends(counts, cfg[0]) for k, cfg in configs.items()}  # per BLOCK_M
     xq, xs, _ = quantized(x, group_k, True)                     # e4m3 [T, H], [T, G]
     tokens = (perm // K).to(torch.int32)                        # the token of each sorted pair
     h = torch.empty((P, I), dtype=x.dtype, device=x.device)                     # [P, I]
-    launch(xq, xs, tokens, gate_up, gate_up_scale, h, starts, ends, tile_ends["gate_up"],
+    launch(xq, xs, tokens, gate_up, gate_up_scale, h, starts, ends, tiles["gate_up"],
            group_n, group_k, gated=True, up_row0=I, up_s_row0=triton.cdiv(I, group_n),
            config=configs["gate_up"])
     hq, hs, _ = quantized(h, group_k, True)                     # e4m3 [P, I], [P, G]
     y = torch.zeros((P, x.shape[1]), dtype=x.dtype, device=x.device)            # [P, H]
     launch(hq, hs, torch.arange(P, dtype=torch.int32, device=x.device), down, down_scale, y,
-           starts, ends, tile_ends["down"], group_n, group_k, gated=False,
+           starts, ends, tiles["down"], group_n, group_k, gated=False,
            config=configs["down"])
     return torch.ops.mla.moe_combine(y, slot, topk_weight)

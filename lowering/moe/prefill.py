@@ -1,12 +1,12 @@
-"""A DeepSeek MoE block's routed experts for a prefill batch: torch's grouped GEMM, then one
-kernel that weights and sums the pairs' outputs back per token.
+"""A DeepSeek MoE block's routed experts for a prefill batch: the pairs sorted by expert,
+two grouped GEMMs, then one kernel that weights and sums the pairs' outputs back per token.
 
     grouped_experts(x [T, H], topk_idx [T, K], topk_weight [T, K], gate_up [E, 2I, H],
                     down [E, H, I]) -> [T, H] in x's dtype
 
-The steps are HF's grouped_mm experts (transformers.integrations.moe), the same torch
-calls in the same order up to the down projection, so the same GEMMs run on the same
-rows:
+Many pairs per expert (past STREAM_PAIRS on average): HF's grouped_mm experts
+(transformers.integrations.moe), the same torch calls in the same order up to the down
+projection, so the same GEMMs run on the same rows:
 
     ids, perm = sort(topk_idx.flatten())             pairs in expert order     [P]
     xs = x[perm // K]                                                          [P, H]
@@ -14,10 +14,16 @@ rows:
     h = SiLU(gate) * up,  [gate | up] = xs @ gate_up[e].T  (grouped)           [P, I]
     y = h @ down[e].T                                      (grouped)           [P, H]
 
-then mla::moe_combine (combine_kernel.py) writes out[t] = sum_k w[t, k] * y[slot[t, k]]
+Few pairs per expert (a prefill chunk or a short prompt over many experts: DeepSeek-V3's
+512 tokens give its 256 experts 16 pairs each): the GEMMs are bound by the experts' bytes,
+so streamed_experts runs lowering/gemm/grouped_kernel.py, which streams each expert's
+weights once per tile of its pairs: gate and up in one kernel with SiLU(gate) * up in its
+epilogue (rounded as above), reading x's rows in place (no gathered copy), then down.
+
+Both end in mla::moe_combine (combine_kernel.py): out[t] = sum_k w[t, k] * y[slot[t, k]]
 in fp32, rounded once, where HF makes an fp32 weighted copy of y, gathers it back to token
 order and sums it (three passes over P x H fp32 values: at DeepSeek-V3's shape and 8192
-tokens, 3.9 ms of a 51 ms forward on an H200). The sum over k runs in another order than
+tokens, 3.9 ms of a 51 ms forward on an H200). The sums run in another order than
 torch's, so a result can differ from HF's by an fp32 rounding before the final one.
 
 Served where serves() says (CUDA, bf16 / fp16, torch with _grouped_mm, no grad wanted);
@@ -29,9 +35,17 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from lowering.gemm.grouped import launch
 from lowering.moe.combine_kernel import moe_combine_kernel
 
 BLOCK_H = 1024
+# While an expert gets at most STREAM_PAIRS (token, k) pairs on average, the GEMMs are bound
+# by the experts' bytes, and the weight-streaming grouped kernel (streamed_experts) reads
+# each expert about once; past it, torch's grouped GEMM. Not yet timed on a GPU.
+STREAM_PAIRS = 48
+# kernel -> (BLOCK_N, BLOCK_K, num_warps, num_stages) of the streamed path (BLOCK_M:
+# stream_block_m); first guesses after the decode kernels' CONFIGS, not yet swept
+STREAM_CONFIGS = {"gate_up": (64, 128, 4, 3), "down": (64, 128, 4, 3)}
 
 
 def serves(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -81,8 +95,37 @@ def sorted_pairs(topk_idx: torch.Tensor, E: int):
     return ids, perm, counts, slot.view(topk_idx.shape)
 
 
+def pair_ranges(ids: torch.Tensor, counts: torch.Tensor):
+    """(starts, ends) [E] int32: where each expert's pairs lie in the sorted order. Pairs
+    whose expert is outside [0, E) (none from a router) sort before or after every
+    expert's: no tile takes them."""
+    ends = torch.cumsum(counts, 0, dtype=torch.int32) + (ids < 0).sum(dtype=torch.int32)
+    return ends - counts, ends
+
+
+def tile_ends(counts: torch.Tensor, block_m: int) -> torch.Tensor:
+    """[E] int32: the cumulative count of BLOCK_M-pair tiles per expert (grouped_kernel.py)."""
+    return torch.cumsum((counts + block_m - 1) // block_m, 0, dtype=torch.int32)
+
+
+def stream_block_m(pairs: int, E: int) -> int:
+    """The tile of pairs for the streamed path: one tile holds about every expert's pairs
+    at this mean (pairs / E), so each expert's weights are read about once."""
+    mean = pairs / E
+    return 16 if mean <= 6 else 32 if mean <= 18 else 64
+
+
 def grouped_experts(x, topk_idx, topk_weight, gate_up, down) -> torch.Tensor:
     """The routed experts of a prefill batch (module docstring): [T, H] in x's dtype."""
+    T, K = topk_idx.shape
+    E = gate_up.shape[0]
+    if T * K <= STREAM_PAIRS * E and gate_up.stride(-1) == down.stride(-1) == 1:
+        return streamed_experts(x, topk_idx, topk_weight, gate_up, down)
+    return grouped_mm_experts(x, topk_idx, topk_weight, gate_up, down)
+
+
+def grouped_mm_experts(x, topk_idx, topk_weight, gate_up, down) -> torch.Tensor:
+    """The many-pairs-per-expert form, torch's grouped GEMM (module docstring)."""
     K = topk_idx.shape[1]
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     _, perm, counts, slot = sorted_pairs(topk_idx, E)
@@ -91,4 +134,30 @@ def grouped_experts(x, topk_idx, topk_weight, gate_up, down) -> torch.Tensor:
     gu = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)             # [P, 2I]
     h = F.silu(gu[:, :I]) * gu[:, I:]                                            # [P, I]
     y = torch._grouped_mm(h, down.transpose(-2, -1), offs=offs)                  # [P, H]
+    return torch.ops.mla.moe_combine(y, slot, topk_weight)
+
+
+def streamed_experts(x, topk_idx, topk_weight, gate_up, down, configs=None) -> torch.Tensor:
+    """The few-pairs-per-expert form (module docstring): [T, H] in x's dtype. On any device
+    the kernels run (the CPU under TRITON_INTERPRET=1). configs: {kernel: (BLOCK_M,
+    BLOCK_N, BLOCK_K, num_warps, num_stages)}, by default STREAM_CONFIGS with BLOCK_M from
+    stream_block_m."""
+    T, K = topk_idx.shape
+    E, I = gate_up.shape[0], gate_up.shape[1] // 2
+    P = T * K
+    bm = stream_block_m(P, E)
+    configs = {k: (bm, *c) for k, c in STREAM_CONFIGS.items()} | (configs or {})
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    ids, perm, counts, slot = sorted_pairs(topk_idx, E)          # [P], [P], [E], [T, K]
+    starts, ends = pair_ranges(ids, counts)
+    tiles = {m: tile_ends(counts, m) for m in {c[0] for c in configs.values()}}
+    h = torch.empty((P, I), dtype=x.dtype, device=x.device)                     # [P, I]
+    gu = configs["gate_up"]
+    launch(x, None, (perm // K).to(torch.int32), gate_up, None, h, starts, ends,
+           tiles[gu[0]], 1, gu[2], gated=True, up_row0=I,
+           config=(gu[0], gu[1], gu[3], gu[4]))
+    y = torch.zeros((P, x.shape[1]), dtype=x.dtype, device=x.device)   # [P, H]: rows no
+    dn = configs["down"]                                               # tile takes add 0
+    launch(h, None, torch.arange(P, dtype=torch.int32, device=x.device), down, None, y,
+           starts, ends, tiles[dn[0]], 1, dn[2], config=(dn[0], dn[1], dn[3], dn[4]))
     return torch.ops.mla.moe_combine(y, slot, topk_weight)

@@ -1,5 +1,5 @@
-"""The grouped W8A8 GEMM of fp8_grouped_kernel.py: its launcher, and an FP8 checkpoint's
-linear for a prefill's rows as one group.
+"""The grouped GEMM of grouped_kernel.py (W8A8 or 16-bit): its launcher, and an FP8
+checkpoint's linear for a prefill's rows as one group.
 
     launch(a, a_scale, rows, w, w_scale, y, starts, ends, tile_ends, ...)   (the kernel)
     prefill_linear(x [M, K], w [N, K] e4m3, scale_inv, group_n, group_k) -> [M, N]
@@ -16,7 +16,7 @@ import torch
 import triton
 
 from lowering.gemm.fp8_act_quant import quantized
-from lowering.gemm.fp8_grouped_kernel import grouped_fp8_kernel
+from lowering.gemm.grouped_kernel import grouped_kernel
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); not yet swept on a GPU
 CONFIG = (64, 128, 8, 3)
@@ -24,24 +24,29 @@ GROUPS_K = (16, 32, 64, 128, 256)
 
 
 def launch(a, a_scale, rows, w, w_scale, y, starts, ends, tile_ends, group_n: int,
-           group_k: int, *, gated: bool = False, up_row0: int = 0, up_s_row0: int = 0,
+           block_k: int, *, gated: bool = False, up_row0: int = 0, up_s_row0: int = 0,
            config=None) -> None:
-    """y [P, N] from the e4m3 activations a [R, K] with their scales a_scale [R, G] (rows
-    [P] int32 pick each sorted pair's row), the expert weights w [E, NW, K] e4m3 with
-    scale_inv w_scale, starts / ends [E] int32 (where each expert's sorted pairs begin and
-    end) and tile_ends [E] int32 (cumulative BLOCK_M tiles per expert; BLOCK_M is config's
-    first entry). gated: gate rows [0, N) and up rows [up_row0, up_row0 + N) of each w[e]
-    (up's scale rows from up_s_row0), y = SiLU(gate) * up."""
+    """y [P, N] from the activations a [R, K] (rows [P] int32 pick each sorted pair's row),
+    the expert weights w [E, NW, K], starts / ends [E] int32 (where each expert's sorted
+    pairs begin and end) and tile_ends [E] int32 (cumulative BLOCK_M tiles per expert;
+    BLOCK_M is config's first entry). W8A8: a e4m3 with its scales a_scale [R, G] per
+    block_k columns, w e4m3 with scale_inv w_scale in group_n x block_k blocks; with
+    a_scale and w_scale None, a and w are 16-bit and block_k is the kernel's K tile.
+    gated: gate rows [0, N) and up rows [up_row0, up_row0 + N) of each w[e] (up's scale
+    rows from up_s_row0), y = SiLU(gate) * up."""
     P, N = y.shape
     E, _, K = w.shape
     bm, bn, warps, stages = config or CONFIG
+    w8a8 = a_scale is not None
+    if not w8a8:                          # never read: pointers the kernel is given anyway
+        a_scale, w_scale, group_n = rows[:, None], w, 1
     grid = (triton.cdiv(P, bm) + E, triton.cdiv(N, bn))
-    torch.library.wrap_triton(grouped_fp8_kernel)[grid](
+    torch.library.wrap_triton(grouped_kernel)[grid](
         a, a_scale, rows, w, w_scale, y, starts, ends, tile_ends, P, N, K, E, up_row0,
         up_s_row0, a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1),
-        w_scale.stride(0), w_scale.stride(1), y.stride(0), GATED=gated,
-        BLOCK_E=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=group_k,
-        GROUP_N=group_n, EVEN_K=K % group_k == 0, DOT_F32=not a.is_cuda, num_warps=warps,
+        w_scale.stride(0), w_scale.stride(1), y.stride(0), W8A8=w8a8, GATED=gated,
+        BLOCK_E=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k,
+        GROUP_N=group_n, EVEN_K=K % block_k == 0, DOT_F32=not a.is_cuda, num_warps=warps,
         num_stages=stages)
 
 
