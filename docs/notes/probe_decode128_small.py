@@ -1,7 +1,9 @@
 """128-head bf16 decode at small batches (H200 probe, not maintained): FlashMLA (its
-kernels with the schedule computed outside the call, and with it inside), and the Gluon
+kernels with the schedule computed outside the call, and with it inside), the Gluon
 pair kernel at its default split count and at 4, 8 and 32 (each size compiles a kernel:
-allow a few minutes); µs from the first kernel's start
+allow a few minutes), and the Triton kernel with its value columns in 1, 2 or 4 programs
+(V_PARTS: fewer key splits fill the GPU, so fewer fp32 partials to write and merge) at
+two split lengths; µs from the first kernel's start
 to the last one's end of one call captured in a CUDA graph (profiler, no launch gaps).
 
     python docs/notes/probe_decode128_small.py [--shapes 1x4096,4x4096]
@@ -13,6 +15,7 @@ from probe_decode16_rows import inputs
 import lowering.decode.flashmla as fm
 from lowering.decode.gluon_decode import gluon_decode
 from lowering.decode.registry import sm_count
+from lowering.decode import triton_decode as td
 from lowering.decode.triton_decode import choose_num_splits
 
 L, H, PAGE = 512, 128, 64
@@ -35,6 +38,19 @@ def main():
         for n in sorted({4, 8, 32, auto}):        # each split size compiles its kernel
             runs[f"gluon s{n}{'*' if n == auto else ''}"] = (
                 lambda n=n: gluon_decode(q, kv, bt, lens, scale, True, n))
+        wide = td.CONFIGS[(0, "wide", "gpu")]
+        for vp in (1, 2, 4):
+            for keys in (64, 256):
+                cfg = dict(wide, BLOCK_M=64, V_PARTS=vp, min_split_keys=keys)
+
+                def tri(cfg=cfg):
+                    td.CONFIGS[(0, "wide", "gpu")] = cfg
+                    try:
+                        return td.triton_decode(q, kv, bt, lens, None, None, scale, True, L,
+                                                0, False, torch.bfloat16)
+                    finally:
+                        td.CONFIGS[(0, "wide", "gpu")] = wide
+                runs[f"triton v{vp} k{keys}"] = tri
         line = []
         for name, fn in runs.items():
             out, _ = fn()
