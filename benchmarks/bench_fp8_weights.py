@@ -21,12 +21,19 @@ per layer). Targets (issue 31): fp8 >= 1.6x bf16 at B = 1, and <= 1.3x its floor
     python benchmarks/bench_fp8_weights.py --shapes 1x4096 --experts 64 --no-compile
     python benchmarks/bench_fp8_weights.py --sweep    # the fp8 GEMM kernel's configs per shape
     python benchmarks/bench_fp8_weights.py --prefill 1x512,1x2048,1x8192   # prefill instead
+    python benchmarks/bench_fp8_weights.py --sweep-grouped     # the prefill GEMM's configs
 
 --prefill times one eager forward of B prompts of S tokens into an empty cache per model
 (as generate() runs a prefill; the median of --rounds after a warm-up). Past the decode
-GEMMs' 64 rows the fp8 model's linears dequantize their weights in each call and run
-cuBLAS, and its routed experts run the grouped W8A8 GEMMs (lowering/moe/fp8_prefill.py)
-where transformers' own fp8 kernel does not load.
+GEMMs' 64 rows the fp8 model's linears and routed experts run the grouped W8A8 GEMM
+(lowering/gemm/grouped.py, lowering/moe/fp8_prefill.py) where transformers' own fp8
+kernel does not load.
+
+--sweep-grouped times that grouped W8A8 GEMM's configs at prefill rows (512, 2048, 8192):
+V3's linears as one group (grouped.prefill_linear) beside the same product with the
+weight dequantized to bf16 and cuBLAS (F.linear), and V3's routed experts
+(fp8_prefill.grouped_experts, top 8 of 256, uniform routing) per kernel; it prints the
+best as grouped.CONFIG and fp8_prefill.CONFIGS entries.
 
 --sweep times the fp8 decode GEMM kernel (lowering/gemm/fp8_linear.py; its configs in fp8_linear_configs.py) alone at V3's
 decode shapes, 1 and 32 rows, over candidate configs (BLOCK_N, stages and the K splits
@@ -295,6 +302,67 @@ def sweep():
     print("}", flush=True)
 
 
+GROUPED_SWEEP = [(bm, bn, w, st) for bm, bn in ((64, 128), (128, 128), (64, 64), (32, 128),
+                                                (128, 64), (16, 128))
+                 for w, st in ((4, 3), (8, 3), (8, 4))]
+PREFILL_LINEARS = {"q_a + kv_a": (2112, 7168), "q_b": (24576, 1536), "o_proj": (7168, 16384),
+                   "dense gate + up": (36864, 7168), "dense down": (7168, 18432)}
+
+
+def sweep_grouped():
+    """--sweep-grouped (module docstring): µs of CUDA-graph replays (L2 flushed)."""
+    import torch.nn.functional as F
+    from lowering.gemm import grouped
+    from lowering.gemm.fp8_linear import dequantize
+    from lowering.moe import fp8_prefill
+    if not torch.cuda.is_available():
+        raise SystemExit("--sweep-grouped times CUDA graphs: it needs a CUDA device")
+    dev, fp8 = torch.device("cuda"), torch.float8_e4m3fn
+
+    def w8(*shape):
+        w = (torch.randn(*shape, device=dev) * 100).clamp(-448, 448).to(fp8)
+        s = torch.rand(*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128),
+                       device=dev) * 1e-2 + 1e-3
+        return w, s
+
+    def best(fns):
+        tm = {}
+        for cfg, fn in fns.items():
+            try:
+                tm[cfg] = quick_time_us(fn)
+            except Exception as exc:                           # out of resources etc.
+                print(f"    {cfg}: {type(exc).__name__}", flush=True)
+        return min(tm, key=tm.get), tm
+    for M in (512, 2048, 8192):
+        for what, (N, K) in PREFILL_LINEARS.items():
+            w, s = w8(N, K)
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            cfg, tm = best({c: (lambda c=c: grouped.prefill_linear(x, w, s, 128, 128, c))
+                            for c in GROUPED_SWEEP})
+            wd = dequantize(w, s, 128, 128, torch.bfloat16)
+            cublas = quick_time_us(lambda: F.linear(x, wd))
+            deq = quick_time_us(lambda: F.linear(x, dequantize(w, s, 128, 128, torch.bfloat16)))
+            tf = 2 * M * N * K / 1e6
+            print(f"  {what:16s} M={M:5d}: best {cfg} {tm[cfg]:8.1f} µs "
+                  f"({tf / tm[cfg]:5.0f} TFLOP/s; CONFIG {grouped.CONFIG} "
+                  f"{tm.get(grouped.CONFIG, float('nan')):8.1f}), bf16 cuBLAS on the "
+                  f"dequantized weight {cublas:8.1f}, with its dequantization {deq:8.1f}",
+                  flush=True)
+    E, I, H, top = 256, 2048, 7168, 8
+    gu, gus = w8(E, 2 * I, H)
+    dn, dns = w8(E, H, I)
+    for T in (512, 2048):
+        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+        idx = torch.stack([torch.randperm(E, device=dev)[:top] for _ in range(T)])
+        wts = torch.rand(T, top, device=dev)
+        for kernel in ("gate_up", "down"):
+            cfg, tm = best({c: (lambda c=c: fp8_prefill.grouped_experts(
+                x, idx, wts, gu, gus, dn, dns, 128, 128, {kernel: c})) for c in GROUPED_SWEEP})
+            now = fp8_prefill.CONFIGS[kernel]
+            print(f"  experts {kernel:8s} T={T:5d}: best {cfg} {tm[cfg]:8.1f} µs (both "
+                  f"kernels; CONFIGS {now} {tm.get(now, float('nan')):8.1f})", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -312,9 +380,13 @@ def main():
                     help="time the fp8 GEMM kernel's configs at V3's shapes instead")
     ap.add_argument("--prefill", default=None,
                     help="BxS,...: time one eager prefill forward per model instead")
+    ap.add_argument("--sweep-grouped", action="store_true",
+                    help="time the prefill rows' grouped W8A8 GEMM configs instead")
     args = ap.parse_args()
     if args.sweep:
         return sweep()
+    if args.sweep_grouped:
+        return sweep_grouped()
 
     import mla_ops.hf
     from mla_ops.hf.fp8_models import quantize_fp8
