@@ -64,11 +64,16 @@ def sweep_splits(H=16):
     from lowering.decode.registry import sm_count
     from lowering.decode.triton_decode import choose_num_splits
     scale = 192 ** -0.5
-    for B, S in [(32, 1024), (32, 1280), (8, 4096), (32, 4096), (256, 1024), (128, 4096)]:
+    for B, S in [(1, 4096), (1, 1024), (4, 4096), (32, 1024), (32, 1280), (8, 4096),
+                 (32, 4096), (256, 1024), (128, 4096)]:
         q, kv, bt, lens = inputs(B, H, S)
         auto = choose_num_splits(B, 1, S, sm_count(q.device), min_split_keys=256)
         line = []
-        for n in sorted({1, 2, 3, 4, 5, 6, 8, 12, 16, auto}):
+        # one request: past MIN_SPLIT_KEYS' 16 splits of 4096 keys, down to a tile a split
+        more = (24, 32, 48, 64) if B * S <= 4 * 4096 else ()
+        for n in sorted({1, 2, 3, 4, 5, 6, 8, 12, 16, auto, *more}):
+            if n * 64 > S:
+                continue
             g = capture(lambda: gluon_decode_op(q, kv, bt, lens, scale, True, n), 2)
             us = kernel_time_us(g.replay, reps=20)
             line.append(f"{n}{'*' if n == auto else ''}: {us:.1f}")
