@@ -231,9 +231,13 @@ def sweep_shape(name: str, tokens: list, device) -> None:
     torch.cuda.empty_cache()
 
 
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): few pairs an expert (weight-bound tiles), then
+# GEMM tiles for many (where torch's grouped GEMM now runs: does the kernel beat it there?)
 STREAM_SWEEP = [(bm, bn, bk, w, st) for bm in (16, 32, 64) for bn, bk, w, st in
                 ((64, 128, 4, 3), (64, 64, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3),
-                 (64, 128, 4, 2), (32, 128, 4, 4))]
+                 (64, 128, 4, 2), (32, 128, 4, 4))] + [
+                (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4),
+                (128, 64, 64, 4, 3), (64, 256, 64, 8, 3)]
 
 
 def prefill_experts(name: str, tokens: list, bandwidth: float, device, sweep: bool) -> list:
