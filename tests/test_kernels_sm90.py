@@ -57,7 +57,7 @@ def _grouped_kernels():
         sig = dict(a_ptr=el, as_ptr="*fp32", rows_ptr="*i32", w_ptr=el, ws_ptr="*fp32",
                    y_ptr="*bf16", starts_ptr="*i32", ends_ptr="*i32", tile_ends_ptr="*i32",
                    P="i32", N="i32", K="i32", E="i32", UP_ROW0="i32", UP_S_ROW0="i32",
-                   stride_a="i32", stride_as="i32", stride_we="i32", stride_wn="i32",
+                   TILES="i32", N_BLOCKS="i32", stride_a="i32", stride_as="i32", stride_we="i32", stride_wn="i32",
                    stride_se="i32", stride_sn="i32", stride_y="i32")
         if w8a8:    # (BLOCK_M, BLOCK_N, warps, stages), BLOCK_K the scale group
             cfgs = [(k, (bm, bn, 128, w, st)) for k, (bm, bn, w, st) in
@@ -68,8 +68,8 @@ def _grouped_kernels():
         for kind, (bm, bn, bk, warps, stages) in dict.fromkeys(cfgs):
             out.append(("lowering.gemm.grouped_kernel", "grouped_kernel", sig,
                         dict(W8A8=w8a8, GATED=kind == "gate_up", BLOCK_E=256, BLOCK_M=bm,
-                             BLOCK_N=bn, BLOCK_K=bk, GROUP_N=128, EVEN_K=True,
-                             DOT_F32=False),
+                             BLOCK_N=bn, BLOCK_K=bk, GROUP_N=128, GROUP_T=8,
+                             EVEN_K=True, DOT_F32=False),
                         dict(num_warps=warps, num_stages=stages)))
     return out
 

@@ -103,16 +103,20 @@ def test_grouped_experts_vs_hf_and_fp64(T, K, E, path, monkeypatch):
 # expert), experts with no pair, H and I not multiples of the tiles; one token; fp16. bf16
 # runs as fp32 on the CPU, whose interpreter truncates to bf16 (the rounding points checked
 # exactly there), and as bf16 on a GPU
+# exercise the kernel's tile groups: several of GROUP_T tiles, and a last one shorter (3)
 WIDE = torch.bfloat16 if DEV == "cuda" else torch.float32
-STREAM_CASES = [(40, 3, 6, 72, 40, (16, 32, 32), WIDE), (1, 4, 8, 64, 48, (16, 16, 64), WIDE),
-                (19, 2, 5, 100, 24, (32, 16, 16), torch.float16)]
+STREAM_CASES = [(40, 3, 6, 72, 40, (16, 32, 32), WIDE, 8),
+                (1, 4, 8, 64, 48, (16, 16, 64), WIDE, 8),
+                (19, 2, 5, 100, 24, (32, 16, 16), torch.float16, 3)]
 
 
-@pytest.mark.parametrize("T,K,E,H,I,tile,dtype", STREAM_CASES)
-def test_streamed_experts_vs_fp64(T, K, E, H, I, tile, dtype):
+@pytest.mark.parametrize("T,K,E,H,I,tile,dtype,group_t", STREAM_CASES)
+def test_streamed_experts_vs_fp64(T, K, E, H, I, tile, dtype, group_t, monkeypatch):
     """The weight-streaming grouped kernel's path against float64 with each GEMM's output
     rounded as the modules round; the pairs of one expert span several tiles (half of the
     tokens choose expert 0); a pair whose expert is outside [0, E) adds zero."""
+    from lowering.gemm import grouped
+    monkeypatch.setattr(grouped, "GROUP_T", group_t)
     x, idx, w, gate_up, down = case(T, K, E, H, I, seed=T + E, device="cpu", dtype=dtype)
     idx[: (T + 1) // 2, 0] = 0                                  # a hot expert: many tiles
     idx[: (T + 1) // 2, 1:] = torch.where(idx[: (T + 1) // 2, 1:] == 0, E - 1,

@@ -21,6 +21,7 @@ from lowering.gemm.grouped_kernel import grouped_kernel
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); not yet swept on a GPU
 CONFIG = (64, 128, 8, 3)
 GROUPS_K = (16, 32, 64, 128, 256)
+GROUP_T = 8          # tiles whose rows stay in L2 while every column block is computed
 
 
 def launch(a, a_scale, rows, w, w_scale, y, starts, ends, tile_ends, group_n: int,
@@ -40,14 +41,14 @@ def launch(a, a_scale, rows, w, w_scale, y, starts, ends, tile_ends, group_n: in
     w8a8 = a_scale is not None
     if not w8a8:                          # never read: pointers the kernel is given anyway
         a_scale, w_scale, group_n = rows[:, None], w, 1
-    grid = (triton.cdiv(P, bm) + E, triton.cdiv(N, bn))
-    torch.library.wrap_triton(grouped_kernel)[grid](
+    tiles, n_blocks = triton.cdiv(P, bm) + E, triton.cdiv(N, bn)
+    torch.library.wrap_triton(grouped_kernel)[(tiles * n_blocks,)](
         a, a_scale, rows, w, w_scale, y, starts, ends, tile_ends, P, N, K, E, up_row0,
-        up_s_row0, a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1),
+        up_s_row0, tiles, n_blocks, a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1),
         w_scale.stride(0), w_scale.stride(1), y.stride(0), W8A8=w8a8, GATED=gated,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k,
-        GROUP_N=group_n, EVEN_K=K % block_k == 0, DOT_F32=not a.is_cuda, num_warps=warps,
-        num_stages=stages)
+        GROUP_N=group_n, GROUP_T=GROUP_T, EVEN_K=K % block_k == 0, DOT_F32=not a.is_cuda,
+        num_warps=warps, num_stages=stages)
 
 
 def prefill_linear(x2: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, group_n: int,

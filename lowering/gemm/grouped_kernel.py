@@ -18,10 +18,13 @@ every row in one group (grouped.py's prefill_linear). W8A8 as HF's FP8Linear com
                          rounded to y's dtype, as the unfused modules
         else (down):     y[p] = a[rows[p]] @ W[e].T
 
-    grid = (cdiv(P, BLOCK_M) + E, cdiv(N, BLOCK_N)): program (i, j) takes the i-th tile of
-    the sorted pairs (expert e's tiles follow expert e - 1's; a tile holds one expert's
-    pairs only), output columns [j BLOCK_N, (j + 1) BLOCK_N); programs past the last tile
-    return at once (the grid is sized on the host without reading the counts)
+    grid = (TILES * N_BLOCKS,), TILES = cdiv(P, BLOCK_M) + E, N_BLOCKS = cdiv(N, BLOCK_N):
+    a program takes tile i of the sorted pairs (expert e's tiles follow expert e - 1's; a
+    tile holds one expert's pairs only) and output columns [j BLOCK_N, (j + 1) BLOCK_N);
+    programs past the last tile return at once (the grid is sized on the host without
+    reading the counts). Program ids walk GROUP_T tiles at every j before the next j, so
+    the rows of GROUP_T tiles stay in L2 while their columns are computed, and an expert's
+    tiles (consecutive) share each weight slice there.
 
 Each program streams its [BLOCK_N, K] slice of the expert's weight once (gate and up in the
 same K loop, sharing the activation tile), computing the transposed tile acc [BLOCK_N,
@@ -63,23 +66,28 @@ def grouped_kernel(
     w_ptr, ws_ptr,                           # [E, NW, K], (W8A8) scale_inv
     y_ptr,                                   # [P, N]
     starts_ptr, ends_ptr, tile_ends_ptr,     # [E] int32 each
-    P, N, K, E, UP_ROW0, UP_S_ROW0,
+    P, N, K, E, UP_ROW0, UP_S_ROW0, TILES, N_BLOCKS,
     stride_a, stride_as, stride_we, stride_wn, stride_se, stride_sn, stride_y,
     W8A8: tl.constexpr, GATED: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,                   # W8A8: the scale group along K
-    GROUP_N: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    GROUP_N: tl.constexpr, GROUP_T: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    n0 = tl.program_id(1) * BLOCK_N
+    pid = tl.program_id(0)
+    in_group = GROUP_T * N_BLOCKS
+    first = (pid // in_group) * GROUP_T                  # the group's first tile
+    size = tl.minimum(TILES - first, GROUP_T)
+    tile = first + (pid % in_group) % size
+    n0 = ((pid % in_group) // size) * BLOCK_N
     ex = tl.arange(0, BLOCK_E)
     tile_ends = tl.load(tile_ends_ptr + ex, mask=ex < E, other=2147483647)       # [BLOCK_E]
     e = tl.sum((tile_ends <= tile).to(tl.int32), axis=0)     # the expert whose tiles hold it
     if e < E:
-        first = tl.load(tile_ends_ptr + e - 1, mask=e > 0, other=0)          # e's first tile
+        e_tile = tl.load(tile_ends_ptr + e - 1, mask=e > 0, other=0)         # e's first tile
         start = tl.load(starts_ptr + e)                                       # e's first pair
         end = tl.load(ends_ptr + e)
-        pairs = start + (tile - first) * BLOCK_M + tl.arange(0, BLOCK_M)      # [BLOCK_M]
+        pairs = start + (tile - e_tile) * BLOCK_M + tl.arange(0, BLOCK_M)     # [BLOCK_M]
         m_ok = pairs < end
         arow = tl.load(rows_ptr + pairs, mask=m_ok, other=0)                  # [BLOCK_M]
         a_rows = a_ptr + arow.to(tl.int64)[None, :] * stride_a                # [1, BLOCK_M]
