@@ -78,9 +78,11 @@ def problem(E, H, T, wdtype, seed):
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("T", [1, 5, 17])
+@pytest.mark.parametrize("T", [1, 5, 17, 70])
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernels_vs_fp64(case, T, wdtype):
+    """Decode rows (the logits kernel) and a prefill's (T > MAX_ROWS: torch's fp32 GEMM,
+    then the same selection kernel)."""
     mode, E, G, KG, K, norm, H = CASES[case]
     x, weight, bias = problem(E, H, T, wdtype, seed=T * 10 + mode)
     args = (mode, K, G, KG, norm, 2.5)
@@ -179,7 +181,8 @@ def test_kernel_serves_says_why_not():
         xc, wc = torch.randn(2, 32, device="cuda"), w.cuda()
         assert "bf16" in router.kernel_serves(xc, wc)
         assert router.kernel_serves(xc.bfloat16(), wc) is None
-        assert "rows" in router.kernel_serves(torch.randn(65, 32, device="cuda").bfloat16(), wc)
+        assert router.kernel_serves(torch.randn(65, 32, device="cuda").bfloat16(), wc) is None
+        assert "rows" in router.kernel_serves(torch.randn(0, 32, device="cuda").bfloat16(), wc)
         assert "experts" in router.kernel_serves(xc.bfloat16(), torch.randn(513, 32).cuda())
 
 
@@ -248,7 +251,7 @@ GPU_CASES = {"v3": (0, 256, 7168, 8, 4, 8, True), "v2_lite": (1, 64, 2048, 1, 1,
 
 @GPU
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("T", [1, 8, 32, 64])
+@pytest.mark.parametrize("T", [1, 8, 32, 64, 65, 2048])
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_gpu_kernels_vs_torch_at_model_shapes(case, T, wdtype):
     """The op's kernels against HF's torch calls on CUDA: the same experts except on rows

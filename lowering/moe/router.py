@@ -13,13 +13,15 @@ HF's router modules on x (route_torch: their exact torch calls):
             the other groups' scores 0.0, then top_k
 n_group / topk_group matter in modes 0 and 2, norm_topk_prob in mode 0, bias in mode 0 only.
 
-On CUDA for at most MAX_ROWS bf16 / fp16 tokens (kernel_serves): two Triton launches, the
-logits as split-H fp32 partials (router_logits_kernel.py) and the per-token selection
-(router_select_kernel.py), in place of the ~8 torch kernels of HF's router. The same
-experts as HF's router except where two choice values are within the fp32 rounding of
-the logits' summation order (exact ties go to the lower index, as torch's CUDA topk
-does); the weights within an ulp or so. The experts come in descending choice order
-(HF's torch.topk(sorted=False) order is unspecified). Anything else runs route_torch.
+On CUDA for bf16 / fp16 tokens (kernel_serves): the logits, then the per-token selection
+(router_select_kernel.py) in one launch, in place of the ~8-12 torch kernels of HF's
+router after its GEMM. The logits: for at most MAX_ROWS tokens (a decode step) split-H
+fp32 partials (router_logits_kernel.py), the same experts as HF's router except where two
+choice values are within the fp32 rounding of the logits' summation order; for more (a
+prefill) HF's own fp32 GEMM, so the same experts. Exact ties go to the lower index, as
+torch's CUDA topk does; the weights within an ulp or so. The experts come in descending
+choice order (HF's torch.topk(sorted=False) order is unspecified). Anything else runs
+route_torch.
 Defined with torch.library.triton_op, so Inductor sees the kernels.
 """
 from __future__ import annotations
@@ -109,8 +111,8 @@ def kernel_serves(x: torch.Tensor, weight: torch.Tensor) -> str | None:
         return f"x is {x.dtype}, the kernels take bf16 / fp16"
     if weight.dtype not in (x.dtype, torch.float32):
         return f"weight is {weight.dtype}, the kernels take x's dtype {x.dtype} or float32"
-    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
-        return f"x is {tuple(x.shape)}: the kernels serve 1 to {MAX_ROWS} rows"
+    if x.dim() != 2 or x.shape[0] < 1:
+        return f"x is {tuple(x.shape)}: the kernels serve [T, H] with T >= 1 rows"
     if weight.shape[0] > MAX_EXPERTS:
         return f"{weight.shape[0]} experts: the kernels serve at most {MAX_EXPERTS}"
     if weight.stride(-1) != 1:
@@ -120,21 +122,26 @@ def kernel_serves(x: torch.Tensor, weight: torch.Tensor) -> str | None:
 
 def launch(x, weight, bias, mode, top_k, n_group, topk_group, norm_topk_prob, scale, *,
            config=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run both kernels (on CPU tensors under TRITON_INTERPRET=1 too): x [T, H], weight
-    [E, H] (H contiguous), bias [E] with mode 0. config: logits_config's tuple."""
+    """The logits and the selection kernel (on CPU tensors under TRITON_INTERPRET=1 too):
+    x [T, H], weight [E, H] (H contiguous), bias [E] with mode 0. Up to MAX_ROWS rows the
+    logits kernel (config: logits_config's tuple), past it HF's fp32 GEMM."""
     T, H = x.shape
     E = weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
-    block_e, split, block_k, warps, stages = config or logits_config(E, H)
-    chunk = triton.cdiv(triton.cdiv(H, split), block_k) * block_k      # H values per split
-    split = triton.cdiv(H, chunk)                                      # no empty splits
-    partial = torch.empty((split, T, E), dtype=torch.float32, device=x.device)   # [SPLIT, T, E]
-    kernel = torch.library.wrap_triton(router_logits_kernel)
-    kernel[(triton.cdiv(E, block_e), split)](
-        x, weight, partial, T, E, H, chunk, x.stride(0), weight.stride(0),
-        BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_E=block_e, BLOCK_K=block_k,
-        EVEN_K=H % chunk == 0, W_F32=weight.dtype == torch.float32, DOT_F32=not x.is_cuda,
-        num_warps=warps, num_stages=stages)
+    if T > MAX_ROWS:                  # a prefill: HF's GEMM, the same logits (one "split")
+        split = 1
+        partial = F.linear(x.type(torch.float32), weight.type(torch.float32))[None]
+    else:
+        block_e, split, block_k, warps, stages = config or logits_config(E, H)
+        chunk = triton.cdiv(triton.cdiv(H, split), block_k) * block_k  # H values per split
+        split = triton.cdiv(H, chunk)                                  # no empty splits
+        partial = torch.empty((split, T, E), dtype=torch.float32, device=x.device)
+        kernel = torch.library.wrap_triton(router_logits_kernel)         # [SPLIT, T, E]
+        kernel[(triton.cdiv(E, block_e), split)](
+            x, weight, partial, T, E, H, chunk, x.stride(0), weight.stride(0),
+            BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_E=block_e, BLOCK_K=block_k,
+            EVEN_K=H % chunk == 0, W_F32=weight.dtype == torch.float32,
+            DOT_F32=not x.is_cuda, num_warps=warps, num_stages=stages)
     topk_idx = torch.empty((T, top_k), dtype=torch.int64, device=x.device)          # [T, K]
     topk_weight = torch.empty((T, top_k), dtype=torch.float32, device=x.device)     # [T, K]
     grouped = mode != 1

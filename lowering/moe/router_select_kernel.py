@@ -1,6 +1,7 @@
-"""A DeepSeek MoE router's choice for a decode step, one program per token:
+"""A DeepSeek MoE router's choice, one program per token:
 
-    partial [SPLIT, T, E] fp32 (router_logits_kernel.py), bias [E] (MODE 0)
+    partial [SPLIT, T, E] fp32 (router_logits_kernel.py at a decode step's rows; a
+        prefill's fp32 logits as one split), bias [E] (MODE 0)
     logits[e]      = partial[0, t, e] + partial[1, t, e] + ... (in split order)   [BLOCK_E]
     topk_idx [T, K] int64, topk_weight [T, K] fp32: HF's router on these logits
 
