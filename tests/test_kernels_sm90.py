@@ -1,10 +1,11 @@
 """Triton kernels compiled offline for Hopper (SM90), where a GPU-only compile failure or a
 register spill would otherwise show only on the GPU: the fp8 producers (the norms and the
 prologue that quantize for the fp8 GEMMs), the query kernel's W8A8 form, V2-Lite's
-query-and-cache-row kernel and the prefill experts' grouped GEMM (fp8 and bf16, its shipped
-configs), at
-DeepSeek's widths, within the shared memory a CTA may take. Their numerics are tested under the
-interpreter (test_fp8_producer_quant.py, test_q_absorb.py) and on a GPU."""
+query-and-cache-row kernel, a prefill MLP's SiLU x up, and the prefill experts' grouped
+GEMM (fp8 and bf16, its shipped configs), at DeepSeek's widths, each within the shared
+memory a CTA may take. Their numerics are tested under the interpreter
+(test_fp8_producer_quant.py, test_q_absorb.py, test_silu_mul.py, test_moe_prefill.py) and
+on a GPU."""
 import json
 import os
 import subprocess
@@ -38,6 +39,10 @@ KERNELS = [
           stride_at="i32", stride_cs="i32", ws_ptr="*fp32", xs_ptr="*fp32"),
      dict(Q=1536, P=128, R=64, L=512, BLOCK_T=16, BLOCK_K=128, BLOCK_L=128, ROPE=1,
           DOT_F32=False, QUANT=False, W8A8=True, GROUP_N=128), 8),
+    ("lowering.fused.silu_mul_kernel", "silu_mul_kernel",
+     dict(g_ptr="*bf16", u_ptr="*bf16", y_ptr="*bf16", N="i32", stride_g="i32",
+          stride_u="i32", stride_y="i32"),
+     dict(BLOCK_N=1024, LIBDEVICE=True), 4),
     ("lowering.fused.q_kv_absorb_kernel", "q_kv_absorb_kernel",
      dict(part_ptr="*fp32", wkv_ptr="*bf16", wuk_ptr="*bf16", cos_ptr="*fp32",
           sin_ptr="*fp32", y_ptr="*bf16", kv_ptr="*bf16", T="i32", N="i32",

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import triton
 
 from lowering import config as mla_config
+from lowering.fused.silu_mul import silu_mul
 from lowering.gemm.linear_kernel import decode_linear_kernel
 
 MAX_ROWS = 64
@@ -313,8 +314,8 @@ def decode_gate_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) ->
     if w_gate.shape != w_up.shape:
         raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} must match")
     cfg = _config(2, x, w_gate, w_up)
-    if cfg is None:
-        return F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)
+    if cfg is None:                  # (a prefill's rows: the two passes after it in one)
+        return silu_mul(F.linear(x, w_gate), F.linear(x, w_up))
     x2 = _rows(x, K)
     y = torch.empty((x2.shape[0], w_gate.shape[0]), dtype=x.dtype, device=x.device)  # [M, N]
     launch(x2, w_gate, w_up, 2, y, None, cfg)

@@ -32,9 +32,9 @@ the block falls back to HF's experts elsewhere.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 
+from lowering.fused.silu_mul import silu_mul
 from lowering.gemm.grouped import launch
 from lowering.moe.combine_kernel import moe_combine_kernel
 
@@ -132,7 +132,7 @@ def grouped_mm_experts(x, topk_idx, topk_weight, gate_up, down) -> torch.Tensor:
     xs = x[perm // K]                                                            # [P, H]
     offs = torch.cumsum(counts, dim=0, dtype=torch.int32)                        # [E]
     gu = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)             # [P, 2I]
-    h = F.silu(gu[:, :I]) * gu[:, I:]                                            # [P, I]
+    h = silu_mul(gu[:, :I], gu[:, I:])                           # F.silu(gate) * up, [P, I]
     y = torch._grouped_mm(h, down.transpose(-2, -1), offs=offs)                  # [P, H]
     return torch.ops.mla.moe_combine(y, slot, topk_weight)
 
