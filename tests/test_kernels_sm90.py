@@ -74,7 +74,14 @@ def _grouped_kernels():
             out.append(("lowering.gemm.grouped_kernel", "grouped_kernel", sig,
                         dict(W8A8=w8a8, GATED=kind == "gate_up", BLOCK_E=256, BLOCK_M=bm,
                              BLOCK_N=bn, BLOCK_K=bk, GROUP_N=128, GROUP_T=8,
-                             EVEN_K=True, DOT_F32=False),
+                             EVEN_K=True, ONE_GROUP=False, DOT_F32=False),
+                        dict(num_warps=warps, num_stages=stages)))
+        if w8a8:                    # an FP8 linear's prefill rows (grouped.prefill_linear)
+            bm, bn, warps, stages = grouped.CONFIG
+            out.append(("lowering.gemm.grouped_kernel", "grouped_kernel", sig,
+                        dict(W8A8=True, GATED=False, BLOCK_E=1, BLOCK_M=bm, BLOCK_N=bn,
+                             BLOCK_K=128, GROUP_N=128, GROUP_T=8, EVEN_K=True,
+                             ONE_GROUP=True, DOT_F32=False),
                         dict(num_warps=warps, num_stages=stages)))
     return out
 
@@ -86,8 +93,8 @@ SMEM = 227 * 1024                       # the most shared memory a CTA may take 
 def _label(name: str, consts: dict) -> str:
     if name != "grouped_kernel":
         return name + ("_w8a8" if consts.get("W8A8") else "")
-    return (f"{name}[{'w8a8' if consts['W8A8'] else 'bf16'},"
-            f"{'gate_up' if consts['GATED'] else 'down'},{consts['BLOCK_M']}x"
+    kind = ("linear" if consts["ONE_GROUP"] else "gate_up" if consts["GATED"] else "down")
+    return (f"{name}[{'w8a8' if consts['W8A8'] else 'bf16'},{kind},{consts['BLOCK_M']}x"
             f"{consts['BLOCK_N']}x{consts['BLOCK_K']}]")
 
 

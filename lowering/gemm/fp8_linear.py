@@ -47,6 +47,7 @@ import torch.nn.functional as F
 import triton
 
 from lowering import config as mla_config
+from lowering.fused.silu_mul import silu_mul
 from lowering.gemm.fp8_linear_kernel import fp8_linear_kernel, fp8_split_reduce_kernel
 from lowering.gemm.fp8_act_quant import given_quant, quantized
 from lowering.gemm.grouped import GROUPS_K, prefill_linear
@@ -320,9 +321,14 @@ def decode_gate_up_fp8(x: torch.Tensor, w_gate: torch.Tensor, s_gate: torch.Tens
     given = given_quant(x, x_q, x_s, group_k)
     cfg = _kernel_config(2, x, [(w_gate, s_gate), (w_up, s_up)], group_n, group_k)
     if cfg is None:
-        prefill = _prefill_serves(x, [(w_gate, s_gate), (w_up, s_up)], group_k)
-        g = _unserved(x, w_gate, s_gate, group_n, group_k, prefill)
-        return F.silu(g) * _unserved(x, w_up, s_up, group_n, group_k, prefill)
+        if _prefill_serves(x, [(w_gate, s_gate), (w_up, s_up)], group_k):   # x quantized once
+            x2 = _rows(x, K)
+            xq = quantized(x2, group_k, True)[:2]
+            g, u = [prefill_linear(x2, w, s, group_n, group_k, x_quant=xq)
+                    for w, s in ((w_gate, s_gate), (w_up, s_up))]
+            return silu_mul(g, u).view(*x.shape[:-1], w_gate.shape[0])
+        return silu_mul(_unserved(x, w_gate, s_gate, group_n, group_k, False),
+                        _unserved(x, w_up, s_up, group_n, group_k, False))
     x2 = _rows(x, K)
     y = torch.empty((x2.shape[0], w_gate.shape[0]), dtype=x.dtype, device=x.device)  # [M, N]
     run(x2, w_gate, s_gate, w_up, s_up, 2, y, None, group_n, group_k, cfg, x_quant=given)

@@ -30,7 +30,8 @@ def launch(a, a_scale, rows, w, w_scale, y, starts, ends, tile_ends, group_n: in
     """y [P, N] from the activations a [R, K] (rows [P] int32 pick each sorted pair's row),
     the expert weights w [E, NW, K], starts / ends [E] int32 (where each expert's sorted
     pairs begin and end) and tile_ends [E] int32 (cumulative BLOCK_M tiles per expert;
-    BLOCK_M is config's first entry). W8A8: a e4m3 with its scales a_scale [R, G] per
+    BLOCK_M is config's first entry); rows None: one expert (E = 1) over rows 0 .. P - 1
+    of a (starts, ends and tile_ends unused). W8A8: a e4m3 with its scales a_scale [R, G] per
     block_k columns, w e4m3 with scale_inv w_scale in group_n x block_k blocks; with
     a_scale and w_scale None, a and w are 16-bit and block_k is the kernel's K tile.
     gated: gate rows [0, N) and up rows [up_row0, up_row0 + N) of each w[e] (up's scale
@@ -39,31 +40,29 @@ def launch(a, a_scale, rows, w, w_scale, y, starts, ends, tile_ends, group_n: in
     E, _, K = w.shape
     bm, bn, warps, stages = config or CONFIG
     w8a8 = a_scale is not None
-    if not w8a8:                          # never read: pointers the kernel is given anyway
-        a_scale, w_scale, group_n = rows[:, None], w, 1
-    tiles, n_blocks = triton.cdiv(P, bm) + E, triton.cdiv(N, bn)
+    one = rows is None                    # one expert, rows in order (prefill_linear)
+    if one:                               # never read: pointers the kernel is given anyway
+        rows = starts = ends = tile_ends = y
+    if not w8a8:
+        a_scale, w_scale, group_n = a, w, 1
+    tiles, n_blocks = triton.cdiv(P, bm) + (0 if one else E), triton.cdiv(N, bn)
     torch.library.wrap_triton(grouped_kernel)[(tiles * n_blocks,)](
         a, a_scale, rows, w, w_scale, y, starts, ends, tile_ends, P, N, K, E, up_row0,
         up_s_row0, tiles, n_blocks, a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1),
         w_scale.stride(0), w_scale.stride(1), y.stride(0), W8A8=w8a8, GATED=gated,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k,
-        GROUP_N=group_n, GROUP_T=GROUP_T, EVEN_K=K % block_k == 0, DOT_F32=not a.is_cuda,
-        num_warps=warps, num_stages=stages)
+        GROUP_N=group_n, GROUP_T=GROUP_T, EVEN_K=K % block_k == 0, ONE_GROUP=one,
+        DOT_F32=not a.is_cuda, num_warps=warps, num_stages=stages)
 
 
 def prefill_linear(x2: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, group_n: int,
-                   group_k: int, config=None) -> torch.Tensor:
+                   group_k: int, config=None, x_quant=None) -> torch.Tensor:
     """x2 [M, K] (K contiguous) @ W.T -> [M, N] in x2's dtype, W8A8 (module docstring); on
     any device the kernel runs (the CPU under TRITON_INTERPRET=1). w and scale_inv
-    contiguous, group_k in GROUPS_K."""
-    M = x2.shape[0]
-    bm = (config or CONFIG)[0]
-    dev = x2.device
-    xq, xs, _ = quantized(x2, group_k, True)                  # e4m3 [M, K], fp32 [M, G]
-    y = torch.empty((M, w.shape[0]), dtype=x2.dtype, device=dev)                # [M, N]
-    zero = torch.zeros(1, dtype=torch.int32, device=dev)
-    launch(xq, xs, torch.arange(M, dtype=torch.int32, device=dev), w[None], scale_inv[None],
-           y, zero, torch.full((1,), M, dtype=torch.int32, device=dev),
-           torch.full((1,), triton.cdiv(M, bm), dtype=torch.int32, device=dev), group_n,
-           group_k, config=config)
+    contiguous, group_k in GROUPS_K. x_quant: x2 already quantized per group_k columns
+    (quantized(x2, group_k, True)[:2]), shared by GEMMs of the same input."""
+    xq, xs = x_quant if x_quant is not None else quantized(x2, group_k, True)[:2]
+    y = torch.empty((x2.shape[0], w.shape[0]), dtype=x2.dtype, device=x2.device)  # [M, N]
+    launch(xq, xs, None, w[None], scale_inv[None], y, None, None, None, group_n, group_k,
+           config=config)
     return y

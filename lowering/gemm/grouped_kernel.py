@@ -11,6 +11,7 @@ every row in one group (grouped.py's prefill_linear). W8A8 as HF's FP8Linear com
         cdiv(K, BLOCK_K)] fp32
     starts, ends [E] int32: where expert e's pairs begin and end in the sorted order
     tile_ends [E] int32: the same in tiles of BLOCK_M pairs (cumulative cdiv(count, BLOCK_M))
+    (ONE_GROUP: one expert whose pairs are rows 0 .. P - 1 of a; rows and the tables unread)
     y [P, N] in y's dtype:
         GATED (gate_up): y[p] = SiLU(a[rows[p]] @ Wg[e].T) * (a[rows[p]] @ Wu[e].T), gate
                          rows [0, N) of w[e] and up rows [UP_ROW0, UP_ROW0 + N), up's scale
@@ -72,6 +73,7 @@ def grouped_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,                   # W8A8: the scale group along K
     GROUP_N: tl.constexpr, GROUP_T: tl.constexpr, EVEN_K: tl.constexpr,
+    ONE_GROUP: tl.constexpr,                 # one expert, rows in order: no tables read
     DOT_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -80,16 +82,24 @@ def grouped_kernel(
     size = tl.minimum(TILES - first, GROUP_T)
     tile = first + (pid % in_group) % size
     n0 = ((pid % in_group) // size) * BLOCK_N
-    ex = tl.arange(0, BLOCK_E)
-    tile_ends = tl.load(tile_ends_ptr + ex, mask=ex < E, other=2147483647)       # [BLOCK_E]
-    e = tl.sum((tile_ends <= tile).to(tl.int32), axis=0)     # the expert whose tiles hold it
+    if ONE_GROUP:
+        e = pid * 0
+    else:
+        ex = tl.arange(0, BLOCK_E)
+        tile_ends = tl.load(tile_ends_ptr + ex, mask=ex < E, other=2147483647)   # [BLOCK_E]
+        e = tl.sum((tile_ends <= tile).to(tl.int32), axis=0)   # the expert of these tiles
     if e < E:
-        e_tile = tl.load(tile_ends_ptr + e - 1, mask=e > 0, other=0)         # e's first tile
-        start = tl.load(starts_ptr + e)                                       # e's first pair
-        end = tl.load(ends_ptr + e)
-        pairs = start + (tile - e_tile) * BLOCK_M + tl.arange(0, BLOCK_M)     # [BLOCK_M]
-        m_ok = pairs < end
-        arow = tl.load(rows_ptr + pairs, mask=m_ok, other=0)                  # [BLOCK_M]
+        if ONE_GROUP:
+            pairs = tile * BLOCK_M + tl.arange(0, BLOCK_M)                    # [BLOCK_M]
+            m_ok = pairs < P
+            arow = pairs
+        else:
+            e_tile = tl.load(tile_ends_ptr + e - 1, mask=e > 0, other=0)     # e's first tile
+            start = tl.load(starts_ptr + e)                                   # e's first pair
+            end = tl.load(ends_ptr + e)
+            pairs = start + (tile - e_tile) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+            m_ok = pairs < end
+            arow = tl.load(rows_ptr + pairs, mask=m_ok, other=0)              # [BLOCK_M]
         a_rows = a_ptr + arow.to(tl.int64)[None, :] * stride_a                # [1, BLOCK_M]
         sa_rows = as_ptr + arow.to(tl.int64) * stride_as                      # [BLOCK_M]
         offs_n = n0 + tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
