@@ -31,9 +31,10 @@ def launch(a, a_scale, rows, w, w_scale, y, starts, ends, tile_ends, group_n: in
     the expert weights w [E, NW, K], starts / ends [E] int32 (where each expert's sorted
     pairs begin and end) and tile_ends [E] int32 (cumulative BLOCK_M tiles per expert;
     BLOCK_M is config's first entry); rows None: one expert (E = 1) over rows 0 .. P - 1
-    of a (starts, ends and tile_ends unused). W8A8: a e4m3 with its scales a_scale [R, G] per
-    block_k columns, w e4m3 with scale_inv w_scale in group_n x block_k blocks; with
-    a_scale and w_scale None, a and w are 16-bit and block_k is the kernel's K tile.
+    of a (starts, ends and tile_ends unused).
+    W8A8: a e4m3 with its scales a_scale [R, G] per block_k columns, w e4m3 with scale_inv
+    w_scale in group_n x block_k blocks; with a_scale and w_scale None, a and w are 16-bit
+    and block_k is the kernel's K tile.
     gated: gate rows [0, N) and up rows [up_row0, up_row0 + N) of each w[e] (up's scale
     rows from up_s_row0), y = SiLU(gate) * up."""
     P, N = y.shape
