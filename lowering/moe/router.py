@@ -15,13 +15,13 @@ n_group / topk_group matter in modes 0 and 2, norm_topk_prob in mode 0, bias in 
 
 On CUDA for bf16 / fp16 tokens (kernel_serves): the logits, then the per-token selection
 (router_select_kernel.py) in one launch, in place of the torch kernels of HF's router
-after its GEMM (3 for V2's greedy softmax, ~12 for V3's groups). The logits: for at most MAX_ROWS tokens (a decode step) split-H
-fp32 partials (router_logits_kernel.py), the same experts as HF's router except where two
-choice values are within the fp32 rounding of the logits' summation order; for more (a
-prefill) HF's own fp32 GEMM, so the same experts. Exact ties go to the lower index, as
-torch's CUDA topk does; the weights within an ulp or so. The experts come in descending
-choice order (HF's torch.topk(sorted=False) order is unspecified). Anything else runs
-route_torch.
+after its GEMM (3 for V2's greedy softmax, ~12 for V3's groups). The logits: for at most
+MAX_ROWS tokens (a decode step) split-H fp32 partials (router_logits_kernel.py), the same
+experts as HF's router except where two choice values are within the fp32 rounding of
+the logits' summation order; for more (a prefill) HF's own fp32 GEMM, so the same
+experts. Exact ties go to the lower index, as torch's CUDA topk does; the weights within
+an ulp or so. The experts come in descending choice order (HF's torch.topk(sorted=False)
+order is unspecified). Anything else runs route_torch.
 Defined with torch.library.triton_op, so Inductor sees the kernels.
 """
 from __future__ import annotations
