@@ -35,6 +35,7 @@ import torch
 import triton
 
 from lowering.fused.silu_mul import silu_mul
+from lowering.gemm.fp8_act_quant import quantized
 from lowering.gemm.grouped import launch
 from lowering.moe.combine_kernel import moe_combine_kernel
 
@@ -137,11 +138,14 @@ def grouped_mm_experts(x, topk_idx, topk_weight, gate_up, down) -> torch.Tensor:
     return torch.ops.mla.moe_combine(y, slot, topk_weight)
 
 
-def streamed_experts(x, topk_idx, topk_weight, gate_up, down, configs=None) -> torch.Tensor:
+def streamed_experts(x, topk_idx, topk_weight, gate_up, down, configs=None,
+                     fp8=None) -> torch.Tensor:
     """The few-pairs-per-expert form (module docstring): [T, H] in x's dtype. On any device
     the kernels run (the CPU under TRITON_INTERPRET=1). configs: {kernel: (BLOCK_M,
     BLOCK_N, BLOCK_K, num_warps, num_stages)}, by default STREAM_CONFIGS with BLOCK_M from
-    stream_block_m."""
+    stream_block_m. fp8: (gate_up_scale, down_scale, group_n, group_k) for e4m3 weights
+    (lowering/moe/fp8_prefill.py): x and h quantized per group_k columns, W8A8, BLOCK_K
+    the scale group."""
     T, K = topk_idx.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     P = T * K
@@ -151,13 +155,18 @@ def streamed_experts(x, topk_idx, topk_weight, gate_up, down, configs=None) -> t
     ids, perm, counts, slot = sorted_pairs(topk_idx, E)          # [P], [P], [E], [T, K]
     starts, ends = pair_ranges(ids, counts)
     tiles = {m: tile_ends(counts, m) for m in {c[0] for c in configs.values()}}
+    gs, ds, gn, gk = fp8 if fp8 is not None else (None, None, 1, None)
+
+    def operand(a):                  # a, or (W8A8) its e4m3 copy and scales per gk columns
+        return (a, None) if fp8 is None else quantized(a, gk, True)[:2]
+
     h = torch.empty((P, I), dtype=x.dtype, device=x.device)                     # [P, I]
-    gu = configs["gate_up"]
-    launch(x, None, (perm // K).to(torch.int32), gate_up, None, h, starts, ends,
-           tiles[gu[0]], 1, gu[2], gated=True, up_row0=I,
-           config=(gu[0], gu[1], gu[3], gu[4]))
+    bm, bn, bk, warps, stages = configs["gate_up"]
+    launch(*operand(x), (perm // K).to(torch.int32), gate_up, gs, h, starts, ends, tiles[bm],
+           gn, bk, gated=True, up_row0=I, up_s_row0=triton.cdiv(I, gn),
+           config=(bm, bn, warps, stages))
     y = torch.zeros((P, x.shape[1]), dtype=x.dtype, device=x.device)   # [P, H]: rows no
-    dn = configs["down"]                                               # tile takes add 0
-    launch(h, None, torch.arange(P, dtype=torch.int32, device=x.device), down, None, y,
-           starts, ends, tiles[dn[0]], 1, dn[2], config=(dn[0], dn[1], dn[3], dn[4]))
+    bm, bn, bk, warps, stages = configs["down"]                        # tile takes add 0
+    launch(*operand(h), torch.arange(P, dtype=torch.int32, device=x.device), down, ds, y,
+           starts, ends, tiles[bm], gn, bk, config=(bm, bn, warps, stages))
     return torch.ops.mla.moe_combine(y, slot, topk_weight)
