@@ -478,7 +478,8 @@ def norm_warps():
         w = torch.rand(7168, device=dev, dtype=dt) + 0.5
         y = torch.empty_like(x)
         for warps in (2, 4, 8, 16):
-            run = lambda: rms_norm_kernel[(T,)](x, w, y, 7168, x.stride(0), 1e-6, BLOCK=8192, num_warps=warps)
+            run = lambda: rms_norm_kernel[(T,)](x, w, y, 7168, x.stride(0), 1e-6, y, y, 1, BLOCK=8192,
+                                                QUANT_K=0, NATIVE_CAST=True, num_warps=warps)
             run()
             print(f"rms_norm T={T} warps {warps}: {kernel_time_us(run):.2f} us", flush=True)
 

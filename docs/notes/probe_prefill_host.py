@@ -110,7 +110,8 @@ def part_ops():
                 "its body, called directly": us(lambda: norm.rms_norm._init_fn(x, w, 1e-6)),
                 "its launcher": us(lambda: norm.launch(x, w, 1e-6, y)),
                 "the raw kernel[grid]": us(lambda: rms_norm_kernel[(512,)](
-                    x, w, y, 2048, x.stride(0), 1e-6, BLOCK=2048, num_warps=4))}
+                    x, w, y, 2048, x.stride(0), 1e-6, y, y, 1, BLOCK=2048, QUANT_K=0, NATIVE_CAST=True,
+                    num_warps=4))}
     for k, v in rows.items():
         print(f"  {v:8.1f} µs  {k}")
 

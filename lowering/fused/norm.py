@@ -71,14 +71,12 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, eps: float, y: torch.Tensor, 
     [T, N] e4m3, y_s [T, cdiv(N, group_k)] fp32) also y quantized per group_k columns."""
     T, N = x2.shape
     block = triton.next_power_of_2(max(N, group_k))
+    yq, ys = quant if quant is not None else (y, y)
+    # every argument passed: torch 2.11's wrap_triton does not fill a kernel's defaults
     kernel = torch.library.wrap_triton(rms_norm_kernel)
-    if quant is None:
-        kernel[(T,)](x2, weight, y, N, x2.stride(0), float(eps), BLOCK=block,
-                     num_warps=8 if block >= 4096 else 4)
-        return
-    kernel[(T,)](x2, weight, y, N, x2.stride(0), float(eps), BLOCK=block, yq_ptr=quant[0],
-                 ys_ptr=quant[1], G=quant[1].shape[-1], QUANT_K=group_k,
-                 NATIVE_CAST=y.is_cuda, num_warps=8 if block >= 4096 else 4)
+    kernel[(T,)](x2, weight, y, N, x2.stride(0), float(eps), yq, ys, ys.shape[-1], BLOCK=block,
+                 QUANT_K=group_k if quant is not None else 0, NATIVE_CAST=y.is_cuda,
+                 num_warps=8 if block >= 4096 else 4)
 
 
 def _rms_norm(x, weight, eps, group_k: int = 0):

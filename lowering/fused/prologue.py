@@ -117,7 +117,8 @@ def launch_v2(part, w_kv, cos, sin, eps_kv, num_heads, q_out, kv_out):
         part.stride(0), cos.stride(0), cos.stride(1), 0.0, eps_kv,
         SPLIT=S, NQ=NQ, L=L, R=R, BLOCK_Q=1, BLOCK_L=triton.next_power_of_2(L),
         BLOCK_H=triton.next_power_of_2(R // 2), ROPE=2, Q_ROPE=True, NH=num_heads,
-        HEADS=heads, BLOCK_P=triton.next_power_of_2(NQ // num_heads - R), num_warps=4)
+        HEADS=heads, BLOCK_P=triton.next_power_of_2(NQ // num_heads - R), QUANT_K=0, QG=1,
+        NATIVE_CAST=part.is_cuda, num_warps=4)
 
 
 def _prologue(part, w_q, w_kv, cos, sin, eps_q, eps_kv, rope, group_k: int = 0):

@@ -96,7 +96,7 @@ def qkv_prologue_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
     ROPE: tl.constexpr, Q_ROPE: tl.constexpr,
     NH: tl.constexpr, HEADS: tl.constexpr, BLOCK_P: tl.constexpr,
-    QUANT_K: tl.constexpr = 0, QG: tl.constexpr = 1, NATIVE_CAST: tl.constexpr = True,
+    QUANT_K: tl.constexpr, QG: tl.constexpr, NATIVE_CAST: tl.constexpr,
 ):
     t = tl.program_id(0)
     pid = tl.program_id(1)

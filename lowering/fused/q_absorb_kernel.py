@@ -76,8 +76,8 @@ def q_absorb_kernel(
     Q: tl.constexpr, P: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
     ROPE: tl.constexpr, DOT_F32: tl.constexpr, QUANT: tl.constexpr,
-    ws_ptr=None, xs_ptr=None,  # W8A8: w's scale_inv (row stride Q / BLOCK_K), q_a's scales
-    W8A8: tl.constexpr = False, GROUP_N: tl.constexpr = 1,
+    ws_ptr, xs_ptr,            # W8A8: w's scale_inv (row stride Q / BLOCK_K), q_a's scales
+    W8A8: tl.constexpr, GROUP_N: tl.constexpr,
 ):
     dt: tl.constexpr = wuk_ptr.dtype.element_ty   # q_a's dtype: every rounding before the quant
     scale = 1.0

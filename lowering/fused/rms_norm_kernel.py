@@ -32,9 +32,8 @@ def rms_norm_kernel(
     w_ptr,             # [N]
     y_ptr,             # [T, N] contiguous
     N, stride_x, eps,
-    BLOCK: tl.constexpr,
-    yq_ptr=None, ys_ptr=None, G=1,   # QUANT_K > 0: [T, N] e4m3, [T, G] fp32, contiguous
-    QUANT_K: tl.constexpr = 0, NATIVE_CAST: tl.constexpr = True,
+    yq_ptr, ys_ptr, G,   # QUANT_K > 0: [T, N] e4m3, [T, G] fp32, contiguous (else unread)
+    BLOCK: tl.constexpr, QUANT_K: tl.constexpr, NATIVE_CAST: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
