@@ -5,6 +5,7 @@ mla::decode_qkv_prologue_fp8 for q_b): the same e4m3 values and scales as the GE
 own quantization, so every consumer computes bit for bit what it computes without them.
 CPU: the kernels under the Triton interpreter (fp16, fp32) against the GEMMs' own quant
 and a float64 reference; GPU: the converted FP8 model's decode step with and without."""
+import importlib
 import os
 
 import pytest
@@ -253,7 +254,7 @@ def test_gpu_decode_steps_with_and_without_producer_quant_are_bit_for_bit(monkey
     graph. (q_b's GEMM, not the absorbed W8A8 query kernel, whose sums are ordered
     otherwise: its own test is below.)"""
     import mla_ops.hf as H
-    import mla_ops.hf.convert as hf_convert
+    hf_convert = importlib.import_module("mla_ops.hf.convert")
     import mla_ops.hf.linear as hf_linear
     from hf_models import left_padded
     from test_fp8_checkpoint import cuda_fp8_model, generate
@@ -270,8 +271,8 @@ def test_gpu_decode_steps_with_and_without_producer_quant_are_bit_for_bit(monkey
                                 block_size=64, device="cuda", dtype=torch.bfloat16)
         return generate(model, ids, mask, 6, past_key_values=cache, disable_compile=True)
 
-    def watched(attn, x, pe):
-        out = prologue(attn, x, pe)
+    def watched(attn, x, pe, *rest):
+        out = prologue(attn, x, pe, *rest)
         seen.append(out is not None and out[2] is not None)
         return out
     monkeypatch.setattr(hf_convert, "qkv_a_prologue", watched)
@@ -283,7 +284,8 @@ def test_gpu_decode_steps_with_and_without_producer_quant_are_bit_for_bit(monkey
     for n in norms:
         del n.mla_quant_group
     monkeypatch.setattr(hf_convert, "qkv_a_prologue",
-                        lambda attn, x, pe: (lambda o: o and (o[0], o[1], None))(prologue(attn, x, pe)))
+                        lambda attn, x, pe, *rest: (lambda o: o and (o[0], o[1], None))(
+                            prologue(attn, x, pe, *rest)))
     without = runs()
     assert torch.equal(with_quant.sequences, without.sequences)
     for a, b in zip(with_quant.logits, without.logits):
@@ -297,7 +299,7 @@ def test_gpu_absorbed_w8a8_query_of_a_decode_step_vs_fp64(monkeypatch):
     the prologue's quantized q_a (mla::decode_q_absorb_w8a8); each against float64 q_b
     (W8A8, rounded to bf16), RoPE and the absorption on the inputs it got."""
     import mla_ops.hf as H
-    import mla_ops.hf.convert as hf_convert
+    hf_convert = importlib.import_module("mla_ops.hf.convert")
     from hf_models import left_padded
     from mla_ops.hf.linear import rope_angles
     from test_fp8_checkpoint import cuda_fp8_model, expand_scales, generate
