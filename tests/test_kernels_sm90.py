@@ -38,7 +38,7 @@ KERNELS = [
           sin_ptr="*bf16", y_ptr="*bf16", scale_ptr="*bf16", T="i32", N="i32",
           stride_at="i32", stride_cs="i32", ws_ptr="*fp32", xs_ptr="*fp32"),
      dict(Q=1536, P=128, R=64, L=512, BLOCK_T=16, BLOCK_K=128, BLOCK_L=128, ROPE=1,
-          DOT_F32=False, QUANT=False, W8A8=True, GROUP_N=128), 8),
+          DOT_F32=False, QUANT=False, W8A8=True, GROUP_N=128), 4),   # W8A8_CONFIGS' warps
     ("lowering.fused.silu_mul_kernel", "silu_mul_kernel",
      dict(g_ptr="*bf16", u_ptr="*bf16", y_ptr="*bf16", N="i32", stride_g="i32",
           stride_u="i32", stride_y="i32"),
@@ -48,7 +48,7 @@ KERNELS = [
           sin_ptr="*fp32", y_ptr="*bf16", kv_ptr="*bf16", T="i32", N="i32",
           stride_split="i32", stride_cs="i32", stride_cc="i32", eps_kv="fp32"),
      dict(P=128, R=64, L=512, SPLIT=2, BLOCK_T=16, BLOCK_L=128, BLOCK_LK=512, BLOCK_H=32,
-          ROPE=2, DOT_F32=False, L_SPLIT=4), 4),
+          ROPE=2, DOT_F32=False, L_SPLIT=4), 8),                  # Q_KV_CONFIG's warps
 ]
 def _grouped_kernels():
     """The prefill experts' grouped GEMM with the configs it ships: W8A8
@@ -67,9 +67,9 @@ def _grouped_kernels():
         if w8a8:    # (BLOCK_M, BLOCK_N, warps, stages), BLOCK_K the scale group
             cfgs = [(k, (bm, bn, 128, w, st)) for k, (bm, bn, w, st) in
                     [*fp8_prefill.CONFIGS.items(), ("gate_up", grouped.CONFIG)]]
-        else:       # (BLOCK_N, BLOCK_K, warps, stages) at each BLOCK_M
-            cfgs = [(k, (bm, *c[:2], *c[2:])) for k, c in prefill.STREAM_CONFIGS.items()
-                    for bm in (16, 32, 64)]
+        else:       # BLOCK_M -> {kernel: (BLOCK_N, BLOCK_K, warps, stages)}
+            cfgs = [(k, (bm, *c)) for bm, by_kernel in prefill.STREAM_CONFIGS.items()
+                    for k, c in by_kernel.items()]
         for kind, (bm, bn, bk, warps, stages) in dict.fromkeys(cfgs):
             out.append(("lowering.gemm.grouped_kernel", "grouped_kernel", sig,
                         dict(W8A8=w8a8, GATED=kind == "gate_up", BLOCK_E=256, BLOCK_M=bm,

@@ -142,6 +142,8 @@ def test_stream_tile_follows_the_pairs_per_expert():
     assert moe_prefill.stream_block_m(1 * 8, 256) == 16          # a token over 256 experts
     assert moe_prefill.stream_block_m(512 * 8, 256) == 32        # 16 pairs an expert
     assert moe_prefill.stream_block_m(512 * 6, 64) == 64         # 48 pairs an expert
+    assert moe_prefill.stream_block_m(2048 * 8, 256) == 128      # 64 pairs an expert
+    assert set(moe_prefill.STREAM_CONFIGS) >= {16, 32, 64, 128}
 
 
 @pytest.mark.gpu

@@ -52,9 +52,9 @@ from lowering.gemm.head_gemm import absorb_query
 # 0.994x of that at both)
 CONFIGS = {True: (128, 128, 8, 3), False: (128, 128, 8, 3)}
 # the W8A8 form (an FP8 checkpoint's q_b), its BLOCK_K the scale group whatever the entry
-# says: the 16-bit entries until `python benchmarks/bench_q_absorb.py --weights fp8` has
-# swept it on a GPU
-W8A8_CONFIGS = dict(CONFIGS)
+# says: the fastest on an H200 (`bench_q_absorb.py --weights fp8`: 25.8 µs at 1 row, 26.8
+# at 32, against 29.1 / 32.3 for the fp8 GEMM + RoPE + absorption it replaces)
+W8A8_CONFIGS = {True: (128, 128, 4, 3), False: (128, 128, 4, 3)}
 
 
 def rope_width(cos: torch.Tensor, rope: int) -> int:
@@ -251,8 +251,9 @@ def decode_q_absorb_w8a8(q_a: torch.Tensor, q_q: torch.Tensor, q_s: torch.Tensor
 
 # q_kv_absorb_kernel's launch: (BLOCK_L, L_SPLIT, num_warps, num_stages); each query head's
 # absorption split in L_SPLIT programs of L / L_SPLIT columns (V2-Lite's L = 512: one
-# 128-column block each); not yet swept on a GPU
-Q_KV_CONFIG = (128, 4, 4, 2)
+# 128-column block each). The fastest at V2-Lite's one row on an H200 (`bench_q_absorb.py
+# --model v2-lite`: 7.4 µs against 10.9 unfused; at 32 rows (64, 8, 8, 1) led, 8.2 µs)
+Q_KV_CONFIG = (128, 4, 8, 1)
 
 
 def q_kv_absorb_unmet(part, W_UK_T, R: int) -> str | None:

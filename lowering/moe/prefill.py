@@ -40,13 +40,20 @@ from lowering.gemm.grouped import launch
 from lowering.moe.combine_kernel import moe_combine_kernel
 
 BLOCK_H = 1024
-# While an expert gets at most STREAM_PAIRS (token, k) pairs on average, the GEMMs are bound
-# by the experts' bytes, and the weight-streaming grouped kernel (streamed_experts) reads
-# each expert about once; past it, torch's grouped GEMM. Not yet timed on a GPU.
-STREAM_PAIRS = 48
-# kernel -> (BLOCK_N, BLOCK_K, num_warps, num_stages) of the streamed path (BLOCK_M:
-# stream_block_m); first guesses after the decode kernels' CONFIGS, not yet swept
-STREAM_CONFIGS = {"gate_up": (64, 128, 4, 3), "down": (64, 128, 4, 3)}
+# While an expert gets at most STREAM_PAIRS (token, k) pairs on average, the weight-streaming
+# grouped kernel (streamed_experts) beats torch's grouped GEMM; past it, the grouped GEMM.
+# H200, bench_moe.py --sweep-stream: V3's experts at 16 pairs 5.23 vs 7.01 ms (1.0x their
+# bytes), at 64 pairs ~6.9 vs 7.15 ms; V2-Lite's at 48 pairs 0.39 vs 0.46 ms; at 192 and
+# 256 pairs the grouped GEMM wins by 1.2-1.5x.
+STREAM_PAIRS = 64
+# BLOCK_M (stream_block_m) -> {kernel: (BLOCK_N, BLOCK_K, num_warps, num_stages)}, the
+# sweep's best per pairs an expert (16 for 32, 48 for 64, 64 for 128; 16 untimed)
+STREAM_CONFIGS = {
+    16: {"gate_up": (64, 64, 4, 4), "down": (128, 64, 4, 3)},
+    32: {"gate_up": (64, 64, 4, 4), "down": (128, 64, 4, 3)},
+    64: {"gate_up": (64, 64, 4, 4), "down": (128, 64, 8, 3)},
+    128: {"gate_up": (64, 64, 4, 3), "down": (128, 64, 8, 3)},
+}
 
 
 def serves(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -113,7 +120,7 @@ def stream_block_m(pairs: int, E: int) -> int:
     """The tile of pairs for the streamed path: one tile holds about every expert's pairs
     at this mean (pairs / E), so each expert's weights are read about once."""
     mean = pairs / E
-    return 16 if mean <= 6 else 32 if mean <= 18 else 64
+    return 16 if mean <= 6 else 32 if mean <= 18 else 64 if mean <= 48 else 128
 
 
 def grouped_experts(x, topk_idx, topk_weight, gate_up, down) -> torch.Tensor:
@@ -142,15 +149,15 @@ def streamed_experts(x, topk_idx, topk_weight, gate_up, down, configs=None,
                      fp8=None) -> torch.Tensor:
     """The few-pairs-per-expert form (module docstring): [T, H] in x's dtype. On any device
     the kernels run (the CPU under TRITON_INTERPRET=1). configs: {kernel: (BLOCK_M,
-    BLOCK_N, BLOCK_K, num_warps, num_stages)}, by default STREAM_CONFIGS with BLOCK_M from
-    stream_block_m. fp8: (gate_up_scale, down_scale, group_n, group_k) for e4m3 weights
+    BLOCK_N, BLOCK_K, num_warps, num_stages)}, by default STREAM_CONFIGS[BLOCK_M] with BLOCK_M
+    from stream_block_m. fp8: (gate_up_scale, down_scale, group_n, group_k) for e4m3 weights
     (lowering/moe/fp8_prefill.py): x and h quantized per group_k columns, W8A8, BLOCK_K
     the scale group."""
     T, K = topk_idx.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     P = T * K
     bm = stream_block_m(P, E)
-    configs = {k: (bm, *c) for k, c in STREAM_CONFIGS.items()} | (configs or {})
+    configs = {k: (bm, *c) for k, c in STREAM_CONFIGS[bm].items()} | (configs or {})
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids, perm, counts, slot = sorted_pairs(topk_idx, E)          # [P], [P], [E], [T, K]
     starts, ends = pair_ranges(ids, counts)
