@@ -30,7 +30,7 @@ import argparse
 
 import torch
 
-from timing import (add_timer_args, announce_ceiling, best_config, capture,
+from timing import (add_timer_args, announce_ceiling, best_config, capture, kernel_time_us,
                     chosen_timer)
 from lowering.fused import q_absorb
 from lowering.gemm.fp8_act_quant import quantize_rows_torch
@@ -45,10 +45,11 @@ SWEEP_Q_KV = [(bl, ls, w, s) for bl in (64, 128) for ls in (1, 2, 4, 8) for w in
               for s in (1, 2)]
 
 
-def _graphed(fn):
-    """fn captured in a CUDA graph: its replay (three eager launches would otherwise time
-    the host's launch gaps, not the kernels)."""
-    return capture(fn).replay
+def _graphed(fn, timer):
+    """For the kernel timer, fn captured in a CUDA graph: its replay (three eager launches
+    would otherwise time the host's launch gaps, not the kernels). The graph timer captures
+    fn itself (a replay cannot be captured again)."""
+    return capture(fn).replay if timer is kernel_time_us else fn
 
 
 def main():
@@ -93,7 +94,7 @@ def main():
             q = q.view(T, N, P + R)
             return absorb_query(torch.ops.mla.decode_q_rope(q, cos, sin, True), wuk)
         ref = unfused().float()
-        t_unfused = timer(_graphed(unfused))
+        t_unfused = timer(_graphed(unfused, timer))
         y = torch.empty(T, N, L + R, device=dev, dtype=dt)
 
         def make_run(cfg):
@@ -137,7 +138,7 @@ def v2_lite(args, timer, ceil):
             q, kv = torch.ops.mla.decode_q_kv_rope(part, w_kv, cos, sin, 1e-6, N)
             return absorb_query(q.reshape(T, N, P + R), wuk)
         ref = unfused().float()
-        t_unfused = timer(_graphed(unfused))
+        t_unfused = timer(_graphed(unfused, timer))
         y = torch.empty(T, N, L + R, device=dev, dtype=dt)
         kv_out = torch.empty(T, L + R, device=dev, dtype=dt)
 

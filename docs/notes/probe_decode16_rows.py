@@ -97,26 +97,31 @@ def step_us(shape, B, S, only):
         registry._chosen.clear()
 
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--steps", default="v2-lite:32:1024,v2-lite:1:4096")
-ap.add_argument("--rounds", type=int, default=2)
-ap.add_argument("--skip-attention", action="store_true")
-ap.add_argument("--sweep", action="store_true", help="the Gluon kernel's split counts only")
-args = ap.parse_args()
-print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-if args.sweep:
-    sweep_splits()
-    sys.exit()
-if not args.skip_attention:
-    attention()
-    attention(s_q=2)
-for item in filter(None, args.steps.split(",")):
-    shape, B, S = item.split(":")
-    B, S = int(B), int(S)
-    res = {"flashmla": [], "gluon": [], "triton": []}
-    for _ in range(args.rounds):
-        for k in res:
-            res[k].append(step_us(shape, B, S, k))
-    print(f"{shape} {B}x{S}: " + ", ".join(
-        f"{k} {min(v):.1f} µs (runs {', '.join(f'{x:.1f}' for x in v)})" for k, v in res.items()),
-        flush=True)
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", default="v2-lite:32:1024,v2-lite:1:4096")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--skip-attention", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="the Gluon kernel's split counts only")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    if args.sweep:
+        sweep_splits()
+        return
+    if not args.skip_attention:
+        attention()
+        attention(s_q=2)
+    for item in filter(None, args.steps.split(",")):
+        shape, B, S = item.split(":")
+        B, S = int(B), int(S)
+        res = {"flashmla": [], "gluon": [], "triton": []}
+        for _ in range(args.rounds):
+            for k in res:
+                res[k].append(step_us(shape, B, S, k))
+        print(f"{shape} {B}x{S}: " + ", ".join(
+            f"{k} {min(v):.1f} µs (runs {', '.join(f'{x:.1f}' for x in v)})" for k, v in res.items()),
+            flush=True)
+
+
+if __name__ == "__main__":     # probe_decode128_small.py imports inputs()
+    main()
