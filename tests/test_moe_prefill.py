@@ -137,6 +137,19 @@ def test_streamed_experts_vs_fp64(T, K, E, H, I, tile, dtype, group_t, monkeypat
     assert ((got.cpu().double() - ref).abs().max() / ref.abs().max()).item() < tol
 
 
+@pytest.mark.parametrize("T,bm", [(8, 16), (30, 32), (90, 64), (120, 128)])
+def test_streamed_experts_shipped_tiles_vs_fp64(T, bm):
+    """streamed_experts with its own tiles (STREAM_CONFIGS at the BLOCK_M the pairs per
+    expert pick: 4, 15, 45 and 60 over 4 experts), H and I not multiples of them."""
+    K, E, H, I = 2, 4, 72, 40
+    assert moe_prefill.stream_block_m(T * K, E) == bm
+    x, idx, w, gate_up, down = case(T, K, E, H, I, seed=T, device="cpu", dtype=WIDE)
+    got = moe_prefill.streamed_experts(*(t.to(DEV) for t in (x, idx, w, gate_up, down)))
+    ref = experts_fp64(x, idx, w, gate_up, down)
+    tol = 1e-5 if WIDE == torch.float32 else 1e-2
+    assert ((got.cpu().double() - ref).abs().max() / ref.abs().max()).item() < tol
+
+
 def test_stream_tile_follows_the_pairs_per_expert():
     """One tile holds about every expert's pairs at the mean the batch gives."""
     assert moe_prefill.stream_block_m(1 * 8, 256) == 16          # a token over 256 experts
