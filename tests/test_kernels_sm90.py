@@ -16,7 +16,12 @@ import pytest
 
 pytest.importorskip("triton")
 
-# (module, kernel, signature, constexprs, num_warps)
+from lowering.fused.q_absorb import Q_KV_CONFIG, W8A8_CONFIGS  # noqa: E402
+
+_, W8A8_BLOCK_L, W8A8_WARPS, W8A8_STAGES = W8A8_CONFIGS[True]      # rows <= 16
+QKV_BLOCK_L, QKV_SPLIT, QKV_WARPS, QKV_STAGES = Q_KV_CONFIG
+
+# (module, kernel, signature, constexprs, num_warps or the launch options)
 KERNELS = [
     ("lowering.fused.residual_norm_kernel", "residual_rms_norm_kernel",
      dict(p_ptr="*fp32", r_ptr="*bf16", w_ptr="*bf16", h_ptr="*bf16", y_ptr="*bf16",
@@ -37,8 +42,9 @@ KERNELS = [
      dict(a_ptr="*fp8e4nv", w_ptr="*fp8e4nv", wuk_ptr="*bf16", cos_ptr="*bf16",
           sin_ptr="*bf16", y_ptr="*bf16", scale_ptr="*bf16", T="i32", N="i32",
           stride_at="i32", stride_cs="i32", ws_ptr="*fp32", xs_ptr="*fp32"),
-     dict(Q=1536, P=128, R=64, L=512, BLOCK_T=16, BLOCK_K=128, BLOCK_L=128, ROPE=1,
-          DOT_F32=False, QUANT=False, W8A8=True, GROUP_N=128), 4),   # W8A8_CONFIGS' warps
+     dict(Q=1536, P=128, R=64, L=512, BLOCK_T=16, BLOCK_K=128, BLOCK_L=W8A8_BLOCK_L, ROPE=1,
+          DOT_F32=False, QUANT=False, W8A8=True, GROUP_N=128),
+     dict(num_warps=W8A8_WARPS, num_stages=W8A8_STAGES)),
     ("lowering.fused.silu_mul_kernel", "silu_mul_kernel",
      dict(g_ptr="*bf16", u_ptr="*bf16", y_ptr="*bf16", N="i32", stride_g="i32",
           stride_u="i32", stride_y="i32"),
@@ -47,8 +53,9 @@ KERNELS = [
      dict(part_ptr="*fp32", wkv_ptr="*bf16", wuk_ptr="*bf16", cos_ptr="*fp32",
           sin_ptr="*fp32", y_ptr="*bf16", kv_ptr="*bf16", T="i32", N="i32",
           stride_split="i32", stride_cs="i32", stride_cc="i32", eps_kv="fp32"),
-     dict(P=128, R=64, L=512, SPLIT=2, BLOCK_T=16, BLOCK_L=128, BLOCK_LK=512, BLOCK_H=32,
-          ROPE=2, DOT_F32=False, L_SPLIT=4), 8),                  # Q_KV_CONFIG's warps
+     dict(P=128, R=64, L=512, SPLIT=2, BLOCK_T=16, BLOCK_L=QKV_BLOCK_L, BLOCK_LK=512,
+          BLOCK_H=32, ROPE=2, DOT_F32=False, L_SPLIT=QKV_SPLIT),
+     dict(num_warps=QKV_WARPS, num_stages=QKV_STAGES)),
 ]
 def _grouped_kernels():
     """The prefill experts' grouped GEMM with the configs it ships: W8A8

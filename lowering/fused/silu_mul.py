@@ -13,8 +13,8 @@ BLOCK_N = 1024
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor, *, kernel: bool | None = None) -> torch.Tensor:
-    """F.silu(g) * u for g, u [..., N] of one 16-bit dtype (unit last stride for the
-    kernel): [..., N]. kernel: run the kernel (default: on CUDA; the CPU runs it under
+    """F.silu(g) * u for g, u [..., N] of one float dtype (bf16, fp16 or fp32, unit last
+    stride for the kernel): [..., N]. kernel: run the kernel (default: on CUDA; the CPU runs it under
     TRITON_INTERPRET=1)."""
     if kernel is None:
         kernel = g.is_cuda
