@@ -84,6 +84,9 @@ def cache_rows64(c: PrefillCase, b: int, n: int) -> torch.Tensor:
     return rows * c.k_scale.double().reshape(()) if c.kind == "fp8" else rows
 
 
+REF_SCORE_BYTES = 1 << 30      # float64 scores of one query block (tests run side by side)
+
+
 def prefill_ref64(c: PrefillCase):
     """-> out [T - num_decode_tokens, N, V] float64 and lse [T - nd, N] of the prefill rows
     (on the inputs' device)."""
@@ -104,13 +107,17 @@ def prefill_ref64(c: PrefillCase):
         k_nope = torch.einsum("cl,npl->cnp", rows[:, :L], W_UK_T)
         k = torch.cat([k_nope, rows[:, None, L:].expand(-1, k_nope.shape[1], -1)], -1)
         v = torch.einsum("cl,nlv->cnv", rows[:, :L], W_UV)
-        sc = torch.einsum("snd,cnd->nsc", c.q[a:e].double(), k) * c.scale
-        see = (torch.arange(ctx + s, device=dev)[None, :]
-               <= (ctx + torch.arange(s, device=dev))[:, None])                    # [s, c]
-        sc = sc.masked_fill(~see, float("-inf"))
-        lse = torch.logsumexp(sc, -1)                                     # [N, s]
-        outs.append(torch.einsum("nsc,cnv->snv", torch.exp(sc - lse[..., None]), v))
-        lses.append(lse.t())
+        # queries in blocks: a block's scores [N, blk, c] stay within REF_SCORE_BYTES
+        blk = max(1, REF_SCORE_BYTES // (8 * k.shape[1] * (ctx + s)))
+        for q0 in range(0, s, blk):
+            q1 = min(q0 + blk, s)
+            sc = torch.einsum("snd,cnd->nsc", c.q[a + q0:a + q1].double(), k) * c.scale
+            see = (torch.arange(ctx + s, device=dev)[None, :]
+                   <= (ctx + torch.arange(q0, q1, device=dev))[:, None])           # [blk, c]
+            sc = sc.masked_fill(~see, float("-inf"))
+            lse = torch.logsumexp(sc, -1)                                 # [N, blk]
+            outs.append(torch.einsum("nsc,cnv->snv", torch.exp(sc - lse[..., None]), v))
+            lses.append(lse.t())
     return torch.cat(outs), torch.cat(lses)
 
 
