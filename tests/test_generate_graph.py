@@ -126,18 +126,64 @@ def test_serves_only_one_token_per_row():
 
 def test_auto_compile_yields_to_the_graphs(monkeypatch):
     """HF's automatic compile of the decode step is skipped where generate() attached its
-    step graphs and no compile_config was given; a compile_config gets HF's answer."""
+    step graphs: without compile_config the graphs serve the eager step; with one that HF
+    would honour, they compile the step (its backend, its mode less CUDA graphs); with
+    one HF would not (disable_compile), the eager step."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import CompileConfig
     model = H.convert(pair())
     base = type(model).__mro__[1]
-    monkeypatch.setattr(base, "_valid_auto_compile_criteria", lambda self, kw, gc: True)
+    hf_says = [True]
+    monkeypatch.setattr(base, "_valid_auto_compile_criteria", lambda self, kw, gc: hf_says[0])
     cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=32)
     kw = H.cache_kwargs(model, cache)
     assert model._valid_auto_compile_criteria(kw, GenerationConfig())       # none attached
-    setattr(cache, GG.ATTR, GG.GenerateGraphs(model, cache, graph=False))
+    graphs = GG.GenerateGraphs(model, cache, graph=False)
+    setattr(cache, GG.ATTR, graphs)
     assert not model._valid_auto_compile_criteria(kw, GenerationConfig())
-    assert model._valid_auto_compile_criteria(kw, GenerationConfig(compile_config=CompileConfig()))
+    assert graphs.compile is None
+    hf_says[0] = False                                   # e.g. disable_compile=True
+    assert not model._valid_auto_compile_criteria(
+        kw, GenerationConfig(compile_config=CompileConfig()))
+    assert graphs.compile is None
+    hf_says[0] = True
+    for mode, want in [("reduce-overhead", None), ("max-autotune", "max-autotune-no-cudagraphs"),
+                       ("default", "default"), (None, None)]:
+        cc = CompileConfig(backend="eager", mode=mode)
+        assert not model._valid_auto_compile_criteria(kw, GenerationConfig(compile_config=cc))
+        assert graphs.compile == dict(compile=True, backend="eager", mode=want)
+
+
+def test_compile_config_compiles_the_graphs_step(cpu_graphs):
+    """generate(compile_config=...) with the step graphs attached: every decode step is
+    served by the runner, whose step is compiled (one graph for both calls: a second
+    call compiles nothing), HF compiles nothing, and the tokens are the eager call's."""
+    from transformers.generation.configuration_utils import CompileConfig
+    compiled = []
+
+    def backend(gm, example_inputs, **kwargs):
+        compiled.append(sum(n.op == "call_function" and "mla." in str(n.target)
+                            for n in gm.graph.nodes))
+        return gm.forward
+
+    ids, mask = left_padded(LENGTHS, seed=4)
+    model = H.convert(pair("v2", None, seed=6))
+    exp = gen(model, ids, mask)
+    assert cpu_graphs == [True] * (NEW - 1) and compiled == []
+    cc = CompileConfig(fullgraph=False, dynamic=True, backend=backend, mode="reduce-overhead")
+    cc._compile_all_devices = True                   # (HF compiles on CUDA only otherwise)
+    torch._dynamo.reset()
+    try:
+        got = [gen(model, ids, mask, compile_config=cc, disable_compile=None)
+               for _ in range(2)]
+    finally:
+        torch._dynamo.reset()
+    assert cpu_graphs == [True] * (3 * (NEW - 1))
+    assert len(compiled) == 1 and compiled[0] > 0, compiled    # DecodeGraph's step, once
+    for out in got:
+        assert torch.equal(out.sequences, exp.sequences)
+        for a, b in zip(out.logits, exp.logits):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
 
 
 def test_convert_checks_the_setting():
@@ -182,6 +228,44 @@ def test_cuda_graph_replays_equal_eager_steps(family, q_lora):
     again = gen(model, ids, mask, new=24, disable_compile=None)
     assert torch.equal(again.sequences, exp.sequences)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_compile_config_replays_the_compiled_step():
+    """bf16 on CUDA with an MoE layer: generate(compile_config=...) captures DecodeGraph's
+    compiled step once and replays it; the tokens are those of HF's own compile of the
+    same forward (generate_graph off), the logits within bf16 rounding of them."""
+    from transformers.generation.configuration_utils import CompileConfig
+    model = H.convert(pair("v3", 192, layers=3, seed=5)).to("cuda", torch.bfloat16)
+    ids, mask = (t.cuda() for t in left_padded([5, 70, 33], seed=2))
+    cc = CompileConfig(fullgraph=True, dynamic=False)
+    torch._dynamo.reset()
+    try:
+        model.mla_generate_graph = False
+        exp = gen(model, ids, mask, new=24, compile_config=cc, disable_compile=None)
+        model.mla_generate_graph = True
+        runners = []
+        make = GG.GenerateGraphs._capture
+
+        def spy(self, B):
+            r = make(self, B)
+            runners.append(r)
+            return r
+        try:
+            GG.GenerateGraphs._capture = spy
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)       # captured, not eager
+                got = gen(model, ids, mask, new=24, compile_config=cc, disable_compile=None)
+        finally:
+            GG.GenerateGraphs._capture = make
+    finally:
+        torch._dynamo.reset()
+    assert len(runners) == 1 and runners[0]._graph is not None
+    assert getattr(runners[0]._fwd, "_torchdynamo_orig_callable", None) is not None  # compiled
+    assert torch.equal(got.sequences, exp.sequences)
+    for a, b in zip(got.logits, exp.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-2)
 
 
 @pytest.mark.parametrize("family", ["kimi_linear", "glm_moe_dsa", "bailing_hybrid",

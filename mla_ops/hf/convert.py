@@ -198,7 +198,9 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     decode steps from a CUDA graph of the eager step, captured at each call's first decode
     step: the eager step's kernels and logits without its host time
     (mla_ops/hf/generate_graph.py). A call without compile_config takes it in place of
-    HF's automatic compile of the decode step; with compile_config HF compiles the step.
+    HF's automatic compile of the decode step; a call with compile_config replays the
+    compiled step (DecodeGraph's, with the config's backend) from such a graph instead of
+    HF's cudagraph trees.
 
     A model loaded from an FP8 checkpoint (HF's FineGrainedFP8: FP8Linear modules with
     weight_scale_inv in block_size blocks, DeepSeek-V3 / R1) keeps its fp8 weights: W_UK_T /

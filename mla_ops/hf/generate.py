@@ -34,7 +34,8 @@ trace HF's forward as before. With convert(generate_graph=True) (the default), g
 eager decode steps on a CUDA PagedMLACache replay a CUDA graph of the eager step, captured
 at the call's first decode step and dropped when the call returns
 (mla_ops/hf/generate_graph.py); a call without compile_config then runs that graph
-rather than HF's automatic compile of the decode step (auto_compile below).
+rather than HF's automatic compile of the decode step, and a call with one the graph of
+the compiled step, DecodeGraph's (auto_compile below).
 """
 from __future__ import annotations
 
@@ -203,18 +204,23 @@ def auto_compile(cls) -> dict:
     """{AUTO_COMPILE_HOOK: ...}: HF compiles generate()'s decode step by itself for a
     compileable cache on CUDA (mode "reduce-overhead"; seconds of compiling at the first
     call and at every new shape). Where generate() attached its step graphs to the cache
-    (convert(generate_graph=True), mla_ops/hf/generate_graph.py) and the call names no
-    compile_config, the eager step's CUDA graph serves instead: the same speed or better
-    (BENCHMARKS.md, "generate() end to end") without the compile. A compile_config asks
-    for HF's compile, and gets it."""
+    (convert(generate_graph=True), mla_ops/hf/generate_graph.py), HF compiles nothing:
+    a call that names no compile_config replays the eager step's CUDA graph (the same speed
+    or better without the compile; BENCHMARKS.md, "generate() end to end"), and one whose
+    compile_config HF would honour gets the graph of the compiled step (DecodeGraph's)."""
     if getattr(cls, AUTO_COMPILE_HOOK, None) is None:
         return {}
 
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config):
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-        if generation_config.compile_config is None and attached({"cache": cache}) is not None:
-            return False
-        return getattr(cls, AUTO_COMPILE_HOOK)(self, model_kwargs, generation_config)
+        graphs = attached({"cache": cache})
+        if graphs is None:
+            return getattr(cls, AUTO_COMPILE_HOOK)(self, model_kwargs, generation_config)
+        config = generation_config.compile_config
+        if config is not None and getattr(cls, AUTO_COMPILE_HOOK)(self, model_kwargs,
+                                                                  generation_config):
+            graphs.compile_with(config)
+        return False
 
     return {AUTO_COMPILE_HOOK: _valid_auto_compile_criteria}
 

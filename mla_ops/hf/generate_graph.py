@@ -55,6 +55,14 @@ class GenerateGraphs:
         self.off: str | None = None             # why the steps run eagerly, once decided
         self.output, self.cache_field = output_class()
         self.busy = False                       # inside the runner's own forward calls
+        self.compile: dict | None = None        # DecodeGraph's compile arguments, if any
+
+    def compile_with(self, config) -> None:
+        """Compile the step as generate()'s compile_config asks (see above); before the
+        call's first decode step."""
+        modes = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
+        self.compile = dict(compile=True, backend=config.backend,
+                            mode=modes.get(config.mode, config.mode))
 
     def serves(self, args: tuple, kwargs: dict) -> bool:
         """Whether this forward call is a decode step the graph computes (see above)."""
@@ -114,8 +122,8 @@ class GenerateGraphs:
             return None
         self.busy = True
         try:
-            runner = DecodeGraph(self.model, self.cache, batch_size=B, compile=False,
-                                 graph=self.graph, warmup=WARMUP)
+            runner = DecodeGraph(self.model, self.cache, batch_size=B, graph=self.graph,
+                                 warmup=WARMUP, **(self.compile or dict(compile=False)))
         except RuntimeError as exc:                         # not capturable: says why
             self._eager(str(exc).splitlines()[0], warn=True)
             return None
