@@ -29,7 +29,11 @@ Modes (--modes), the same weights throughout:
   ours-default  generate() only: model.generate(ids) with no compile argument (on CUDA
                 the step graph of ours-eager, in place of HF's automatic compile)
   ours-compile  decode: as hf-compile on the PagedMLACache; generate(): compile_config as
-                hf-compile's on the default PagedMLACache
+                hf-compile's on the default PagedMLACache (new each call, so each call
+                captures its decode-step graph)
+  ours-compile-cache   generate() only: as ours-compile on a PagedMLACache the caller
+                passes (cache=, reset before each call), which keeps the step graph
+                captured in the first call for the second
   ours-graph    decode: mla_ops.hf.DecodeGraph replays, each step timed alone (event, call,
                 event, wait: its launch latency counted), and also in a greedy loop
                 (DecodeGraph.greedy: each step launched without waiting for the last, as a
@@ -69,8 +73,8 @@ from bench_hf_decode import (fill_paged_cache, fill_static_cache, host_time, tim
 from mla_ops.hf.models import build_model, make_config
 
 MODES = ("hf-eager", "hf-compile", "ours-eager", "ours-eager-steps", "ours-default",
-         "ours-compile", "ours-graph")
-GENERATE_ONLY = ("ours-eager-steps", "ours-default")
+         "ours-compile", "ours-compile-cache", "ours-graph")
+GENERATE_ONLY = ("ours-eager-steps", "ours-default", "ours-compile-cache")
 DECODE_ROWS = {"v2-lite-32x1024": ("v2-lite", 32, 1024), "v2-lite-1x4096": ("v2-lite", 1, 4096),
                "v3-moe-32x1024": ("v3-moe", 32, 1024), "v3-moe-1x4096": ("v3-moe", 1, 4096)}
 GEN_ROWS = {"gen-v2-lite": "v2-lite", "gen-v3-moe": "v3-moe"}
@@ -222,6 +226,14 @@ def generate_once(model, mode, ids, mask, new, state):
                                   **kw)[:, S:]
         if mode == "ours-compile":
             return model.generate(ids, compile_config=cc, **kw)[:, S:]
+        if mode == "ours-compile-cache":
+            if "cache" not in state:
+                state["cache"] = mla_ops.hf.PagedMLACache(
+                    model.config, max_batch_size=ids.shape[0], max_cache_len=S + new + 4,
+                    device=ids.device, dtype=model.dtype)
+            state["cache"].reset()
+            return model.generate(ids, compile_config=cc, **kw,
+                                  **mla_ops.hf.cache_kwargs(model, state["cache"]))[:, S:]
         # ours-graph: the prefill as one eager forward, then DecodeGraph's greedy replays
         B = ids.shape[0]
         if "cache" not in state:

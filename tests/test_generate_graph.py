@@ -110,6 +110,50 @@ def test_calls_it_does_not_serve(cpu_graphs):
     assert cpu_graphs == [False] and torch.equal(got.sequences, exp.sequences)
 
 
+def test_a_users_cache_keeps_its_graphs(cpu_graphs, monkeypatch):
+    """The user's cache keeps the step graphs for its next generate() call (one capture for
+    two calls, the same tokens); a compile_config gets a runner of its own; new parameter
+    tensors get new graphs; generate()'s default cache captures in every call."""
+    from transformers.generation.configuration_utils import CompileConfig
+    captured = []
+    make = GG.GenerateGraphs._capture
+
+    def spy(self, B):
+        captured.append(B)
+        return make(self, B)
+    monkeypatch.setattr(GG.GenerateGraphs, "_capture", spy)
+    ids, mask = left_padded(LENGTHS, seed=9)
+    model = H.convert(pair(seed=4))
+    cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64)
+    outs = []
+    for _ in range(2):
+        cache.reset()
+        outs.append(gen(model, ids, mask, **H.cache_kwargs(model, cache)))
+    assert captured == [3] and cpu_graphs == [True] * (2 * (NEW - 1))
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert getattr(cache, GG.ATTR) is None                  # detached between calls
+    kept = getattr(cache, GG.KEPT)
+    assert list(kept.runners) == [(3, None)]
+    cc = CompileConfig(backend="eager", mode="reduce-overhead")
+    cc._compile_all_devices = True
+    for _ in range(2):
+        cache.reset()
+        outs.append(gen(model, ids, mask, compile_config=cc, disable_compile=None,
+                        **H.cache_kwargs(model, cache)))
+    assert captured == [3, 3] and list(kept.runners) == [(3, None), (3, ("eager", None))]
+    w = model.lm_head.weight
+    w.data = w.data.clone()                                  # a new tensor: new graphs
+    cache.reset()
+    outs.append(gen(model, ids, mask, **H.cache_kwargs(model, cache)))
+    assert captured == [3, 3, 3] and getattr(cache, GG.KEPT) is not kept
+    for out in outs[1:]:
+        assert torch.equal(out.sequences, outs[0].sequences)
+    captured.clear()
+    gen(model, ids, mask)
+    gen(model, ids, mask)
+    assert captured == [3, 3]                                # the default cache: per call
+
+
 def test_serves_only_one_token_per_row():
     model = H.convert(pair())
     cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=32)
@@ -266,6 +310,39 @@ def test_cuda_compile_config_replays_the_compiled_step():
     assert torch.equal(got.sequences, exp.sequences)
     for a, b in zip(got.logits, exp.logits):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_kept_graphs_serve_the_next_call():
+    """bf16 on CUDA: the user's cache keeps the step graph captured in one generate() call;
+    the next call on it (other prompts, the cache reset) replays it without capturing and
+    gives the eager steps' tokens and logits bit for bit."""
+    model = H.convert(pair("v2", None, layers=3, seed=7)).to("cuda", torch.bfloat16)
+    cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=160,
+                            device="cuda", dtype=torch.bfloat16)
+    captured = []
+    make = GG.GenerateGraphs._capture
+
+    def spy(self, B):
+        captured.append(B)
+        return make(self, B)
+    try:
+        GG.GenerateGraphs._capture = spy
+        for seed, lengths in [(1, [9, 40, 23]), (2, [64, 3, 17])]:
+            ids, mask = (t.cuda() for t in left_padded(lengths, seed=seed))
+            model.mla_generate_graph = False
+            cache.reset()
+            exp = gen(model, ids, mask, new=16, **H.cache_kwargs(model, cache))
+            model.mla_generate_graph = True
+            cache.reset()
+            got = gen(model, ids, mask, new=16, **H.cache_kwargs(model, cache))
+            assert torch.equal(got.sequences, exp.sequences)
+            for a, b in zip(got.logits, exp.logits):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+    finally:
+        GG.GenerateGraphs._capture = make
+    assert captured == [3]
 
 
 @pytest.mark.parametrize("family", ["kimi_linear", "glm_moe_dsa", "bailing_hybrid",

@@ -180,7 +180,7 @@ def build_class(cls):
             model_kwargs[key] = default_cache(self, generation_config, batch_size,
                                               max_cache_length)
             out = None
-        attach(self, model_kwargs.get(key))
+        attach(self, model_kwargs.get(key), kept=user is not None)
         return out
 
     prepare_cache.__doc__ = "A PagedMLACache as generate()'s default cache (mla_ops/hf/generate.py)."

@@ -14,7 +14,12 @@ step's; what goes is the host time.
 convert(model, generate_graph=...) picks it (default: on); it applies to generate()'s
 PagedMLACache on CUDA, the default one or one the user passes, and only for the call:
 generate() detaches it when it returns, so a forward of the user's own afterwards runs
-eagerly again. A forward that asks for more than the logits (hidden states, attentions)
+eagerly again. A cache the user passes keeps its graphs for the next generate() call on
+it (a chat's turns): capturing costs a warm-up step and the capture (30-50 ms at the
+shapes of BENCHMARKS.md's generate() rows), so a later call on that cache replays the
+graphs captured before, while the model's parameters and buffers are the tensors they
+were captured with (a model moved or re-cast gets new graphs). generate()'s default
+cache is new for each call, and so are its graphs. A forward that asks for more than the logits (hidden states, attentions)
 or that is not one token per row runs eagerly. Where the step cannot be captured, or the
 cache has no room for the warm-up step, the call's decode steps run eagerly (same
 numbers), with a warning saying why.
@@ -31,6 +36,7 @@ from mla_ops.hf.step import decode_room
 __all__ = ["GenerateGraphs", "attached", "output_class"]
 
 ATTR = "mla_generate_graphs"          # the PagedMLACache attribute that holds them
+KEPT = "mla_kept_generate_graphs"     # ... and the one that keeps a user's cache's
 DEVICES = ("cuda",)                   # where a cache gets them
 WARMUP = 1
 EXTRA_OUTPUTS = ("output_attentions", "output_hidden_states", "output_router_logits",
@@ -51,11 +57,16 @@ class GenerateGraphs:
     def __init__(self, model, cache: PagedMLACache, graph: bool | None = None):
         self.model, self.cache = model, cache
         self.graph = cache.device.type == "cuda" if graph is None else graph
-        self.runners: dict = {}                 # B -> DecodeGraph
+        self.runners: dict = {}                 # (B, compile arguments) -> DecodeGraph
+        self.weights: tuple | None = None       # a kept cache's: what its graphs read
         self.off: str | None = None             # why the steps run eagerly, once decided
         self.output, self.cache_field = output_class()
         self.busy = False                       # inside the runner's own forward calls
         self.compile: dict | None = None        # DecodeGraph's compile arguments, if any
+
+    def begin_call(self) -> None:
+        """A generate() call starts: it decides its own compile and fallbacks."""
+        self.off, self.compile, self.busy = None, None, False
 
     def compile_with(self, config) -> None:
         """Compile the step as generate()'s compile_config asks (see above); before the
@@ -81,11 +92,13 @@ class GenerateGraphs:
         steps run eagerly from now on."""
         ids = kwargs["input_ids"]
         B = ids.shape[0]
-        runner = self.runners.get(B)
+        key = (B, None if self.compile is None else (self.compile["backend"], self.compile["mode"]))
+        runner = self.runners.get(key)
         if runner is None:
             runner = self._capture(B)
             if runner is None:
                 return None
+            self.runners[key] = runner
         self.busy = True                 # (without a graph the runner calls the forward)
         try:
             logits = runner(ids)                                           # [B, 1, V]
@@ -129,7 +142,6 @@ class GenerateGraphs:
             return None
         finally:
             self.busy = False
-        self.runners[B] = runner
         return runner
 
     def _eager(self, why: str, warn: bool) -> None:
@@ -146,12 +158,26 @@ def attached(kwargs: dict) -> GenerateGraphs | None:
     return getattr(cache, ATTR, None) if isinstance(cache, PagedMLACache) else None
 
 
-def attach(model, cache) -> None:
+def weights_key(model) -> tuple:
+    """The addresses of the model's parameters and buffers: a captured step reads them."""
+    return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+
+
+def attach(model, cache, kept: bool = False) -> None:
     """generate()'s prepare hook: graphs for this call's cache when the model asks for them
-    (convert(generate_graph=True)) and the cache is a PagedMLACache on CUDA."""
+    (convert(generate_graph=True)) and the cache is a PagedMLACache on CUDA. kept: the
+    user's cache, which keeps its graphs for later calls (see above)."""
     if (isinstance(cache, PagedMLACache) and getattr(model, "mla_generate_graph", False)
             and cache.device.type in DEVICES and getattr(cache, ATTR, None) is None):
-        setattr(cache, ATTR, GenerateGraphs(model, cache))
+        graphs = GenerateGraphs(model, cache) if not kept else getattr(cache, KEPT, None)
+        if kept:
+            weights = weights_key(model)
+            if graphs is None or graphs.model is not model or graphs.weights != weights:
+                graphs = GenerateGraphs(model, cache)
+                graphs.weights = weights
+                setattr(cache, KEPT, graphs)
+        graphs.begin_call()
+        setattr(cache, ATTR, graphs)
         model.__dict__["_mla_graph_cache"] = cache
 
 
