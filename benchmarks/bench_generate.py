@@ -11,8 +11,8 @@ Rows (--rows):
             ms per step, median of --iters
   gen-v2-lite, gen-v3-moe
             model.generate() as users call it: B = 8 left-aligned prompts of 2048 tokens,
-            128 new tokens, greedy; seconds per call, the second call timed (the first
-            compiles, captures and warms up)
+            128 new tokens, greedy; seconds per call, the median of --repeats calls
+            after the first (which compiles, captures and warms up)
 
 Modes (--modes), the same weights throughout:
   hf-eager      HF's model (its own MoE code, experts "grouped_mm"); decode: StaticCache;
@@ -261,13 +261,16 @@ def timed(fn, dev):
 
 
 def generate_row(args, model, mode, ids, mask, dev):
-    """(seconds of the second call, seconds of the first, tokens, scaled?)."""
+    """(seconds of the median of --repeats calls after the first, seconds of the first,
+    tokens, scaled?)."""
     new = args.new_tokens
     state = {}
     slow = mode in args.slow_modes.split(",") and args.slow_new_tokens < new
     n = args.slow_new_tokens if slow else new
     first, _ = timed(lambda: generate_once(model, mode, ids, mask, n, state), dev)
-    sec, out = timed(lambda: generate_once(model, mode, ids, mask, n, state), dev)
+    runs = [timed(lambda: generate_once(model, mode, ids, mask, n, state), dev)
+            for _ in range(args.repeats)]
+    sec, out = sorted(runs, key=lambda r: r[0])[len(runs) // 2]        # the median call
     if slow:     # prefill + (n - 1) steps measured: read 127 steps from them
         one, _ = timed(lambda: generate_once(model, mode, ids, mask, 1, {}), dev)
         sec = one + (sec - one) * (new - 1) / max(n - 1, 1)
@@ -289,6 +292,8 @@ def main():
     ap.add_argument("--slow-modes", default="hf-eager,ours-eager-steps",
                     help="generate(): modes timed with --slow-new-tokens and scaled")
     ap.add_argument("--slow-new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="generate(): timed calls after the first (the median is reported)")
     ap.add_argument("--warmup", type=int, default=3, help="decode rows: steps before timing")
     ap.add_argument("--iters", type=int, default=10, help="decode rows: timed steps")
     ap.add_argument("--bandwidth", type=float, default=4.3, help="TB/s for the floor")
