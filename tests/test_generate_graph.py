@@ -140,7 +140,8 @@ def test_a_users_cache_keeps_its_graphs(cpu_graphs, monkeypatch):
         cache.reset()
         outs.append(gen(model, ids, mask, compile_config=cc, disable_compile=None,
                         **H.cache_kwargs(model, cache)))
-    assert captured == [3, 3] and list(kept.runners) == [(3, None), (3, ("eager", None))]
+    assert captured == [3, 3] and list(kept.runners) == [(3, None),
+                                                   (3, ("eager", None, "None"))]
     w = model.lm_head.weight
     w.data = w.data.clone()                                  # a new tensor: new graphs
     cache.reset()
@@ -195,7 +196,12 @@ def test_auto_compile_yields_to_the_graphs(monkeypatch):
                        ("default", "default"), (None, None)]:
         cc = CompileConfig(backend="eager", mode=mode)
         assert not model._valid_auto_compile_criteria(kw, GenerationConfig(compile_config=cc))
-        assert graphs.compile == dict(compile=True, backend="eager", mode=want)
+        assert graphs.compile == dict(compile=True, backend="eager", mode=want, options=None)
+    cc = CompileConfig(backend="inductor", mode="max-autotune",
+                       options={"triton.cudagraphs": True, "max_autotune": True})
+    assert not model._valid_auto_compile_criteria(kw, GenerationConfig(compile_config=cc))
+    assert graphs.compile == dict(compile=True, backend="inductor", mode=None,
+                                  options={"max_autotune": True})
 
 
 def test_compile_config_compiles_the_graphs_step(cpu_graphs):

@@ -126,6 +126,10 @@ def test_bad_input():
         H.DecodeGraph(model, cache, batch_size=3)
     with pytest.raises(ValueError, match="captures the step"):
         H.DecodeGraph(model, cache, mode="reduce-overhead")
+    with pytest.raises(ValueError, match="triton.cudagraphs"):
+        H.DecodeGraph(model, cache, options={"triton.cudagraphs": True})
+    with pytest.raises(ValueError, match="mode=None"):
+        H.DecodeGraph(model, cache, mode="default", options={"max_autotune": False})
     with pytest.raises(ValueError, match="snapshot"):
         cache.restore([torch.zeros(1)])
     runner = H.DecodeGraph(model, cache, backend=BACKEND)

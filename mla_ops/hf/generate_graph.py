@@ -1,4 +1,5 @@
-"""generate() without compile: its decode steps replayed from a CUDA graph of the eager step.
+"""generate()'s decode steps replayed from a CUDA graph of the step (compiled for a
+compile_config, else the eager step).
 
 An eager decode step of a converted model launches a few dozen kernels per layer, and
 their host time (Python, the op dispatch, Triton's launcher: 0.1-0.4 ms per op call on an
@@ -11,18 +12,31 @@ no compile criteria met), its first decode step of each call captures that step
 decode step replays it. The kernels are the eager step's, so the logits are the eager
 step's; what goes is the host time.
 
+compile_config. A generate() call that asks for HF's compile of the decode step
+(compile_config, and HF's own criteria met: a CUDA device, no disable_compile) gets the
+same graphs over the compiled step instead: DecodeGraph(compile=True) with the config's
+backend, its options less "triton.cudagraphs", and (without options) its mode without
+CUDA graphs ("reduce-overhead" -> None, "max-autotune" -> "max-autotune-no-cudagraphs"),
+the step compiled fullgraph with static shapes whatever the config's fullgraph / dynamic
+say, and captured once in one CUDA graph. That is the step DecodeGraph runs, where HF's
+compile replays cudagraph trees behind dynamo's guards (BENCHMARKS.md, "generate() end
+to end"). The compiled code is dynamo's, kept across calls: a later call with the same
+shapes compiles nothing.
+
 convert(model, generate_graph=...) picks it (default: on); it applies to generate()'s
 PagedMLACache on CUDA, the default one or one the user passes, and only for the call:
 generate() detaches it when it returns, so a forward of the user's own afterwards runs
 eagerly again. A cache the user passes keeps its graphs for the next generate() call on
-it (a chat's turns): capturing costs a warm-up step and the capture (30-50 ms at the
+it (a chat's turns): capturing costs a warm-up step and the capture (30-55 ms at the
 shapes of BENCHMARKS.md's generate() rows), so a later call on that cache replays the
 graphs captured before, while the model's parameters and buffers are the tensors they
 were captured with (a model moved or re-cast gets new graphs). generate()'s default
-cache is new for each call, and so are its graphs. A forward that asks for more than the logits (hidden states, attentions)
-or that is not one token per row runs eagerly. Where the step cannot be captured, or the
-cache has no room for the warm-up step, the call's decode steps run eagerly (same
-numbers), with a warning saying why.
+cache is new for each call, and so are its graphs.
+
+A forward that asks for more than the logits (hidden states, attentions) or that is not
+one token per row runs eagerly. Where the step cannot be captured, or the cache has no
+room for the warm-up step, the call's decode steps run eagerly (same numbers), with a
+warning saying why.
 """
 from __future__ import annotations
 
@@ -72,8 +86,11 @@ class GenerateGraphs:
         """Compile the step as generate()'s compile_config asks (see above); before the
         call's first decode step."""
         modes = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
+        options = dict(config.options or {})
+        options.pop("triton.cudagraphs", None)          # the runner captures the step
         self.compile = dict(compile=True, backend=config.backend,
-                            mode=modes.get(config.mode, config.mode))
+                            mode=None if options else modes.get(config.mode, config.mode),
+                            options=options or None)
 
     def serves(self, args: tuple, kwargs: dict) -> bool:
         """Whether this forward call is a decode step the graph computes (see above)."""
@@ -92,7 +109,8 @@ class GenerateGraphs:
         steps run eagerly from now on."""
         ids = kwargs["input_ids"]
         B = ids.shape[0]
-        key = (B, None if self.compile is None else (self.compile["backend"], self.compile["mode"]))
+        key = (B, None if self.compile is None else
+               (self.compile["backend"], self.compile["mode"], repr(self.compile["options"])))
         runner = self.runners.get(key)
         if runner is None:
             runner = self._capture(B)

@@ -42,7 +42,7 @@ class DecodeGraph:
 
     def __init__(self, model, cache: PagedMLACache, batch_size: int | None = None, *,
                  compile: bool = True, backend: str = "inductor", mode: str | None = None,
-                 graph: bool | None = None, warmup: int = 2):
+                 options: dict | None = None, graph: bool | None = None, warmup: int = 2):
         if not isinstance(model, torch.nn.Module) or not is_converted(model):
             raise TypeError("DecodeGraph needs a model converted with mla_ops.hf.convert(model)")
         if not isinstance(cache, PagedMLACache):
@@ -55,6 +55,12 @@ class DecodeGraph:
             raise ValueError(f"mode={mode!r} makes torch.compile capture CUDA graphs itself; "
                              f"DecodeGraph captures the step: use None, 'default' or "
                              f"'max-autotune-no-cudagraphs'")
+        if options is not None and (not isinstance(options, dict) or mode is not None
+                                    or options.get("triton.cudagraphs")):
+            raise ValueError(f"options must be a dict of backend options without "
+                             f"'triton.cudagraphs' (DecodeGraph captures the step), given "
+                             f"with mode=None (torch.compile takes one of the two); got "
+                             f"options={options!r}, mode={mode!r}")
         if warmup < 1:
             raise ValueError(f"warmup must be >= 1, got {warmup}")
         self.model, self.cache, self.batch_size = model, cache, B
@@ -66,7 +72,8 @@ class DecodeGraph:
         self.input_ids = torch.zeros(B, 1, dtype=torch.long, device=dev)      # [B, 1] graph input
         # one compiled function for the whole step: positions, forward and argmax
         self._fwd = (torch.compile(self._forward, fullgraph=True, dynamic=False,
-                                   backend=backend, mode=mode) if compile else self._forward)
+                                   backend=backend, mode=mode, options=options)
+                     if compile else self._forward)
         self.logits = self.next_tokens = None
         self._graph = None
         self._steps_left = None          # steps that fit, counted from the last sync()
