@@ -443,3 +443,29 @@ def test_fp8_model_decode_graph_on_gpu_matches_generate():
     runner, got, exp = graph_and_generate_tokens(model, ids, mask, cache, 8)
     assert runner.graph_enabled
     assert torch.equal(got, exp)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_fp8_model_generate_replays_the_eager_step_graph():
+    """generate() without compile on the FP8 model: its eager decode step (the fp8 GEMMs,
+    the MoE block with its shared experts on a side stream) is captured, no fallback
+    warning, and the replays give the eager steps' tokens and logits bit for bit."""
+    import warnings
+    from mla_ops.hf import generate_graph as GG
+    model = cuda_fp8_model()
+    ids, mask = (t.cuda() for t in left_padded([5, 17, 30], seed=3))
+    cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=64,
+                            device="cuda", dtype=torch.bfloat16)
+    model.mla_generate_graph = False
+    exp = generate(model, ids, mask, 8, past_key_values=cache, disable_compile=True)
+    model.mla_generate_graph = True
+    cache.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)               # captured, not eager
+        got = generate(model, ids, mask, 8, past_key_values=cache, disable_compile=True)
+    kept = getattr(cache, GG.KEPT)
+    assert kept is not None and all(r._graph is not None for r in kept.runners.values())
+    assert torch.equal(got.sequences, exp.sequences)
+    for a, b in zip(got.logits, exp.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
