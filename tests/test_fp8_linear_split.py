@@ -335,3 +335,34 @@ def test_ops_take_the_grouped_gemm_past_the_decode_rows():
     assert rel(got.float(), ref + r.double().cpu()) < 2e-2
     h = torch.ops.mla.decode_gate_up_fp8(x, wd, sd, w2d, s2d, 128, 128)
     assert rel(h.float(), F.silu(ref) * w8a8_ref(x.cpu().float(), w2, s2)) < 3e-2
+
+
+@pytest.mark.parametrize("mode,split,pre", [(2, 3, True), (0, 2, True), (0, 1, True),
+                                            (2, 1, False)])
+def test_scratch_made_beforehand_gives_the_same_bits(mode, split, pre):
+    """run() with scratch() made first (as the fp8 MoE block makes its side branch's
+    before forking) writes the same bits as run() making its own, and uses the buffers it
+    was given (the partials and the quantized activations hold this call's values)."""
+    g = torch.Generator().manual_seed(11 * mode + split)
+    M, N, K = 3, 48, 5 * 128 - 40
+    x = (torch.randn(M, K, generator=g) * 2).to(DEV, DT)
+    (w1, s1), (w2, s2) = rand_fp8(N, K, g), rand_fp8(N, K, g)
+    w1, s1, w2, s2 = (t.to(DEV) for t in (w1, s1, w2, s2))
+    pair = (w2, s2) if mode == 2 else (None, None)
+    cfg = (32, 4, 2, split, pre)
+    outs = []
+    for made in (None, fp8_linear.scratch(x, w1, pair[0], mode, 128, cfg)):
+        y = torch.full((M, N), float("nan"), dtype=DT, device=DEV)
+        fp8_linear.run(x, w1, s1, *pair, mode, y, None, 128, 128, cfg, made=made)
+        outs.append(y)
+    assert torch.isfinite(outs[0].float()).all()
+    assert torch.equal(outs[0], outs[1])
+    assert (made["parts"] is not None) == (split > 1)
+    assert (made["quant_out"] is not None) == pre
+    if pre:
+        xq, xs = made["quant_out"]
+        ref_q, ref_s = fp8_linear.quantized(x, 128, True)[:2]
+        assert torch.equal(xq.view(torch.uint8), ref_q.view(torch.uint8))
+        assert torch.equal(xs, ref_s)
+    if split > 1:
+        assert torch.isfinite(made["parts"]).all()

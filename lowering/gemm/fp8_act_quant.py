@@ -62,12 +62,20 @@ def check_quantized(x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor,
             raise ValueError(f"{name} must be contiguous on {x.device}")
 
 
-def quantized(a: torch.Tensor, group_k: int, pre_quant: bool, given=None):
+def quant_buffers(a: torch.Tensor, group_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (e4m3 [R, C], fp32 scales [R, cdiv(C, group_k)]) for a [R, C]'s quantization."""
+    R, C = a.shape
+    return (torch.empty((R, C), dtype=FP8, device=a.device),
+            torch.empty((R, triton.cdiv(C, group_k)), dtype=torch.float32, device=a.device))
+
+
+def quantized(a: torch.Tensor, group_k: int, pre_quant: bool, given=None, out=None):
     """(activations, scales, the scales' row stride) for a launch: a [R, C] itself (scales
     unused) or, with pre_quant, act_quant_kernel's e4m3 copy and its fp32 scales
-    [R, cdiv(C, group_k)] (one program per row and scale group). given: that pair, already
-    made by the kernel that produced a (x_q [R, C], x_s [R, G], contiguous): used as it is,
-    whatever pre_quant says."""
+    [R, cdiv(C, group_k)] (one program per row and scale group), written into out
+    (quant_buffers(a, group_k)) when given. given: that pair, already made by the kernel
+    that produced a (x_q [R, C], x_s [R, G], contiguous): used as it is, whatever
+    pre_quant says."""
     if given is not None:
         x_q, x_s = given
         return x_q, x_s, x_s.shape[-1]
@@ -75,8 +83,7 @@ def quantized(a: torch.Tensor, group_k: int, pre_quant: bool, given=None):
         return a, a, 0
     R, C = a.shape
     G = triton.cdiv(C, group_k)
-    aq = torch.empty((R, C), dtype=FP8, device=a.device)
-    s = torch.empty((R, G), dtype=torch.float32, device=a.device)
+    aq, s = out if out is not None else quant_buffers(a, group_k)
     torch.library.wrap_triton(act_quant_kernel)[(R, G)](
         a, aq, s, C, a.stride(0), G, BLOCK_K=group_k, NATIVE_CAST=a.is_cuda, num_warps=1)
     return aq, s, G

@@ -49,7 +49,7 @@ import triton
 from lowering import config as mla_config
 from lowering.fused.silu_mul import silu_mul
 from lowering.gemm.fp8_linear_kernel import fp8_linear_kernel, fp8_split_reduce_kernel
-from lowering.gemm.fp8_act_quant import given_quant, quantized
+from lowering.gemm.fp8_act_quant import given_quant, quant_buffers, quantized
 from lowering.gemm.grouped import GROUPS_K, prefill_linear
 from lowering.gemm.fp8_linear_configs import MAX_ROWS, pick_config, pre_quant_of, split_k_for
 from lowering.gemm.linear import max_shared_bytes
@@ -116,7 +116,7 @@ def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
 def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
            y2: Optional[torch.Tensor], group_n: int, group_k: int, config: tuple, *,
            residual: Optional[torch.Tensor] = None, y2_col0: int = 0,
-           pre_quant: bool = True, x_quant=None) -> None:
+           pre_quant: bool = True, x_quant=None, quant_out=None) -> None:
     """Run fp8_linear_kernel with config (BLOCK_N, num_warps, num_stages[, SPLIT_K]) (with
     pre_quant, act_quant_kernel first: x quantized once, as every program would): x2
     [M, K] (K contiguous), w1/w2 [N, K] fp8 contiguous with their scale_inv; y1/y2 [M, N],
@@ -124,7 +124,9 @@ def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
     is the product (run() reduces them). Mode 0 without split-K may add residual [M, N1]
     (last dim contiguous) in the epilogue; mode 1 with y2=None and y2_col0 > 0 writes
     x @ W2.T into y1 from column y2_col0 on. x_quant: x already quantized by its producer
-    ((e4m3 [M, K], fp32 scales [M, cdiv(K, group_k)]), contiguous): no quant launch."""
+    ((e4m3 [M, K], fp32 scales [M, cdiv(K, group_k)]), contiguous): no quant launch.
+    quant_out: the quant launch's output buffers (fp8_act_quant.quant_buffers), if made
+    beforehand."""
     split_k = config[3] if len(config) > 3 else 1
     if not isinstance(split_k, int) or split_k < 1:
         raise ValueError(f"config's SPLIT_K must be a positive int, got {split_k!r}")
@@ -143,7 +145,8 @@ def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
     block_n, warps, stages = config[:3]
     block_m = max(16, triton.next_power_of_2(M))
     pre_quant = pre_quant or x_quant is not None
-    x2, xs, stride_xs = quantized(x2, group_k, pre_quant, x_quant)  # once for all programs
+    x2, xs, stride_xs = quantized(x2, group_k, pre_quant, x_quant,  # once for all programs
+                                  out=quant_out)
     if x2.is_cuda:       # per stage: an x tile and one weight tile (two in mode 2)
         per_stage = group_k * (block_m * x2.element_size() + block_n * (2 if mode == 2 else 1))
         per_stage *= 2 if mode == 1 else 1          # mode 1 compiles the loop twice
@@ -194,35 +197,59 @@ def reduce_partials(parts: torch.Tensor, y1: torch.Tensor, y2: Optional[torch.Te
         num_warps=2)
 
 
+def scratch(x2: torch.Tensor, w1, w2, mode: int, group_k: int, config: tuple,
+            x_quant=None) -> dict:
+    """run()'s scratch for these arguments, made now: {"quant_out": the activations'
+    quant buffers or None, "parts": the fp32 split-K partials or None}. A caller that
+    runs the GEMM on another stream makes them first on its own (lowering/moe/block.py's
+    fork_shared)."""
+    M, K = x2.shape
+    N1 = w1.shape[0]
+    N = N1 + (w2.shape[0] if mode == 1 else 0)
+    split_k = split_k_for(config, mode, M, N, K, group_k)
+    pre = pre_quant_of(config) and x_quant is None
+    cols = 2 * N1 if mode == 2 else N
+    return {"quant_out": quant_buffers(x2, group_k) if pre else None,
+            "parts": (torch.empty((split_k, M, cols), dtype=torch.float32, device=x2.device)
+                      if split_k > 1 else None)}
+
+
 def run(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
         y2: Optional[torch.Tensor], group_n: int, group_k: int, config: tuple, *,
         residual: Optional[torch.Tensor] = None, pre_quant: Optional[bool] = None,
-        x_quant=None) -> None:
+        x_quant=None, made: Optional[dict] = None) -> None:
     """The GEMM of `mode` into y1 (and y2 for mode 1) in their dtype, residual added for
     mode 0: one launch where split_k_for(config) is 1, else the split kernel into fp32
     partials (mode 2: gate and up as mode 1's pair) and reduce_partials. pre_quant: the
     activations quantized once first (None: as config says, pre_quant_of); x_quant: x
-    quantized by its producer (launch's), which every launch then reads."""
+    quantized by its producer (launch's), which every launch then reads; made: scratch()
+    of the same arguments (default pre_quant), made beforehand."""
     if pre_quant is None:
         pre_quant = pre_quant_of(config)
     M, K = x2.shape
     N1 = w1.shape[0]
     N = N1 + (w2.shape[0] if mode == 1 else 0)
     split_k = split_k_for(config, mode, M, N, K, group_k)
+    made = made or {}
+    quant_out = made.get("quant_out")
     if split_k == 1:
         launch(x2, w1, s1, w2, s2, mode, y1, y2, group_n, group_k, config[:3],
-               residual=residual, pre_quant=pre_quant, x_quant=x_quant)
+               residual=residual, pre_quant=pre_quant, x_quant=x_quant, quant_out=quant_out)
         return
     tile = (*config[:3], split_k)
+    parts = made.get("parts")
     if mode == 2:
-        parts = torch.empty((split_k, M, 2 * N1), dtype=torch.float32, device=x2.device)
+        if parts is None:
+            parts = torch.empty((split_k, M, 2 * N1), dtype=torch.float32, device=x2.device)
         launch(x2, w1, s1, w2, s2, 1, parts, None, group_n, group_k, tile, y2_col0=N1,
-               pre_quant=pre_quant, x_quant=x_quant)
+               pre_quant=pre_quant, x_quant=x_quant, quant_out=quant_out)
         reduce_partials(parts, y1, gated=True)                              # [S, M, 2 N1]
         return
-    parts = torch.empty((split_k, M, N), dtype=torch.float32, device=x2.device)  # [S, M, N]
+    if parts is None:
+        parts = torch.empty((split_k, M, N), dtype=torch.float32, device=x2.device)  # [S, M, N]
     launch(x2, w1, s1, w2, s2, mode, parts, None, group_n, group_k, tile,
-           y2_col0=N1 if mode == 1 else 0, pre_quant=pre_quant, x_quant=x_quant)
+           y2_col0=N1 if mode == 1 else 0, pre_quant=pre_quant, x_quant=x_quant,
+           quant_out=quant_out)
     reduce_partials(parts, y1, y2 if mode == 1 else None, residual=residual)
 
 

@@ -28,10 +28,10 @@ for bit the block run op by op.
 
 Why: at one row the shared experts' GEMMs (two launches and their split-K reduces) and
 the router's two kernels each leave most SMs idle while the routed experts stream at the
-bandwidth. Here the shared experts run on a side stream, forked after the outputs are
-allocated and joined before the op returns (a CUDA graph captures both branches). The
-branch's own scratch (quantized activations, partials) is allocated on the side stream
-and used only there.
+bandwidth. Here the shared experts run on a side stream, forked after the outputs and
+the branch's scratch (its hidden row, quantized activations, split-K partials:
+shared_scratch) are allocated on the caller's stream, and joined before the op returns
+(a CUDA graph captures both branches), as fork_shared asks of its callers.
 
 CUDA runs the streams; on the CPU (tests, TRITON_INTERPRET=1) the same launches run in
 order. Callers check block_serves first (mla_ops/hf/moe.py); the op checks shapes,
@@ -87,16 +87,29 @@ def _check(x, router_weight, bias, mode, top_k, n_group, topk_group, gate_up, ga
             raise ValueError(f"{name} is on {w.device}, x on {x.device}")
 
 
-def _shared(x, shared, out, group_n, group_k, x_quant) -> None:
-    """out [T, H] = down(SiLU(x @ gate.T) * (x @ up.T)), each GEMM as its decode op runs it."""
-    (sg, sgs), (su, sus), (sd, sds) = shared
+def shared_scratch(x, shared, group_k, x_quant) -> tuple:
+    """(h [T, S], the gate + up GEMM's scratch, the down GEMM's): every buffer _shared
+    writes besides its output, made on the caller's stream before the fork."""
+    (sg, _), (su, _), (sd, _) = shared
     T, H = x.shape
     S = sg.shape[0]
     h = torch.empty((T, S), dtype=x.dtype, device=x.device)                   # [T, S]
+    return (h, fp8_gemm.scratch(x, sg, su, 2, group_k, pick_config(2, S, H, T, group_k),
+                                x_quant),
+            fp8_gemm.scratch(h, sd, None, 0, group_k, pick_config(0, H, S, T, group_k)))
+
+
+def _shared(x, shared, out, group_n, group_k, x_quant, made) -> None:
+    """out [T, H] = down(SiLU(x @ gate.T) * (x @ up.T)), each GEMM as its decode op runs it;
+    made: shared_scratch()."""
+    (sg, sgs), (su, sus), (sd, sds) = shared
+    T, H = x.shape
+    S = sg.shape[0]
+    h, made_gate_up, made_down = made
     fp8_gemm.run(x, sg, sgs, su, sus, 2, h, None, group_n, group_k,
-                 pick_config(2, S, H, T, group_k), x_quant=x_quant)
+                 pick_config(2, S, H, T, group_k), x_quant=x_quant, made=made_gate_up)
     fp8_gemm.run(h, sd, sds, None, None, 0, out, None, group_n, group_k,
-                 pick_config(0, H, S, T, group_k))
+                 pick_config(0, H, S, T, group_k), made=made_down)
 
 
 def _routed(x, route, gate_up, gate_up_scale, down, down_scale, group_n, group_k,
@@ -139,7 +152,8 @@ def moe_block_decode_fp8(x: torch.Tensor, router_weight: torch.Tensor,
     pairs = torch.empty((T, top_k, H), dtype=torch.float32, device=x.device)    # [T, K, H]
     routed = (x, route, gate_up, gate_up_scale, down, down_scale, group_n, group_k, pairs,
               x_quant)
-    fork_shared(x, lambda: _shared(x, shared_w, shared[0], group_n, group_k, x_quant),
+    made = shared_scratch(x, shared_w, group_k, x_quant)       # the side branch's scratch
+    fork_shared(x, lambda: _shared(x, shared_w, shared[0], group_n, group_k, x_quant, made),
                 lambda: _routed(*routed))
     return pairs, shared
 
