@@ -29,11 +29,12 @@ Modes (--modes), the same weights throughout:
   ours-default  generate() only: model.generate(ids) with no compile argument (on CUDA
                 the step graph of ours-eager, in place of HF's automatic compile)
   ours-compile  decode: as hf-compile on the PagedMLACache; generate(): compile_config as
-                hf-compile's on the default PagedMLACache (new each call, so each call
-                captures its decode-step graph)
+                hf-compile's on the default PagedMLACache (which generate() keeps between
+                calls that return sequences only, with its step graph: the timed calls
+                replay the graph the first call captured, as ours-eager's do)
   ours-compile-cache   generate() only: as ours-compile on a PagedMLACache the caller
                 passes (cache=, reset before each call), which keeps the step graph
-                captured in the first call for the second
+                captured in the first call for the next
   ours-graph    decode: mla_ops.hf.DecodeGraph replays, each step timed alone (event, call,
                 event, wait: its launch latency counted), and also in a greedy loop
                 (DecodeGraph.greedy: each step launched without waiting for the last, as a

@@ -155,6 +155,48 @@ def test_a_users_cache_keeps_its_graphs(cpu_graphs, monkeypatch):
     assert captured == [3, 3]                                # the default cache: per call
 
 
+def test_default_cache_kept_when_never_handed_out(cpu_graphs, monkeypatch):
+    """generate() returning sequences only keeps its default cache for the next call of the
+    same shape (reset in place, its step graph replayed: one capture for two calls, the
+    same tokens as eager steps); a call that returns its cache takes it and leaves it to
+    the caller; another shape, or mla_default_cache = None, gets a new cache."""
+    captured = []
+    make = GG.GenerateGraphs._capture
+
+    def spy(self, B):
+        captured.append(B)
+        return make(self, B)
+    monkeypatch.setattr(GG.GenerateGraphs, "_capture", spy)
+    ids, mask = left_padded(LENGTHS, seed=12)
+    model = H.convert(pair("v2", None, seed=8))
+
+    def plain(new=NEW):
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, max_new_tokens=new,
+                                  do_sample=False, disable_compile=True)
+    model.mla_generate_graph = False
+    exp = plain()
+    model.mla_default_cache = None                  # (the eager call's kept cache)
+    model.mla_generate_graph = True
+    first = plain()
+    kept = model.mla_default_cache
+    assert isinstance(kept, H.PagedMLACache) and captured == [3]
+    second = plain()
+    assert model.mla_default_cache is kept and captured == [3]     # reused, not captured
+    assert torch.equal(first, exp) and torch.equal(second, exp)
+    handed = gen(model, ids, mask)                  # return_dict_in_generate: the caller's
+    assert cache_of(handed) is kept and model.mla_default_cache is None
+    assert torch.equal(handed.sequences, exp)
+    assert captured == [3]                          # it took the kept graphs with it
+    third = plain()
+    assert model.mla_default_cache is not kept and captured == [3, 3]
+    assert torch.equal(third, exp)
+    plain(new=NEW + 5)                              # a longer call: a new, larger cache
+    assert model.mla_default_cache.max_cache_len > kept.max_cache_len
+    model.mla_default_cache = None
+    assert torch.equal(plain(new=NEW + 5), plain(new=NEW + 5))
+
+
 def test_serves_only_one_token_per_row():
     model = H.convert(pair())
     cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=32)

@@ -12,6 +12,12 @@ otherwise build a DynamicCache:
   generation_config.max_length - 1 tokens (prompt with its left pads + max_new_tokens;
   at least generation_config.max_cache_len when set), and never smaller than the previous
   call's default cache, so a compiled decode step keeps its shapes across calls;
+- kept for the next call when this one did not hand it out (return_dict_in_generate
+  off, so the caller never holds it): model.mla_default_cache holds it between calls
+  (set it to None to free its memory), and the next call of the same shape and options
+  resets it in place and replays the decode-step graph captured before
+  (mla_ops/hf/generate_graph.py), as HF reuses its static cache; a call that returns its
+  cache gets a new one and leaves it to the caller;
 - block size 64 on CUDA (FlashMLA's page), 16 elsewhere; the activations' dtype (the input
   embedding's) and device; the 16-bit cache unless convert(cache_options=...) asks
   otherwise (e.g. dict(kv_cache_dtype="fp8", k_scale=...)).
@@ -60,6 +66,8 @@ SERVED_MODES = ("greedy_search", "sample")
 BLOCK_SIZE = {"cuda": 64}          # FlashMLA's page; other devices: DEFAULT_BLOCK_SIZE
 DEFAULT_BLOCK_SIZE = 16
 CACHE_OPTIONS = ("kv_cache_dtype", "k_scale", "block_size", "num_blocks", "schedule_per_step")
+POOL_KEY = "mla_default_key"       # a default cache's shape and options, for its reuse
+CALL = "_mla_default_call"         # the default cache of the call under way, if it stays ours
 
 
 def cache_kwargs(model, cache) -> dict:
@@ -120,8 +128,15 @@ def default_cache(model, generation_config, batch_size: int, max_cache_length: i
     heads = {m.num_heads for m in model.modules() if isinstance(m, MLAAttention)}
     if len(heads) == 1:                 # the layers' heads (one rank's, tensor parallel)
         options.setdefault("num_heads", heads.pop())
-    cache = PagedMLACache(model.config, max_batch_size=rows, max_cache_len=length,
-                          device=weight.device, dtype=weight.dtype, **options)
+    key = (rows, length, weight.device, weight.dtype, repr(sorted(options.items())))
+    kept, model.mla_default_cache = getattr(model, "mla_default_cache", None), None
+    if kept is not None and getattr(kept, POOL_KEY, None) == key:
+        kept.reset()                         # in place: its step graphs stay valid
+        cache = kept
+    else:
+        cache = PagedMLACache(model.config, max_batch_size=rows, max_cache_len=length,
+                              device=weight.device, dtype=weight.dtype, **options)
+        setattr(cache, POOL_KEY, key)
     model.mla_default_cache_shape = (rows, length)
     return cache
 
@@ -179,8 +194,10 @@ def build_class(cls):
                 refuse(why)
             model_kwargs[key] = default_cache(self, generation_config, batch_size,
                                               max_cache_length)
+            if not generation_config.return_dict_in_generate:     # never handed out
+                self.__dict__[CALL] = model_kwargs[key]
             out = None
-        attach(self, model_kwargs.get(key), kept=user is not None)
+        attach(self, model_kwargs.get(key), kept=user is not None or CALL in self.__dict__)
         return out
 
     prepare_cache.__doc__ = "A PagedMLACache as generate()'s default cache (mla_ops/hf/generate.py)."
@@ -188,10 +205,14 @@ def build_class(cls):
 
     @functools.wraps(hf_generate)
     def generate(self, *args, **kwargs):
+        self.__dict__.pop(CALL, None)
         try:
             return hf_generate(self, *args, **kwargs)
         finally:
             detach(self)              # this call's decode-step graphs go with it
+            kept = self.__dict__.pop(CALL, None)
+            if kept is not None:      # a default cache the caller never saw: the next call's
+                self.mla_default_cache = kept
 
     return type(cls.__name__, (cls,), {HOOK: prepare_cache, "mla_generation": True,
                                       "generate": generate,

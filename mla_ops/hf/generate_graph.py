@@ -30,8 +30,9 @@ eagerly again. A cache the user passes keeps its graphs for the next generate() 
 it (a chat's turns): capturing costs a warm-up step and the capture (30-55 ms at the
 shapes of BENCHMARKS.md's generate() rows), so a later call on that cache replays the
 graphs captured before, while the model's parameters and buffers are the tensors they
-were captured with (a model moved or re-cast gets new graphs). generate()'s default
-cache is new for each call, and so are its graphs.
+were captured with (a model moved or re-cast gets new graphs). So does generate()'s
+default cache where generate() keeps it for the next call (one the caller was not handed:
+mla_ops/hf/generate.py); one the call returns starts with new graphs.
 
 A forward that asks for more than the logits (hidden states, attentions) or that is not
 one token per row runs eagerly. Where the step cannot be captured, or the cache has no
@@ -183,17 +184,17 @@ def weights_key(model) -> tuple:
 
 def attach(model, cache, kept: bool = False) -> None:
     """generate()'s prepare hook: graphs for this call's cache when the model asks for them
-    (convert(generate_graph=True)) and the cache is a PagedMLACache on CUDA. kept: the
-    user's cache, which keeps its graphs for later calls (see above)."""
+    (convert(generate_graph=True)) and the cache is a PagedMLACache on CUDA: the ones the
+    cache keeps, if it keeps valid ones, else new ones. kept: the cache keeps them for
+    later calls (the user's cache, or a default cache generate() keeps; see above)."""
     if (isinstance(cache, PagedMLACache) and getattr(model, "mla_generate_graph", False)
             and cache.device.type in DEVICES and getattr(cache, ATTR, None) is None):
-        graphs = GenerateGraphs(model, cache) if not kept else getattr(cache, KEPT, None)
-        if kept:
-            weights = weights_key(model)
-            if graphs is None or graphs.model is not model or graphs.weights != weights:
-                graphs = GenerateGraphs(model, cache)
-                graphs.weights = weights
-                setattr(cache, KEPT, graphs)
+        graphs = getattr(cache, KEPT, None)
+        weights = weights_key(model) if kept or graphs is not None else None
+        if graphs is None or graphs.model is not model or graphs.weights != weights:
+            graphs = GenerateGraphs(model, cache)
+            graphs.weights = weights
+            setattr(cache, KEPT, graphs if kept else None)
         graphs.begin_call()
         setattr(cache, ATTR, graphs)
         model.__dict__["_mla_graph_cache"] = cache
