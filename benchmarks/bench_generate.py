@@ -61,6 +61,7 @@ to benchmarks/generate_results.jsonl (--json).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -172,7 +173,6 @@ def decode_row(args, model, cfg, mode, B, S, dev, dtype, distinct):
     def step():
         with torch.no_grad():
             return fwd(input_ids=ids, position_ids=pos, logits_to_keep=1, **kw).logits
-    run = step
     t0 = time.perf_counter()
     if mode == "hf-eager" and distinct is not None:
         seen, hooks = count_experts(model)
@@ -180,12 +180,11 @@ def decode_row(args, model, cfg, mode, B, S, dev, dtype, distinct):
         for h in hooks:
             h.remove()
         distinct[:] = seen
+    run = step
     if mode == "ours-graph":
         runner = mla_ops.hf.DecodeGraph(model, cache, batch_size=B,
                                         graph=dev.type == "cuda")
-
-        def run():
-            return runner(ids)
+        run = functools.partial(runner, ids)
     run()
     sync(dev)
     first = time.perf_counter() - t0

@@ -48,8 +48,6 @@ from __future__ import annotations
 import functools
 import inspect
 
-import torch
-
 from mla_ops.hf.cache import PagedMLACache
 from mla_ops.hf.eager import direct_launch_forward
 from mla_ops.hf.generate_graph import attach, attached, detach
