@@ -393,6 +393,30 @@ def test_cuda_kept_graphs_serve_the_next_call():
     assert captured == [3]
 
 
+@pytest.mark.parametrize("family", ["kimi_linear", "bailing_hybrid"])
+def test_kept_default_cache_resets_linear_states(cpu_graphs, family):
+    """A hybrid family's default cache, kept for the next call (sequences only), starts
+    that call with its linear-attention states reset: the same tokens as the first call
+    and as HF."""
+    from family_models import LENGTHS as FL, NEW as FN, build
+    torch.set_flush_denormal(True)          # (tiny random models make subnormals: slow CPU)
+    try:
+        ref, model = build(family)
+        try:
+            H.convert(model)
+        except TypeError as exc:           # another transformers' layout of the family
+            pytest.skip(str(exc))
+        ids, mask = left_padded(FL)
+        with torch.no_grad():
+            exp = ref.generate(ids, attention_mask=mask, max_new_tokens=FN, do_sample=False)
+            outs = [model.generate(ids, attention_mask=mask, max_new_tokens=FN,
+                                   do_sample=False, disable_compile=True) for _ in range(2)]
+    finally:
+        torch.set_flush_denormal(False)
+    assert model.mla_default_cache is not None
+    assert torch.equal(outs[0], exp) and torch.equal(outs[1], exp)
+
+
 @pytest.mark.parametrize("family", ["kimi_linear", "glm_moe_dsa", "bailing_hybrid",
                                     "longcat_flash"])
 def test_step_runner_serves_other_families(cpu_graphs, family):
