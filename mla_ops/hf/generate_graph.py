@@ -51,7 +51,7 @@ from mla_ops.hf.step import decode_room
 __all__ = ["GenerateGraphs", "attached", "output_class"]
 
 ATTR = "mla_generate_graphs"          # the PagedMLACache attribute that holds them
-KEPT = "mla_kept_generate_graphs"     # ... and the one that keeps a user's cache's
+KEPT = "mla_kept_generate_graphs"     # ... and the one a cache keeps them under between calls
 DEVICES = ("cuda",)                   # where a cache gets them
 WARMUP = 1
 EXTRA_OUTPUTS = ("output_attentions", "output_hidden_states", "output_router_logits",
