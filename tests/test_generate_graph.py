@@ -6,6 +6,7 @@ runner then calls the eager step itself, DecodeGraph(graph=False)) to test the r
 which forward calls it serves, the output generate() reads, that the call's graphs go when
 generate() returns, and the fallbacks. The CUDA tests capture real graphs and compare the
 tokens and logits with the eager steps'."""
+import contextlib
 import warnings
 
 import pytest
@@ -33,6 +34,23 @@ def cpu_graphs(monkeypatch):
         return out
     monkeypatch.setattr(GG.GenerateGraphs, "step", counted)
     return served
+
+
+@pytest.fixture
+def captures(monkeypatch):
+    """The runners GenerateGraphs captures, in order (None where a capture fell back)."""
+    runners = []
+    make = GG.GenerateGraphs._capture
+
+    def spy(self, B):
+        runners.append(make(self, B))
+        return runners[-1]
+    monkeypatch.setattr(GG.GenerateGraphs, "_capture", spy)
+    return runners
+
+
+def sizes(runners) -> list:
+    return [r.batch_size for r in runners]
 
 
 def gen(model, ids, mask, new=NEW, **kw):
@@ -110,18 +128,11 @@ def test_calls_it_does_not_serve(cpu_graphs):
     assert cpu_graphs == [False] and torch.equal(got.sequences, exp.sequences)
 
 
-def test_a_users_cache_keeps_its_graphs(cpu_graphs, monkeypatch):
+def test_a_users_cache_keeps_its_graphs(cpu_graphs, captures):
     """The user's cache keeps the step graphs for its next generate() call (one capture for
     two calls, the same tokens); a compile_config gets a runner of its own; new parameter
     tensors get new graphs; generate()'s default cache captures in every call."""
     from transformers.generation.configuration_utils import CompileConfig
-    captured = []
-    make = GG.GenerateGraphs._capture
-
-    def spy(self, B):
-        captured.append(B)
-        return make(self, B)
-    monkeypatch.setattr(GG.GenerateGraphs, "_capture", spy)
     ids, mask = left_padded(LENGTHS, seed=9)
     model = H.convert(pair(seed=4))
     cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64)
@@ -129,7 +140,7 @@ def test_a_users_cache_keeps_its_graphs(cpu_graphs, monkeypatch):
     for _ in range(2):
         cache.reset()
         outs.append(gen(model, ids, mask, **H.cache_kwargs(model, cache)))
-    assert captured == [3] and cpu_graphs == [True] * (2 * (NEW - 1))
+    assert sizes(captures) == [3] and cpu_graphs == [True] * (2 * (NEW - 1))
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert getattr(cache, GG.ATTR) is None                  # detached between calls
     kept = getattr(cache, GG.KEPT)
@@ -140,33 +151,26 @@ def test_a_users_cache_keeps_its_graphs(cpu_graphs, monkeypatch):
         cache.reset()
         outs.append(gen(model, ids, mask, compile_config=cc, disable_compile=None,
                         **H.cache_kwargs(model, cache)))
-    assert captured == [3, 3] and list(kept.runners) == [(3, None),
+    assert sizes(captures) == [3, 3] and list(kept.runners) == [(3, None),
                                                    (3, ("eager", None, "None"))]
     w = model.lm_head.weight
     w.data = w.data.clone()                                  # a new tensor: new graphs
     cache.reset()
     outs.append(gen(model, ids, mask, **H.cache_kwargs(model, cache)))
-    assert captured == [3, 3, 3] and getattr(cache, GG.KEPT) is not kept
+    assert sizes(captures) == [3, 3, 3] and getattr(cache, GG.KEPT) is not kept
     for out in outs[1:]:
         assert torch.equal(out.sequences, outs[0].sequences)
-    captured.clear()
+    captures.clear()
     gen(model, ids, mask)
     gen(model, ids, mask)
-    assert captured == [3, 3]                                # the default cache: per call
+    assert sizes(captures) == [3, 3]           # a default cache handed out: per call
 
 
-def test_default_cache_kept_when_never_handed_out(cpu_graphs, monkeypatch):
+def test_default_cache_kept_when_never_handed_out(cpu_graphs, captures):
     """generate() returning sequences only keeps its default cache for the next call of the
     same shape (reset in place, its step graph replayed: one capture for two calls, the
     same tokens as eager steps); a call that returns its cache takes it and leaves it to
     the caller; another shape, or mla_default_cache = None, gets a new cache."""
-    captured = []
-    make = GG.GenerateGraphs._capture
-
-    def spy(self, B):
-        captured.append(B)
-        return make(self, B)
-    monkeypatch.setattr(GG.GenerateGraphs, "_capture", spy)
     ids, mask = left_padded(LENGTHS, seed=12)
     model = H.convert(pair("v2", None, seed=8))
 
@@ -180,16 +184,16 @@ def test_default_cache_kept_when_never_handed_out(cpu_graphs, monkeypatch):
     model.mla_generate_graph = True
     first = plain()
     kept = model.mla_default_cache
-    assert isinstance(kept, H.PagedMLACache) and captured == [3]
+    assert isinstance(kept, H.PagedMLACache) and sizes(captures) == [3]
     second = plain()
-    assert model.mla_default_cache is kept and captured == [3]     # reused, not captured
+    assert model.mla_default_cache is kept and sizes(captures) == [3]     # not captured
     assert torch.equal(first, exp) and torch.equal(second, exp)
     handed = gen(model, ids, mask)                  # return_dict_in_generate: the caller's
     assert cache_of(handed) is kept and model.mla_default_cache is None
     assert torch.equal(handed.sequences, exp)
-    assert captured == [3]                          # it took the kept graphs with it
+    assert sizes(captures) == [3]                   # it took the kept graphs with it
     third = plain()
-    assert model.mla_default_cache is not kept and captured == [3, 3]
+    assert model.mla_default_cache is not kept and sizes(captures) == [3, 3]
     assert torch.equal(third, exp)
     plain(new=NEW + 5)                              # a longer call: a new, larger cache
     assert model.mla_default_cache.max_cache_len > kept.max_cache_len
@@ -286,7 +290,7 @@ def test_convert_checks_the_setting():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family,q_lora", [("v3", 192), ("v2", None)])
-def test_cuda_graph_replays_equal_eager_steps(family, q_lora):
+def test_cuda_graph_replays_equal_eager_steps(captures, family, q_lora):
     """bf16 on CUDA with an MoE layer: generate(disable_compile=True) captures the step
     once and replays it; tokens equal and logits equal to the eager steps' (the same
     kernels)."""
@@ -295,21 +299,10 @@ def test_cuda_graph_replays_equal_eager_steps(family, q_lora):
     model.mla_generate_graph = False
     exp = gen(model, ids, mask, new=24)
     model.mla_generate_graph = True
-    runners = []
-    make = GG.GenerateGraphs._capture
-
-    def spy(self, B):
-        r = make(self, B)
-        runners.append(r)
-        return r
-    try:
-        GG.GenerateGraphs._capture = spy
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)           # captured, not eager
-            got = gen(model, ids, mask, new=24)
-    finally:
-        GG.GenerateGraphs._capture = make
-    assert len(runners) == 1 and runners[0]._graph is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)               # captured, not eager
+        got = gen(model, ids, mask, new=24)
+    assert len(captures) == 1 and captures[0]._graph is not None
     assert torch.equal(got.sequences, exp.sequences)
     for a, b in zip(got.logits, exp.logits):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -324,7 +317,7 @@ def test_cuda_graph_replays_equal_eager_steps(family, q_lora):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_compile_config_replays_the_compiled_step():
+def test_cuda_compile_config_replays_the_compiled_step(captures):
     """bf16 on CUDA with an MoE layer: generate(compile_config=...) captures DecodeGraph's
     compiled step once and replays it; the tokens are those of HF's own compile of the
     same forward (generate_graph off), the logits within bf16 rounding of them."""
@@ -337,24 +330,13 @@ def test_cuda_compile_config_replays_the_compiled_step():
         model.mla_generate_graph = False
         exp = gen(model, ids, mask, new=24, compile_config=cc, disable_compile=None)
         model.mla_generate_graph = True
-        runners = []
-        make = GG.GenerateGraphs._capture
-
-        def spy(self, B):
-            r = make(self, B)
-            runners.append(r)
-            return r
-        try:
-            GG.GenerateGraphs._capture = spy
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", RuntimeWarning)       # captured, not eager
-                got = gen(model, ids, mask, new=24, compile_config=cc, disable_compile=None)
-        finally:
-            GG.GenerateGraphs._capture = make
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)           # captured, not eager
+            got = gen(model, ids, mask, new=24, compile_config=cc, disable_compile=None)
     finally:
         torch._dynamo.reset()
-    assert len(runners) == 1 and runners[0]._graph is not None
-    assert getattr(runners[0]._fwd, "_torchdynamo_orig_callable", None) is not None  # compiled
+    assert len(captures) == 1 and captures[0]._graph is not None
+    assert getattr(captures[0]._fwd, "_torchdynamo_orig_callable", None) is not None  # compiled
     assert torch.equal(got.sequences, exp.sequences)
     for a, b in zip(got.logits, exp.logits):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-2)
@@ -362,35 +344,46 @@ def test_cuda_compile_config_replays_the_compiled_step():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_kept_graphs_serve_the_next_call():
+def test_cuda_kept_graphs_serve_the_next_call(captures):
     """bf16 on CUDA: the user's cache keeps the step graph captured in one generate() call;
     the next call on it (other prompts, the cache reset) replays it without capturing and
     gives the eager steps' tokens and logits bit for bit."""
     model = H.convert(pair("v2", None, layers=3, seed=7)).to("cuda", torch.bfloat16)
     cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=160,
                             device="cuda", dtype=torch.bfloat16)
-    captured = []
-    make = GG.GenerateGraphs._capture
+    for seed, lengths in [(1, [9, 40, 23]), (2, [64, 3, 17])]:
+        ids, mask = (t.cuda() for t in left_padded(lengths, seed=seed))
+        model.mla_generate_graph = False
+        cache.reset()
+        exp = gen(model, ids, mask, new=16, **H.cache_kwargs(model, cache))
+        model.mla_generate_graph = True
+        cache.reset()
+        got = gen(model, ids, mask, new=16, **H.cache_kwargs(model, cache))
+        assert torch.equal(got.sequences, exp.sequences)
+        for a, b in zip(got.logits, exp.logits):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert sizes(captures) == [3]
 
-    def spy(self, B):
-        captured.append(B)
-        return make(self, B)
+
+@contextlib.contextmanager
+def flush_denormal():
+    torch.set_flush_denormal(True)          # (tiny random models make subnormals: slow CPU)
     try:
-        GG.GenerateGraphs._capture = spy
-        for seed, lengths in [(1, [9, 40, 23]), (2, [64, 3, 17])]:
-            ids, mask = (t.cuda() for t in left_padded(lengths, seed=seed))
-            model.mla_generate_graph = False
-            cache.reset()
-            exp = gen(model, ids, mask, new=16, **H.cache_kwargs(model, cache))
-            model.mla_generate_graph = True
-            cache.reset()
-            got = gen(model, ids, mask, new=16, **H.cache_kwargs(model, cache))
-            assert torch.equal(got.sequences, exp.sequences)
-            for a, b in zip(got.logits, exp.logits):
-                torch.testing.assert_close(a, b, rtol=0, atol=0)
+        yield
     finally:
-        GG.GenerateGraphs._capture = make
-    assert captured == [3]
+        torch.set_flush_denormal(False)
+
+
+def converted_family(family):
+    """(HF's model, a converted copy) of a tiny model of the family; skipped where this
+    transformers lays the family out otherwise."""
+    from family_models import build
+    ref, model = build(family)
+    try:
+        H.convert(model)
+    except TypeError as exc:
+        pytest.skip(str(exc))
+    return ref, model
 
 
 @pytest.mark.parametrize("family", ["kimi_linear", "bailing_hybrid"])
@@ -398,21 +391,14 @@ def test_kept_default_cache_resets_linear_states(cpu_graphs, family):
     """A hybrid family's default cache, kept for the next call (sequences only), starts
     that call with its linear-attention states reset: the same tokens as the first call
     and as HF."""
-    from family_models import LENGTHS as FL, NEW as FN, build
-    torch.set_flush_denormal(True)          # (tiny random models make subnormals: slow CPU)
-    try:
-        ref, model = build(family)
-        try:
-            H.convert(model)
-        except TypeError as exc:           # another transformers' layout of the family
-            pytest.skip(str(exc))
+    from family_models import LENGTHS as FL, NEW as FN
+    with flush_denormal():
+        ref, model = converted_family(family)
         ids, mask = left_padded(FL)
         with torch.no_grad():
             exp = ref.generate(ids, attention_mask=mask, max_new_tokens=FN, do_sample=False)
             outs = [model.generate(ids, attention_mask=mask, max_new_tokens=FN,
                                    do_sample=False, disable_compile=True) for _ in range(2)]
-    finally:
-        torch.set_flush_denormal(False)
     assert model.mla_default_cache is not None
     assert torch.equal(outs[0], exp) and torch.equal(outs[1], exp)
 
@@ -423,19 +409,12 @@ def test_step_runner_serves_other_families(cpu_graphs, family):
     """The step graphs' runner (here without a graph: the CPU) serves every decode step of
     the hybrid (KDA state beside the paged cache), DSA and two-blocks-per-layer families
     with HF's tokens and logits."""
-    from family_models import LENGTHS as FL, NEW as FN, assert_matches, build
+    from family_models import LENGTHS as FL, NEW as FN, assert_matches
     from family_models import generate as fgen
-    torch.set_flush_denormal(True)          # (tiny random models make subnormals: slow CPU)
-    try:
-        ref, model = build(family)
-        try:
-            H.convert(model)
-        except TypeError as exc:           # another transformers' layout of the family
-            pytest.skip(str(exc))
+    with flush_denormal():
+        ref, model = converted_family(family)
         ids, mask = left_padded(FL)
         exp = fgen(ref, ids, mask)
         got = fgen(model, ids, mask, disable_compile=True)
-    finally:
-        torch.set_flush_denormal(False)
     assert cpu_graphs == [True] * (FN - 1)
     assert_matches(got, exp)
