@@ -105,7 +105,9 @@ def main():
             if prof:
                 s = io.StringIO()
                 pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(14)
-                print("\n".join(s.getvalue().splitlines()[6:24]), flush=True)
+                rows = s.getvalue().splitlines()
+                top = next(i for i, r in enumerate(rows) if r.strip().startswith("ncalls"))
+                print("\n".join(rows[top:top + 15]), flush=True)
         del model
         torch.cuda.empty_cache()
 
