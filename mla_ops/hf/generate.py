@@ -38,8 +38,8 @@ Eager calls: the class's forward launches the converted ops' Triton kernels dire
 without torch's per-launch higher-order-op dispatch (mla_ops/hf/eager.py); compiled calls
 trace HF's forward as before. With convert(generate_graph=True) (the default), generate()'s
 eager decode steps on a CUDA PagedMLACache replay a CUDA graph of the eager step, captured
-at the call's first decode step and dropped when the call returns
-(mla_ops/hf/generate_graph.py); a call without compile_config then runs that graph
+at the call's first decode step and kept with the cache where the cache is kept (the
+user's, or a default one kept as above) (mla_ops/hf/generate_graph.py); a call without compile_config then runs that graph
 rather than HF's automatic compile of the decode step, and a call with one the graph of
 the compiled step, DecodeGraph's (auto_compile below).
 """
