@@ -414,8 +414,8 @@ def report(results, modes):
     """The markdown table: each mode's time, the floor and the ratios the targets name."""
     print("\n| row | " + " | ".join(modes) + " | floor | best ours / floor | "
           "ours-graph in a greedy loop / floor | hf-compile / best ours | "
-          "hf-eager / ours-eager |")
-    print("|---|" + "---|" * (len(modes) + 5))
+          "hf-compile / ours-compile | hf-eager / ours-eager |")
+    print("|---|" + "---|" * (len(modes) + 6))
     for r in results:
         unit = "ms" if r["row"] in DECODE_ROWS else "s"
         val = {m: (c["ms"] if unit == "ms" else c["s"]) for m, c in r["modes"].items() if c}
@@ -431,6 +431,7 @@ def report(results, modes):
         in_loop = f"{loop:.3f} ms, {ratio(loop, fl)}" if loop else "—"
         print(f"| {r['row']} ({unit}) | " + " | ".join(cells) + f" | {fl:.3f} | "
               f"{ratio(best, fl)} | {in_loop} | {ratio(val.get('hf-compile'), best)} | "
+              f"{ratio(val.get('hf-compile'), val.get('ours-compile'))} | "
               f"{ratio(val.get('hf-eager'), val.get('ours-eager'))} |")
         toks = {m: c["tokens"] for m, c in r["modes"].items() if c and c.get("tokens")}
         if len(toks) > 1:
@@ -440,7 +441,7 @@ def report(results, modes):
                     same = (torch.tensor(t) == torch.tensor(toks[ref])).float().mean().item()
                     print(f"    {r['row']}: {m} gives {same:.0%} of {ref}'s tokens")
     print("(ms per decode step, s per generate() call; * scaled from --slow-new-tokens; "
-          "the last two columns are speedups: above 1 ours is faster)")
+          "the last three columns are speedups: above 1 ours is faster)")
 
 if __name__ == "__main__":
     main()
