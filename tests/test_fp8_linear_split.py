@@ -10,7 +10,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 pytest.importorskip("transformers.integrations.finegrained_fp8")
 
-from lowering.gemm import fp8_linear  # noqa: E402
+from lowering.gemm import fp8_launch, fp8_linear  # noqa: E402
 
 from lowering.gemm import fp8_linear_configs  # noqa: E402
 from test_fp8_checkpoint import quant_act_ref, rand_fp8, rel, w8a8_ref, expand_scales  # noqa: E402
@@ -79,16 +79,16 @@ def test_reduce_rounds_once_then_applies_the_epilogue(dt):
     parts = (torch.randn(3, 5, 600, generator=g) * 7).to(DEV)             # [S, M, NP]
     total = parts[0] + parts[1] + parts[2]                                 # split order
     y1, y2 = torch.empty(5, 250, device=DEV, dtype=dt), torch.empty(5, 350, device=DEV, dtype=dt)
-    fp8_linear.reduce_partials(parts, y1, y2)
+    fp8_launch.reduce_partials(parts, y1, y2)
     assert torch.equal(y1, total[:, :250].to(dt)) and torch.equal(y2, total[:, 250:].to(dt))
     r = torch.randn(5, 600, generator=g).to(DEV, dt)
     y = torch.empty(5, 600, device=DEV, dtype=dt)
-    fp8_linear.reduce_partials(parts, y, residual=r)
+    fp8_launch.reduce_partials(parts, y, residual=r)
     assert torch.equal(y, total.to(dt) + r)
     # the product rounded first matters: the unrounded sum plus r differs somewhere
     assert not torch.equal(y, (total + r.float()).to(dt))
     y = torch.empty(5, 300, device=DEV, dtype=dt)
-    fp8_linear.reduce_partials(parts, y, gated=True)
+    fp8_launch.reduce_partials(parts, y, gated=True)
     gate, up = total[:, :300].to(dt), total[:, 300:].to(dt)
     # silu(gate) rounded to dt, times up, rounded: the GPU's sigmoid (a fast exp) may put
     # silu one unit in the last place of dt away from torch's
@@ -96,7 +96,7 @@ def test_reduce_rounds_once_then_applies_the_epilogue(dt):
     ulp = torch.finfo(dt).eps
     torch.testing.assert_close(y, want, rtol=2 * ulp if CUDA else 0, atol=0)
     with pytest.raises(ValueError, match="partials"):
-        fp8_linear.reduce_partials(parts, torch.empty(5, 200, device=DEV, dtype=dt))
+        fp8_launch.reduce_partials(parts, torch.empty(5, 200, device=DEV, dtype=dt))
 
 
 @pytest.mark.parametrize("pre_quant", [True, False])
@@ -351,7 +351,7 @@ def test_scratch_made_beforehand_gives_the_same_bits(mode, split, pre):
     pair = (w2, s2) if mode == 2 else (None, None)
     cfg = (32, 4, 2, split, pre)
     outs = []
-    for made in (None, fp8_linear.scratch(x, w1, pair[0], mode, 128, cfg)):
+    for made in (None, fp8_launch.scratch(x, w1, pair[0], mode, 128, cfg)):
         y = torch.full((M, N), float("nan"), dtype=DT, device=DEV)
         fp8_linear.run(x, w1, s1, *pair, mode, y, None, 128, 128, cfg, made=made)
         outs.append(y)

@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from lowering.gemm import fp8_linear as fp8_gemm
+from lowering.gemm import fp8_launch, fp8_linear as fp8_gemm
 from lowering.gemm.fp8_act_quant import given_quant
 from lowering.gemm.fp8_linear_configs import pick_config
 from lowering.moe import fp8_experts
@@ -94,9 +94,9 @@ def shared_scratch(x, shared, group_k, x_quant) -> tuple:
     T, H = x.shape
     S = sg.shape[0]
     h = torch.empty((T, S), dtype=x.dtype, device=x.device)                   # [T, S]
-    return (h, fp8_gemm.scratch(x, sg, su, 2, group_k, pick_config(2, S, H, T, group_k),
+    return (h, fp8_launch.scratch(x, sg, su, 2, group_k, pick_config(2, S, H, T, group_k),
                                 x_quant),
-            fp8_gemm.scratch(h, sd, None, 0, group_k, pick_config(0, H, S, T, group_k)))
+            fp8_launch.scratch(h, sd, None, 0, group_k, pick_config(0, H, S, T, group_k)))
 
 
 def _shared(x, shared, out, group_n, group_k, x_quant, made) -> None:
@@ -106,9 +106,9 @@ def _shared(x, shared, out, group_n, group_k, x_quant, made) -> None:
     T, H = x.shape
     S = sg.shape[0]
     h, made_gate_up, made_down = made
-    fp8_gemm.run(x, sg, sgs, su, sus, 2, h, None, group_n, group_k,
+    fp8_launch.run(x, sg, sgs, su, sus, 2, h, None, group_n, group_k,
                  pick_config(2, S, H, T, group_k), x_quant=x_quant, made=made_gate_up)
-    fp8_gemm.run(h, sd, sds, None, None, 0, out, None, group_n, group_k,
+    fp8_launch.run(h, sd, sds, None, None, 0, out, None, group_n, group_k,
                  pick_config(0, H, S, T, group_k), made=made_down)
 
 
