@@ -3,10 +3,13 @@
 kernels with the schedule outside the call, and the Triton kernel), the Triton fp8-cache
 kernel and FlashMLA's fp8 kernel (fp8 query), each call captured in a CUDA graph and
 timed by the profiler's kernel span (benchmarks/timing.py); the fp8 outputs checked
-against the dequantized cache's float64 attention.
+against the dequantized cache's float64 attention. "gluon bf16" is the same kernel over
+the bf16 cache (our best bf16 decode at 16 heads). --baseline FILE times a saved copy of
+gluon_rows_kernel.py beside the current one (an A/B of a kernel change in one run).
 
-    python docs/notes/probe_fp8_cache16.py [B:H:S,...]
+    python docs/notes/probe_fp8_cache16.py [B:H:S,...] [--baseline FILE]
 """
+import importlib.util
 import sys
 
 import torch
@@ -35,8 +38,22 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def load_baseline(path):
+    spec = importlib.util.spec_from_file_location("baseline_rows_kernel", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.mla_decode_rows_kernel
+
+
 def main():
-    shapes = sys.argv[1] if len(sys.argv) > 1 else SHAPES
+    args = sys.argv[1:]
+    baseline = None
+    if "--baseline" in args:
+        i = args.index("--baseline")
+        baseline = load_baseline(args[i + 1])
+        del args[i:i + 2]
+    shapes = args[0] if args else SHAPES
+    import lowering.decode.gluon_rows_kernel as rk
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     for spec in shapes.split(","):
         B, H, S = (int(x) for x in spec.split(":"))
@@ -62,19 +79,26 @@ def main():
                     q, kv, bt, lens, SCALE, True, L, *sched))
             row["triton bf16"] = t_graph(lambda: td.triton_decode(
                 q, kv, bt, lens, None, None, SCALE, True, L, 0, False, torch.bfloat16))
+            row["gluon bf16"] = t_graph(lambda: gd.gluon_decode(q, kv, bt, lens, SCALE, True))
             row["triton fp8kv"] = t_graph(lambda: td.triton_decode(
                 q, kv8, bt, lens, None, ks, SCALE, True, L, 1, False, torch.bfloat16))
             base = dict(gd.FP8_CACHE_CONFIGS[16])
-            for stages in (2, 3):
-                gd.FP8_CACHE_CONFIGS[16] = dict(base, STAGES=stages)
-                run = lambda: gd.gluon_decode_fp8_cache(q, kv8, bt, lens, ks, SCALE, True)
-                try:
-                    out, lse = run()
-                    err = rel(out, ref8) if ref8 is not None else float("nan")
-                    row[f"gluon fp8kv s{stages}"] = t_graph(run)
-                    row[f"gluon fp8kv s{stages} err"] = err
-                except Exception as exc:
-                    print(f"  gluon fp8kv s{stages} FAILED {type(exc).__name__}: {str(exc)[:300]}")
+            current = rk.mla_decode_rows_kernel
+            kernels = [("", current)] + ([(" baseline", baseline)] if baseline else [])
+            for name, kernel in kernels:
+                rk.mla_decode_rows_kernel = kernel
+                for stages in (2, 3):
+                    gd.FP8_CACHE_CONFIGS[16] = dict(base, STAGES=stages)
+                    run = lambda: gd.gluon_decode_fp8_cache(q, kv8, bt, lens, ks, SCALE, True)
+                    key = f"gluon fp8kv{name} s{stages}"
+                    try:
+                        out, lse = run()
+                        err = rel(out, ref8) if ref8 is not None else float("nan")
+                        row[key] = t_graph(run)
+                        row[key + " err"] = err
+                    except Exception as exc:
+                        print(f"  {key} FAILED {type(exc).__name__}: {str(exc)[:300]}")
+            rk.mla_decode_rows_kernel = current
             gd.FP8_CACHE_CONFIGS[16] = base
             qs = (q.float().abs().amax() / 448.0).reshape(1)
             q8 = (q.float() / qs).to(torch.float8_e4m3fn)
@@ -83,7 +107,7 @@ def main():
                 s8 = fm.flashmla_schedule(bt, lens, PAGE, H, fp8=True)
                 row["flashmla fp8q"] = t_graph(lambda: fm.flashmla_decode_fp8q_op(
                     q8, kv8, bt, lens, qs, ks, SCALE, True, *s8))
-        bf16 = min(v for k, v in row.items() if k.endswith("bf16"))
+        bf16 = min(v for k, v in row.items() if k.endswith("bf16"))   # our best bf16 decode
         fp8_gb = B * S * 576 / 1e3
         print(f"B={B} H={H} S={S}  (best bf16 {bf16:.1f} us)")
         for k, v in row.items():
