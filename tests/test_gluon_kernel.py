@@ -151,14 +151,15 @@ def test_kernel_compiles_for_sm90(kind, s_q, H, page, direct, causal):
 @pytest.mark.parametrize("s_q,H,page,direct,causal", [
     (1, 16, 64, False, True), (2, 16, 128, True, True), (1, 8, 64, True, False)])
 def test_fp8_cache_kernel_compiles_for_sm90(s_q, H, page, direct, causal):
-    """The fp8-cache kernel at both row paddings: 9 QK and 8 P V chunks of 4 MMAs (k = 16)
-    each, TMA tile copies, and its ring within a Hopper CTA's shared memory."""
+    """The fp8-cache kernel at both row paddings: QK as 9 chunks of 2 fp8 MMAs (k = 32) over
+    the ring slot, P V as 8 chunks of 4 fp16 MMAs (k = 16), TMA tile copies, and
+    its ring within a Hopper CTA's shared memory."""
     pytest.importorskip("triton")
     from lowering.decode.gluon_decode import rows_config
     nr, config = rows_config(s_q * H, True)
     cs = dict(S_Q=s_q, H=H, PAGE=page, NR=nr, DIRECT=direct, CAUSAL=causal, FP8=True, **config)
     facts = _compiled_facts(cs, "rows")
-    assert facts["wgmma"] == 9 * 4 + 8 * 4
+    assert facts["wgmma"] == 9 * 2 + 8 * 4
     assert facts["tma"]
     assert 0 < facts["shared"] <= HOPPER_SMEM
 

@@ -92,6 +92,27 @@ def test_few_rows_not_causal(fp8):
     assert (lse.double() - ref_lse).abs().max().item() < 2e-3
 
 
+def test_fp8_cache_query_heads_of_any_scale():
+    """Over an fp8 cache each query row is held as two e4m3 terms scaled per row: heads
+    of very different magnitudes (x 1e4, x 1e-4, an all-zero head, one with a single
+    large entry among small ones) keep a bf16 query's scores."""
+    q, kv8, k_scale, bt, cl = _case(3, 2, 16, 64, [2100, 700, 65], seed=11)
+    q = q.float()
+    q[:, :, 0] *= 1e4
+    q[:, :, 1] *= 1e-4
+    q[:, :, 2] = 0.0
+    q[:, :, 3] *= 1e-3
+    q[:, :, 3, 7] = 50.0
+    q = q.to(torch.bfloat16)
+    ref, ref_lse = _ref(q, kv8, k_scale, bt, cl)
+    for splits in (0, 1):
+        out, lse = _run(q, kv8, bt, cl, k_scale, num_splits=splits)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        assert rel_err(out, ref) < 1e-2
+        err = (lse.double() - ref_lse).abs() / ref_lse.abs().clamp_min(1.0)
+        assert err.max().item() < 2e-3
+
+
 def test_auto_takes_the_kernel_at_16_heads_and_names_what_it_cannot_serve():
     q, kv8, k_scale, bt, cl = _case(2, 1, 16, 64, [700, 90], seed=5)
     ref, _ = _ref(q, kv8, k_scale, bt, cl)

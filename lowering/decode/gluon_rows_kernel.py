@@ -8,26 +8,28 @@ fp8 tile from a load into registers, which cannot be issued ahead of use: DRAM s
 busy (docs/notes/NOTES-decode-fp8.md); FlashMLA's bf16 kernel runs 64-row query tiles. Here:
   - a one-warp producer copies each tile of BN = 64 keys (9 TMA boxes of 64 columns) into
     a ring of STAGES buffers, ahead of the consumer;
-  - FP8: the consumer warpgroup widens the tile to fp16 (exact for e4m3) into one shared
-    buffer and frees the ring slot at once; bf16: the MMAs read the ring slot itself,
-    freed after the tile's P V;
   - both products run transposed, keys as the M side of the warpgroup MMA (whose M is at
     least 64; 16 query rows as M would waste three quarters of it):
-        S^T [BN, NR]       = K [BN, 576] . q^T [576, NR]      (A: the tile)
-        O^T [512, NR]     += V^T [512, BN] . P^T [BN, NR]     (A: the same tile, MN-major)
+        S^T [BN, NR]       = K [BN, 576] . q^T [576, NR]      (A: the ring slot)
+        O^T [512, NR]     += V^T [512, BN] . P^T [BN, NR]     (A: the values, MN-major)
     q^T and P^T are the small B operands in shared memory; O^T is eight [64, NR]
     accumulators, one per 64 value columns;
+  - bf16 cache: both MMAs read the ring slot, freed after the tile's P V; q and P in bf16;
+  - FP8 cache: QK is an fp8 MMA over the ring slot itself, q held as two e4m3 terms per
+    element (hi = e4m3(q s), lo = e4m3(q s - hi), s a power of two per row; B = [hi; lo],
+    N = 2 NR, the two halves of S^T summed in registers). While it runs, the warpgroup
+    widens the slot's eight value chunks to fp16 (exact for e4m3) for P V: V^T is
+    MN-major in the cache rows, which 16-bit MMAs read and fp8 ones do not. The slot is
+    freed once both are done. P is rounded to fp16;
   - the online softmax reduces along S^T's rows (keys): one max across the warpgroup per
     tile; the sums stay per key slot and are reduced once at the end.
 The shared-memory indices of the MMA operands carry a runtime zero (z), as in
 gluon_pair_kernel.py: with constant indices ptxas hoists every MMA descriptor out of the
 loop and spills them. NR is the query rows (s_q * H, token-major) padded to 16 or 32;
-padded rows are zero and never stored. FP8: q is scaled by 1/16 before its cast to fp16
-(|q| up to ~1e6 stays finite) and P is rounded to fp16, as the Triton kernel's kind 1
-does; bf16: q and P in bf16. Keys past a split's end in its last tile are zeroed in the
-tile (unwritten rows may hold NaN, and 0 x NaN is NaN). Output as the other stage-1
-kernels: DIRECT -> out [B, ROWS, 512] bf16 + lse [B, H, S_Q]; else fp32 partials (out /
-l) + lse for triton_merge_kernel.
+padded rows are zero and never stored. Keys past a split's end in its last tile are
+zeroed in the values' tile (unwritten rows may hold NaN, and 0 x NaN is NaN) and masked
+in the scores. Output as the other stage-1 kernels: DIRECT -> out [B, ROWS, 512] bf16 +
+lse [B, H, S_Q]; else fp32 partials (out / l) + lse for triton_merge_kernel.
 """
 from __future__ import annotations
 
@@ -41,9 +43,10 @@ from lowering.decode.gluon_common import load_ring
 
 @gluon.jit
 def _widen(sK, s, sW, key0, end, BN: gl.constexpr):
-    """Ring slot s [BN, 576] e4m3 -> sW fp16; in a split's last tile keys at or past end
-    become 0 (unwritten rows may hold NaN, and 0 x NaN is NaN). All nine chunks are read
-    before the first is written back, so the shared-memory loads overlap."""
+    """Ring slot s's eight value chunks [BN, 64] e4m3 -> sW fp16; in a split's last tile
+    keys at or past end become 0 (unwritten rows may hold NaN, and 0 x NaN is NaN). All
+    eight are read before the first is written back, so the shared-memory loads overlap.
+    (The rope chunk feeds only QK, which reads the ring slot itself.)"""
     w_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])      # [32, 64]
     x0 = sK.index(s * 9 + 0).load(w_l)                                    # [BN, 64] each
     x1 = sK.index(s * 9 + 1).load(w_l)
@@ -53,16 +56,15 @@ def _widen(sK, s, sW, key0, end, BN: gl.constexpr):
     x5 = sK.index(s * 9 + 5).load(w_l)
     x6 = sK.index(s * 9 + 6).load(w_l)
     x7 = sK.index(s * 9 + 7).load(w_l)
-    x8 = sK.index(s * 9 + 8).load(w_l)
     keep = (key0 + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l)) < end)[:, None]
     if key0 + BN > end:
-        _put_all(sW, x0, x1, x2, x3, x4, x5, x6, x7, x8, keep, True)
+        _put_all(sW, x0, x1, x2, x3, x4, x5, x6, x7, keep, True)
     else:
-        _put_all(sW, x0, x1, x2, x3, x4, x5, x6, x7, x8, keep, False)
+        _put_all(sW, x0, x1, x2, x3, x4, x5, x6, x7, keep, False)
 
 
 @gluon.jit
-def _put_all(sW, x0, x1, x2, x3, x4, x5, x6, x7, x8, keep, MASKED: gl.constexpr):
+def _put_all(sW, x0, x1, x2, x3, x4, x5, x6, x7, keep, MASKED: gl.constexpr):
     _put(sW, 0, x0, keep, MASKED)
     _put(sW, 1, x1, keep, MASKED)
     _put(sW, 2, x2, keep, MASKED)
@@ -71,7 +73,6 @@ def _put_all(sW, x0, x1, x2, x3, x4, x5, x6, x7, x8, keep, MASKED: gl.constexpr)
     _put(sW, 5, x5, keep, MASKED)
     _put(sW, 6, x6, keep, MASKED)
     _put(sW, 7, x7, keep, MASKED)
-    _put(sW, 8, x8, keep, MASKED)
 
 
 @gluon.jit
@@ -112,6 +113,57 @@ def _store_chunk(acc, inv, c: gl.constexpr, o_ptr, o_row0, ROWS: gl.constexpr,
 
 
 @gluon.jit
+def _q_terms(q_ptr, sQ, b, ROWS: gl.constexpr, NR: gl.constexpr):
+    """FP8: q [NR, 576] (rows past ROWS 0) as two e4m3 terms, hi = e4m3(q s) and lo =
+    e4m3(q s - hi), with s [NR] a power of two per row that brings its largest |q| into
+    (128, 256]: hi + lo keeps a bf16's 8 significant bits wherever q s >= 1/4. sQ chunk c
+    [2 NR, 64] holds the hi rows, then the lo rows. Returns s."""
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])       # [16, 64]
+    qr = gl.arange(0, NR, layout=gl.SliceLayout(1, q_l))
+    qc = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
+    q_rows = q_ptr + (b * ROWS + qr)[:, None].to(gl.int64) * 576 + qc[None, :]
+    q_mask = (qr[:, None] < ROWS) & (qc[None, :] < 64)
+    x0 = gl.load(q_rows + 0, mask=q_mask, other=0.0).to(gl.float32)     # [NR, 64] each
+    x1 = gl.load(q_rows + 64, mask=q_mask, other=0.0).to(gl.float32)
+    x2 = gl.load(q_rows + 128, mask=q_mask, other=0.0).to(gl.float32)
+    x3 = gl.load(q_rows + 192, mask=q_mask, other=0.0).to(gl.float32)
+    x4 = gl.load(q_rows + 256, mask=q_mask, other=0.0).to(gl.float32)
+    x5 = gl.load(q_rows + 320, mask=q_mask, other=0.0).to(gl.float32)
+    x6 = gl.load(q_rows + 384, mask=q_mask, other=0.0).to(gl.float32)
+    x7 = gl.load(q_rows + 448, mask=q_mask, other=0.0).to(gl.float32)
+    x8 = gl.load(q_rows + 512, mask=q_mask, other=0.0).to(gl.float32)
+    amax = gl.maximum(gl.maximum(gl.maximum(_amax(x0), _amax(x1)), gl.maximum(_amax(x2),
+                      _amax(x3))), gl.maximum(gl.maximum(_amax(x4), _amax(x5)),
+                      gl.maximum(gl.maximum(_amax(x6), _amax(x7)), _amax(x8))))
+    s = gl.exp2(gl.floor(gl.log2(256.0 / gl.maximum(amax, 1e-30))))        # [NR]
+    _put_terms(sQ, 0, x0, s, NR)
+    _put_terms(sQ, 1, x1, s, NR)
+    _put_terms(sQ, 2, x2, s, NR)
+    _put_terms(sQ, 3, x3, s, NR)
+    _put_terms(sQ, 4, x4, s, NR)
+    _put_terms(sQ, 5, x5, s, NR)
+    _put_terms(sQ, 6, x6, s, NR)
+    _put_terms(sQ, 7, x7, s, NR)
+    _put_terms(sQ, 8, x8, s, NR)
+    return s
+
+
+@gluon.jit
+def _amax(x):
+    return gl.max(gl.abs(x), axis=1)
+
+
+@gluon.jit
+def _put_terms(sQ, c: gl.constexpr, x, s, NR: gl.constexpr):
+    """sQ chunk c [2 NR, 64] = [hi; lo] of x [NR, 64] fp32 times s [NR]."""
+    xs = x * s[:, None]
+    hi = xs.to(gl.float8e4nv)
+    lo = (xs - hi.to(gl.float32)).to(gl.float8e4nv)
+    t = gl.permute(gl.join(hi, lo), [2, 0, 1])                                # [2, NR, 64]
+    sQ.index(c).store(gl.reshape(t, [2 * NR, 64]))
+
+
+@gluon.jit
 def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split,
               seqlen, start, end, n_tiles, sm_scale_log2, num_splits, S_Q: gl.constexpr,
               H: gl.constexpr, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
@@ -127,27 +179,27 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
     row_l: gl.constexpr = gl.SliceLayout(0, s_l)             # [NR] query rows (S^T columns)
     key_l: gl.constexpr = gl.SliceLayout(1, s_l)             # [BN] keys
 
-    # ---- q [NR, 576] into sQ (fp8 cache: / 16 as fp16; 9 chunks of 64 columns; padded rows 0)
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])       # [16, 64]
-    qr = gl.arange(0, NR, layout=gl.SliceLayout(1, q_l))
-    qc = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
-    q_rows = q_ptr + (b * ROWS + qr)[:, None].to(gl.int64) * 576 + qc[None, :]
-    q_mask = (qr[:, None] < ROWS) & (qc[None, :] < 64)
-    for c in gl.static_range(NCH):
-        x = gl.load(q_rows + 64 * c, mask=q_mask, other=0.0)
-        if FP8:
-            sQ.index(c).store((x.to(gl.float32) * 0.0625).to(f16))
-        else:
-            sQ.index(c).store(x)
-    fence_async_shared()
-
-    if FP8:
-        k_scale = gl.load(ks_ptr)
-        scale_log2 = sm_scale_log2 * 16.0 * k_scale
-    else:
-        k_scale = 1.0
-        scale_log2 = sm_scale_log2
     rows = gl.arange(0, NR, layout=row_l)
+    if FP8:
+        # q [NR, 576] into sQ as two e4m3 terms (hi; lo) scaled by q_s [NR] per row: the
+        # scores are fp8 MMAs over the ring slot itself, k_scale K q = K8 (hi + lo) k_scale / q_s
+        s2_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, 2 * NR, 32])
+        q_s = gl.convert_layout(_q_terms(q_ptr, sQ, b, ROWS, NR), row_l)
+        k_scale = gl.load(ks_ptr)
+        scale_log2 = (sm_scale_log2 * k_scale) / q_s                     # [NR]
+    else:
+        # q [NR, 576] into sQ (9 chunks of 64 columns; padded rows 0)
+        q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # [16, 64]
+        qr = gl.arange(0, NR, layout=gl.SliceLayout(1, q_l))
+        qc = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
+        q_rows = q_ptr + (b * ROWS + qr)[:, None].to(gl.int64) * 576 + qc[None, :]
+        q_mask = (qr[:, None] < ROWS) & (qc[None, :] < 64)
+        for c in gl.static_range(NCH):
+            sQ.index(c).store(gl.load(q_rows + 64 * c, mask=q_mask, other=0.0))
+        k_scale = 1.0
+        scale_log2 = gl.full([NR], sm_scale_log2, gl.float32, row_l)
+    fence_async_shared()
     if CAUSAL:
         limit = seqlen - S_Q + rows // H + 1                 # keys visible to each row
     else:
@@ -166,28 +218,38 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
         s = i % STAGES
         key0 = start + i * BN
         mbarrier.wait(kv_full.index(s), (i // STAGES) & 1)
+        z = gl.minimum(key0, 0)     # a runtime 0 in the MMA operands' indices (above)
         if FP8:
+            # S^T [BN, 2 NR] = K8 [hi; lo]^T: 9 chained fp8 MMAs over the ring slot, while
+            # this warpgroup widens the slot's value chunks for P V; hi + lo once both end
+            tok = warpgroup_mma(sK.index(s * NCH + z), sQ.index(z).permute((1, 0)),
+                                gl.zeros([BN, 2 * NR], gl.float32, s2_l), is_async=True)
+            for c in gl.static_range(1, NCH):
+                tok = warpgroup_mma(sK.index(s * NCH + z + c), sQ.index(c + z).permute((1, 0)),
+                                    tok, is_async=True)
             _widen(sK, s, sW, key0, end, BN)
+            s2 = warpgroup_mma_wait(num_outstanding=0, deps=[tok])
             mbarrier.arrive(kv_empty.index(s), count=1)
-            sA = sW                                 # the MMAs' tile: the widened copy
-            a0 = gl.minimum(key0, 0)  # a runtime 0 in the MMA operands' indices (below)
+            hi, lo = gl.split(gl.permute(gl.reshape(s2, [BN, 2, NR]), [0, 2, 1]))
+            sc = gl.convert_layout(hi + lo, s_l)                               # [BN, NR]
+            sA = sW                                 # P V's tile: the widened values
+            a0 = z
         else:
             if key0 + BN > end:
                 _zero_tail(sK, s, key0, end, BN, NCH)
+            fence_async_shared()
             sA = sK                                 # the MMAs' tile: the ring slot itself
-            a0 = s * NCH + gl.minimum(key0, 0)
-        fence_async_shared()
-        z = gl.minimum(key0, 0)
-        # S^T = K q^T: 9 chained MMAs over the 576 columns
-        tok = warpgroup_mma(sA.index(a0), sQ.index(z).permute((1, 0)),
-                            gl.zeros([BN, NR], gl.float32, s_l), is_async=True)
-        for c in gl.static_range(1, NCH):
-            tok = warpgroup_mma(sA.index(a0 + c), sQ.index(c + z).permute((1, 0)), tok,
-                                is_async=True)
-        sc = warpgroup_mma_wait(num_outstanding=0, deps=[tok])             # [BN, NR]
+            a0 = s * NCH + z
+            # S^T = K q^T: 9 chained MMAs over the 576 columns
+            tok = warpgroup_mma(sA.index(a0), sQ.index(z).permute((1, 0)),
+                                gl.zeros([BN, NR], gl.float32, s_l), is_async=True)
+            for c in gl.static_range(1, NCH):
+                tok = warpgroup_mma(sA.index(a0 + c), sQ.index(c + z).permute((1, 0)), tok,
+                                    is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=[tok])         # [BN, NR]
         keys = key0 + gl.arange(0, BN, layout=key_l)
         vis = (keys[:, None] < end) & (keys[:, None] < limit[None, :])
-        sc = gl.where(vis, sc * scale_log2, float("-inf"))
+        sc = gl.where(vis, sc * scale_log2[None, :], float("-inf"))
         # online softmax along the keys; a row with nothing visible yet keeps m = -inf
         m_new = gl.maximum(m_i, gl.max(sc, axis=0))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -276,20 +338,24 @@ def mla_decode_rows_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, l
     if FP8:
         kv: gl.constexpr = gl.float8e4nv
         KV_BYTES: gl.constexpr = 1
-        f16: gl.constexpr = gl.float16
-        sW = gl.allocate_shared_memory(f16, [NCH, BN, 64],
-                                       gl.NVMMASharedLayout.get_default_for([BN, 64], f16))
+        sW = gl.allocate_shared_memory(gl.float16, [NCH - 1, BN, 64],            # the values
+                                       gl.NVMMASharedLayout.get_default_for([BN, 64],
+                                                                            gl.float16))
+        sQ = gl.allocate_shared_memory(kv, [NCH, 2 * NR, 64],                    # [hi; lo]
+                                       gl.NVMMASharedLayout.get_default_for([2 * NR, 64], kv))
+        sP = gl.allocate_shared_memory(gl.float16, [NR, BN],
+                                       gl.NVMMASharedLayout.get_default_for([NR, BN],
+                                                                            gl.float16))
     else:
         kv: gl.constexpr = gl.bfloat16
         KV_BYTES: gl.constexpr = 2
-        f16: gl.constexpr = gl.bfloat16
         sW = 0                                      # no widened copy: MMAs read the ring
+        sQ = gl.allocate_shared_memory(kv, [NCH, NR, 64],
+                                       gl.NVMMASharedLayout.get_default_for([NR, 64], kv))
+        sP = gl.allocate_shared_memory(kv, [NR, BN],
+                                       gl.NVMMASharedLayout.get_default_for([NR, BN], kv))
     sK = gl.allocate_shared_memory(kv, [STAGES * NCH, BN, 64],
                                    gl.NVMMASharedLayout.get_default_for([BN, 64], kv))
-    sQ = gl.allocate_shared_memory(f16, [NCH, NR, 64],
-                                   gl.NVMMASharedLayout.get_default_for([NR, 64], f16))
-    sP = gl.allocate_shared_memory(f16, [NR, BN],
-                                   gl.NVMMASharedLayout.get_default_for([NR, BN], f16))
     kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
