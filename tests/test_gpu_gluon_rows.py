@@ -21,6 +21,11 @@ from mla_reference import (check_compiled_and_graphed, decode_ref64, make_case, 
 
 L, R = 512, 64
 SCALE = 192 ** -0.5
+# LSE tolerance (absolute). Over an fp8 cache QK runs as fp8 MMAs, which Hopper sums
+# keeping ~14 bits per instruction (truncated to the largest addend): over the 18 MMAs of
+# a 576-wide row that is ~0.2 % of a score's spread, ~4e-3 at these inputs' ~1.7. The
+# fp8 rounding of the cache itself moves the scores ~15x more (its ~3.6 % per element).
+LSE_TOL = {True: 1e-2, False: 2e-3}
 
 # (B, s_q, H, page, lengths, splits; 0: chosen from the shapes)
 CASES = [
@@ -78,7 +83,7 @@ def test_few_rows_vs_fp64(B, s_q, H, page, lens, splits, fp8):
     assert lse.shape == (B, H, s_q) and lse.dtype == torch.float32
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < 1e-2
-    assert (lse.double() - ref_lse).abs().max().item() < 2e-3
+    assert (lse.double() - ref_lse).abs().max().item() < LSE_TOL[fp8]
 
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
@@ -89,7 +94,7 @@ def test_few_rows_not_causal(fp8):
                                    kv_cache_dtype="fp8" if fp8 else "auto", k_scale=k_scale,
                                    backend="gluon")
     assert rel_err(out, ref) < 1e-2
-    assert (lse.double() - ref_lse).abs().max().item() < 2e-3
+    assert (lse.double() - ref_lse).abs().max().item() < LSE_TOL[fp8]
 
 
 def test_fp8_cache_query_heads_of_any_scale():
