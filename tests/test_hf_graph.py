@@ -155,6 +155,31 @@ def test_uncapturable_model_says_why_and_leaves_the_cache():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_capture_pauses_the_garbage_collector(monkeypatch):
+    """The step is captured with Python's cyclic collector off (a collection inside a
+    capture may run a destructor that makes a CUDA call the capture forbids), and the
+    collector is back on afterwards; the warm-up steps run with it as it was."""
+    import gc
+    ref, model, cache, ids, mask, first = prefilled([5, 9], max_cache_len=32)
+    seen = []                                   # (capturing, collector on) per step
+    step = H.DecodeGraph._step
+
+    def recording_step(self):
+        seen.append((torch.cuda.is_current_stream_capturing(), gc.isenabled()))
+        return step(self)
+
+    monkeypatch.setattr(H.DecodeGraph, "_step", recording_step)
+    assert gc.isenabled()
+    runner = H.DecodeGraph(model, cache, backend=BACKEND)
+    assert runner.graph_enabled and gc.isenabled()
+    assert (True, False) in seen and (False, True) in seen
+    assert all(not on for capturing, on in seen if capturing)
+    with torch.no_grad():
+        exp = ref.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert torch.equal(runner.greedy(first, 4), exp[:, ids.shape[1] + 1:])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_bf16_page64_replays_match_compiled_generate(kv_cache_dtype):
     """bf16 with block 64 (bf16 cache: FlashMLA on SM90 when installed, else Triton; fp8

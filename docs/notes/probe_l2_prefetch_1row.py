@@ -18,6 +18,11 @@ fresh cache. ms per step: the median of --rounds loops of --iters replays, the v
 timed in turn, the whole list twice.
 
     python docs/notes/probe_l2_prefetch_1row.py [--shapes v2-lite,v3-moe,v3-moe-fp8] [--S 4096]
+        [--gc-in-capture]
+
+--gc-in-capture captures with Python's garbage collector on, as DecodeGraph did before it
+paused the collector around its capture (the FP8 step's failed capture in this probe,
+NOTES-fp8-checkpoints.md); each collection that falls inside a capture is printed.
 """
 from __future__ import annotations
 
@@ -142,7 +147,18 @@ def main():
     ap.add_argument("--S", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--gc-in-capture", action="store_true")
     args = ap.parse_args()
+    if args.gc_in_capture:
+        import gc
+
+        import mla_ops.hf.graph as graph
+        graph.capturing = lambda g, pool=None: torch.cuda.graph(g, pool=pool)
+
+        def report(phase, info):
+            if phase == "start" and torch.cuda.is_current_stream_capturing():
+                print(f"  a gen-{info['generation']} collection inside a capture", flush=True)
+        gc.callbacks.append(report)
     dev = torch.device("cuda")
     side = torch.cuda.Stream()
     MB = 1 << 20

@@ -28,6 +28,9 @@ Without CUDA (or with graph=False) the runner calls the compiled step directly.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import torch
 
 from mla_ops.cache import CacheFullError
@@ -35,6 +38,22 @@ from mla_ops.hf.convert import is_converted
 from mla_ops.hf.cache import PagedMLACache
 from mla_ops.hf.generate import cache_kwargs
 from mla_ops.hf.step import decode_room
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool=None):
+    """torch.cuda.graph(graph, pool=pool) with Python's cyclic garbage collector paused. A
+    collection inside the capture runs destructors at an arbitrary point of the step, and
+    one that makes a CUDA call not allowed while a stream captures invalidates the capture
+    (noticed only at a later launch). Objects it would have freed are freed after it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class DecodeGraph:
@@ -113,7 +132,7 @@ class DecodeGraph:
         torch.cuda.current_stream(self.device).wait_stream(s)
         g = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(g):
+            with capturing(g):
                 self.logits, self.next_tokens = self._step()
         except RuntimeError as exc:
             c.restore(saved)

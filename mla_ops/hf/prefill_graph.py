@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from mla_ops.hf.cache import PagedMLACache
 from mla_ops.hf.convert import is_converted
 from mla_ops.hf.generate import cache_kwargs
+from mla_ops.hf.graph import capturing
 from mla_ops.hf.step import raise_if_no_room, valid_tokens
 
 __all__ = ["PrefillGraph", "bucket", "ATTR"]
@@ -121,7 +122,7 @@ class PrefillGraph:
     def _capture(self, chunk: _Chunk, context_bound: int) -> None:
         g = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(g, pool=self.pool):
+            with capturing(g, pool=self.pool):
                 chunk.logits = self._forward(chunk.ids, chunk.valid, context_bound)
         except RuntimeError as exc:
             self.cache._step = None                   # (a plan left by the failed forward)
