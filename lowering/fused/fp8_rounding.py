@@ -27,6 +27,12 @@ def to_e4m3(y, dst):
     The cast is then exact, so the result does not depend on how the backend rounds
     (the CPU interpreter's fp8 cast does not carry into the exponent).
     """
+    return round_e4m3(y).to(dst.dtype.element_ty)
+
+
+@triton.jit
+def round_e4m3(y):
+    """fp32 y (already clamped to +-448) -> the nearest e4m3 value (ties to even), as fp32."""
     a = tl.abs(y)
     bits = a.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576   # keep 3 mantissa bits, RTNE
@@ -35,8 +41,7 @@ def to_e4m3(y, dst):
     r = tl.where(a < 0.015625, sub, normal)
     # copy y's sign bit (a negation would be 0 - r on GPU, losing -0.0)
     sign = y.to(tl.int32, bitcast=True) & -2147483648
-    r = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    return r.to(dst.dtype.element_ty)
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
