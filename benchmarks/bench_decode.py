@@ -1,4 +1,4 @@
-"""Decode attention alone: our Gluon (Hopper: BF16, FP8 cache at up to 32 query rows, FP8
+"""Decode attention alone: our Gluon (Hopper: BF16, FP8 cache with a bf16 query, FP8
 q+cache) and Triton (BF16, FP8 cache, FP8 q+cache) kernels, FlashMLA (BF16, and its dense
 FP8 q+cache kernel), pure torch.
 
@@ -146,6 +146,8 @@ def bench_shape(B, H, S, args, ceilings, log):
     reason = route_unmet("gluon", q, kv8, kind="fp8")
     if reason is None:
         from lowering.decode.gluon_decode import gluon_decode_fp8_cache_op
+        # up to 32 query rows the few-rows kernel, else the fp8 kernel's BF16Q mode (q's
+        # two e4m3 terms written by a small kernel first, timed with it)
         record("gluon_fp8kv", lambda: gluon_decode_fp8_cache_op(q, kv8, bt, lens, k_scale, scale,
                                                                 True), "fp8")
     else:

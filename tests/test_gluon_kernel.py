@@ -19,7 +19,7 @@ HOPPER_SMEM = 232448        # bytes of shared memory one Hopper CTA may use
 
 
 def _compile_for_sm90(constexprs, kind):
-    """Compile a kernel ("pair", "ring", "fp8" or "rows") for SM90 and return its facts (run in a
+    """Compile a kernel ("pair", "ring", "fp8", "fp8-bf16q" or "rows") for SM90 and return its facts (run in a
     child process: the test session's TRITON_INTERPRET=1 turns triton's own helpers into
     interpreted ones, which a compiled kernel cannot call)."""
     import triton
@@ -28,7 +28,8 @@ def _compile_for_sm90(constexprs, kind):
     from triton.experimental.gluon._runtime import GluonASTSource
     if kind == "rows":
         return _compile_rows(constexprs, triton, GPUTarget, gl, GluonASTSource)
-    fp8 = kind == "fp8"
+    fp8 = kind in ("fp8", "fp8-bf16q")
+    bf16q = kind == "fp8-bf16q"
     if fp8:
         from lowering.decode.gluon_fp8_kernel import mla_decode_fp8_kernel as kernel
         el, ty = gl.float8e4nv, "fp8e4nv"
@@ -44,7 +45,8 @@ def _compile_for_sm90(constexprs, kind):
     sig = {"q_desc": f"tensordesc<{ty}[64, 64],{layouts['q']!r}>",
            "kv_desc": f"tensordesc<{ty}[{bn}, 64],{layouts['kv']!r}>",
            "table_ptr": "*i32", "lens_ptr": "*i32"}
-    if fp8:
+    if fp8:                                 # BF16Q: q's two e4m3 terms, scales per row
+        constexprs = dict(constexprs, BF16Q=bf16q)
         sig.update(qs_ptr="*fp32", ks_ptr="*fp32")
     sig.update({"o_ptr": "*bf16" if constexprs["DIRECT"] else "*fp32", "lse_ptr": "*fp32",
                 "scale_log2": "fp32", "stride_bt": "i32", "max_blocks": "i32",
@@ -122,12 +124,18 @@ def _compiled_facts(cs, kind):
 @pytest.mark.parametrize("kind,s_q,H,page,direct,causal", [
     ("pair", 1, 128, 64, False, True), ("pair", 2, 64, 128, True, False),
     ("ring", 1, 128, 64, False, True), ("ring", 2, 64, 32, True, False),
-    ("fp8", 1, 128, 64, False, True), ("fp8", 2, 64, 32, True, False)])
+    ("fp8", 1, 128, 64, False, True), ("fp8", 2, 64, 32, True, False),
+    ("fp8-bf16q", 1, 128, 64, False, True), ("fp8-bf16q", 2, 64, 32, True, False),
+    ("fp8-bf16q-64", 1, 128, 64, True, True)])
 def test_kernel_compiles_for_sm90(kind, s_q, H, page, direct, causal):
-    """Each kernel at its configs: fp8 with 64-key tiles (page 64) and with 32-key ones."""
+    """Each kernel at its configs: fp8 with 64-key tiles (page 64) and with 32-key ones;
+    its BF16Q mode at its config (32-key tiles) on either page, and with 64-key tiles in
+    a ring of 2 (what fits; slower, not taken)."""
     pytest.importorskip("triton")
-    from lowering.decode.gluon_decode import CONFIG, PAIR_CONFIG, fp8_config
-    config = {"fp8": fp8_config(page, 4096), "pair": PAIR_CONFIG, "ring": CONFIG}[kind]
+    from lowering.decode.gluon_decode import BF16Q_CONFIG, CONFIG, PAIR_CONFIG, fp8_config
+    config = {"fp8": fp8_config(page, 4096), "fp8-bf16q": BF16Q_CONFIG,
+              "fp8-bf16q-64": dict(BN=64, STAGES=2), "pair": PAIR_CONFIG, "ring": CONFIG}[kind]
+    kind = kind.removesuffix("-64")
     cs = dict(S_Q=s_q, H=H, PAGE=page, BN=config["BN"], STAGES=config["STAGES"],
               DIRECT=direct, CAUSAL=causal)
     facts = _compiled_facts(cs, kind)
@@ -137,6 +145,14 @@ def test_kernel_compiles_for_sm90(kind, s_q, H, page, direct, causal):
         # both warpgroups' first-tile, steady and last-tile paths
         assert facts["wgmma"] >= 50
         assert 1 in facts["waits"], "the QK / P V overlap (wait until 1 group remains) is gone"
+    elif kind == "fp8-bf16q":
+        # QK as 9 MMAs over q's hi term and 9 over its lo term, in the same three paths
+        assert facts["wgmma"] >= 100
+        assert 1 in facts["waits"], "the QK / P V overlap (wait until 1 group remains) is gone"
+        # the runtime zero in the lo terms' indices keeps ptxas from hoisting (and
+        # spilling) the 18 descriptors: without it 288-344 bytes, with it as the fp8 mode
+        if facts["stack"] is not None:
+            assert facts["stack"] <= 128, f"the BF16Q mode spills {facts['stack']} bytes"
     elif kind == "pair":
         # per pair and warpgroup a QK of 36 instructions (9 boxes x k = 16) and two P V of
         # 16, plus each warpgroup's first QK and warpgroup 1's last-block path
@@ -177,9 +193,10 @@ def test_fp8_cache_kernel_compiles_for_sm90(s_q, H, page, direct, causal):
 
 
 def test_fp8_cache_kernel_conditions():
-    """What the fp8-cache kernel serves (read off the call's shapes and dtypes; the GPU
-    and Gluon checks come first on a real call): bf16 q, rows of 576, up to 32 query rows,
-    pages of whole 64-key tiles."""
+    """What the fp8-cache kernels serve (read off the call's shapes and dtypes; the GPU
+    and Gluon checks come first on a real call): bf16 q, rows of 576; up to 32 query rows
+    on pages of whole 64-key tiles (the few-rows kernel), past them a head count that is
+    a multiple of 64 on pages of whole 32-key tiles (the fp8 kernel's BF16Q mode)."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
     from lowering.decode import gluon_decode as gd
     from lowering.decode.registry import DecodeCall
@@ -190,9 +207,11 @@ def test_fp8_cache_kernel_conditions():
         return gd.gluon_unmet(DecodeCall(q, kv, None, None, 1.0, True, "fp8", None, head_dim_v))
 
     assert unmet() is None and unmet(s_q=2) is None and unmet(H=8, page=128) is None
-    assert "up to 32 query rows" in unmet(H=64)
-    assert "up to 32 query rows" in unmet(s_q=3)
-    assert "multiple of 64" in unmet(page=32)
+    assert unmet(H=64) is None and unmet(H=128) is None and unmet(s_q=2, H=128) is None
+    assert unmet(H=128, page=32) is None                       # BF16Q's 32-key tiles
+    assert "head count that is a multiple of 64" in unmet(s_q=3)   # 48 rows of 16 heads
+    assert "block_size to be a multiple of 32" in unmet(H=128, page=16)
+    assert "block_size to be a multiple of 64" in unmet(page=32)
     assert "bfloat16" in unmet(dtype=torch.float16)
     assert "576" in unmet(width=192, head_dim_v=128)
 

@@ -1,6 +1,6 @@
 """Backend "gluon": the Hopper decode kernels as custom ops: mla::gluon_decode (bf16 q
-and cache), mla::gluon_decode_fp8_cache (bf16 q, fp8 cache, up to 32 query rows; both are
-the "gluon" route of lowering.mla_decode, conditions in gluon_unmet()) and
+and cache), mla::gluon_decode_fp8_cache (bf16 q, fp8 cache; both are the "gluon" route of
+lowering.mla_decode, conditions in gluon_unmet()) and
 mla::gluon_decode_fp8q (fp8 q and cache with per-tensor scales, gluon_fp8_kernel.py; the
 "gluon-fp8q" route of lowering.mla_decode_fp8q, conditions in gluon_fp8q_unmet()).
 
@@ -10,12 +10,16 @@ counted). More rows over a bf16 cache take one of two kernels, picked by the pag
 (bf16_kernel()): where a page holds whole 64-key blocks, gluon_pair_kernel.py (64-key
 blocks in pairs, two buffers refilled by halves; 0.81-0.86x of FlashMLA's kernels at the
 compute-bound 128-head shapes); with pages of 32, gluon_ring_kernel.py (32-key tiles in a
-ring of 4 fed by a producer warp; 0.75-0.79x). Helpers they share: gluon_common.py.
+ring of 4 fed by a producer warp; 0.75-0.79x). More rows over an fp8 cache take the fp8
+kernel (gluon_fp8_kernel.py) in its BF16Q mode: q_terms_kernel.py first writes the bf16
+query as two e4m3 terms scaled per row, and QK chains fp8 MMAs over both (bf16q_kernel()). Helpers they share:
+gluon_common.py.
 
 Serves: q on an SM90 GPU, triton with Gluon's Hopper API, q bf16, rows of 576 = 512 +
 64, head_dim_v 512; a bf16 cache (kind "auto") at up to 32 query rows with pages of whole
 64-key tiles, else H a multiple of 64 and pages a multiple of 32; an fp8 cache (kind
-"fp8", fp8_cache_unmet()) up to 32 query rows, pages of whole 64-key tiles. Anything else
+"fp8", fp8_cache_unmet()) the same way (the few-rows kernel, else the fp8 kernel's BF16Q
+mode). Anything else
 is named by gluon_unmet() (so backend="auto" moves on to the next backend). q and the
 cache must also start 16-byte aligned (TMA); the op checks that (a ValueError) where it
 sees the real tensors.
@@ -46,6 +50,15 @@ PAIR_CONFIG = dict(BN=64, STAGES=2)
 # split, 0.88x at 256; benchmarks/NOTES-decode-fp8.md). See fp8_config().
 FP8_CONFIGS = (dict(BN=64, STAGES=3), dict(BN=32, STAGES=8))
 FP8_LONG_SPLIT = 1024
+# The fp8 kernel's BF16Q mode (a bf16 query over an fp8 cache, past 32 query rows): q's
+# two e4m3 terms take 72 KB beside the ring, which leaves 2 x 64 or 6 x 32 keys (218 KB).
+# 32-key tiles at every split length: 2 x 64 ran 1.25-1.3x slower at 128 heads (H100;
+# the fp8-query mode too slows by that much from 3 x 64 to 2 x 64), while 6 x 32 ran as
+# fast as 8 x 32 does in the fp8-query mode (docs/notes/NOTES-decode-fp8.md).
+BF16Q_CONFIG = dict(BN=32, STAGES=6)
+# Query rows per program of q_terms_kernel.py: 1 and 8 timed within 1 µs of each other
+# at 128 heads, B = 1-64 (H100; 6-17 µs a call: docs/notes/probe_fp8_bf16q.py).
+Q_TERMS_ROWS = 1
 MIN_SPLIT_KEYS = 256
 NUM_WARPS = 4           # the default partition: consumer warpgroup 0
 # The few-rows kernel (gluon_rows_kernel.py, bf16 q), by cache and query rows padded to NR
@@ -120,7 +133,9 @@ def _rows_page_unmet(q, kv_cache, fp8: bool, what: str):
 
 
 def fp8_cache_unmet(call):
-    """None if the few-rows kernel over an fp8 cache serves this DecodeCall (kind "fp8", bf16 q), else why not."""
+    """None if a Gluon kernel serves this DecodeCall over an fp8 cache (kind "fp8", bf16 q):
+    the few-rows kernel up to ROWS_MAX query rows, past them the fp8 kernel's BF16Q mode
+    (H a multiple of 64, pages a multiple of 32); else why not."""
     q, kv_cache = call.q, call.kv_cache
     if IMPORT_ERROR is not None:
         return IMPORT_ERROR
@@ -131,8 +146,11 @@ def fp8_cache_unmet(call):
                 f"head_dim_v 512, got {q.shape[-1]} and {call.head_dim_v}")
     rows = q.shape[1] * q.shape[2]
     if rows > ROWS_MAX:
-        return (f"the gluon fp8-cache kernel serves up to {ROWS_MAX} query rows "
-                f"(s_q x heads), got {rows}")
+        if q.shape[2] % 64:
+            return (f"the gluon fp8-cache kernels serve up to {ROWS_MAX} query rows (s_q x "
+                    f"heads), or a head count that is a multiple of 64; got {rows} rows of "
+                    f"{q.shape[2]} heads")
+        return _kernel_unmet(q, kv_cache, BF16Q_CONFIG["BN"])
     return _rows_page_unmet(q, kv_cache, True, "the gluon fp8-cache kernel")
 
 
@@ -190,7 +208,7 @@ def gluon_decode_fp8q(
 
 
 def gluon_decode_fp8_cache(
-    q: torch.Tensor,              # [B, s_q, H, 576] bf16, s_q * H <= 32
+    q: torch.Tensor,              # [B, s_q, H, 576] bf16 (s_q * H <= 32, or H % 64 == 0)
     kv_cache: torch.Tensor,       # [num_blocks, PAGE, 576] float8_e4m3fn (x k_scale)
     block_table: torch.Tensor,    # [B, max_blocks] int32
     cache_seqlens: torch.Tensor,  # [B] int32
@@ -199,8 +217,11 @@ def gluon_decode_fp8_cache(
     causal: bool,
     num_splits: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_rows(q, kv_cache, block_table, cache_seqlens, k_scale, softmax_scale,
-                        causal, num_splits)
+    if q.shape[1] * q.shape[2] <= ROWS_MAX:
+        return _launch_rows(q, kv_cache, block_table, cache_seqlens, k_scale, softmax_scale,
+                            causal, num_splits)
+    return _launch(bf16q_kernel, q, kv_cache, block_table, cache_seqlens, (k_scale,),
+                   softmax_scale, causal, num_splits, bf16q=True)
 
 
 gluon_decode_op = torch.library.custom_op("mla::gluon_decode", mutates_args=())(gluon_decode)
@@ -226,6 +247,13 @@ def fp8_kernel(page: int, keys_per_split: int):
     return mla_decode_fp8_kernel, fp8_config(page, keys_per_split)
 
 
+def bf16q_kernel(page: int, keys_per_split: int):
+    """(kernel, config) for a bf16 query over an fp8 cache past ROWS_MAX rows: the fp8
+    kernel in BF16Q mode, BF16Q_CONFIG."""
+    from lowering.decode.gluon_fp8_kernel import mla_decode_fp8_kernel
+    return mla_decode_fp8_kernel, BF16Q_CONFIG
+
+
 def fp8_config(page: int, keys_per_split: int) -> dict:
     """The fp8 kernel's tile size and ring depth for splits of up to keys_per_split keys."""
     long_tiles, short_tiles = FP8_CONFIGS
@@ -235,9 +263,11 @@ def fp8_config(page: int, keys_per_split: int) -> dict:
 
 
 def _launch(pick, q, kv_cache, block_table, cache_seqlens, scales, softmax_scale, causal,
-            num_splits):
+            num_splits, bf16q=False):
     """Stage 1 and, with more than one split, the merge. Returns (out, lse).
-    pick: (page, keys per split) -> (kernel, dict(BN, STAGES))."""
+    pick: (page, keys per split) -> (kernel, dict(BN, STAGES)); scales: () for the bf16
+    kernels, (q_scale, k_scale) for the fp8 kernel; with bf16q (a bf16 query over an fp8
+    cache) (k_scale,): q goes in as its two e4m3 terms, with their per-row scales."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -255,22 +285,44 @@ def _launch(pick, q, kv_cache, block_table, cache_seqlens, scales, softmax_scale
     kernel, config = pick(page, -(-capacity // splits))
     L, BN = 512, config["BN"]
     q2 = q.contiguous().view(B * rows, D)                                       # [B * rows, 576]
-    _check_tma_aligned("q", q2)
     _check_tma_aligned("kv_cache", kv_cache)
-    el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float8e4nv
-    lay_q = gl.NVMMASharedLayout.get_default_for([64, 64], el)
-    lay_k = gl.NVMMASharedLayout.get_default_for([BN, 64], el)
-    q_desc = TensorDescriptor.from_tensor(q2, [64, 64], lay_q)
+    el_kv = gl.bfloat16 if kv_cache.dtype == torch.bfloat16 else gl.float8e4nv
+    lay_k = gl.NVMMASharedLayout.get_default_for([BN, 64], el_kv)
     kv_desc = TensorDescriptor.from_tensor(kv_cache.view(num_blocks * page, D), [BN, 64], lay_k)
+    if bf16q:
+        q2, q_s = _q_terms(q2)                          # [2 B rows, 576] e4m3, [B rows] fp32
+        scales = (q_s, *scales)
+    else:
+        _check_tma_aligned("q", q2)
+    el_q = gl.bfloat16 if q2.dtype == torch.bfloat16 else gl.float8e4nv
+    lay_q = gl.NVMMASharedLayout.get_default_for([64, 64], el_q)
+    q_desc = TensorDescriptor.from_tensor(q2, [64, 64], lay_q)
+    modes = dict(BF16Q=bf16q) if scales else {}                 # the fp8 kernel's mode
     out, lse, o1, l1 = stage1_outputs(B, s_q, H, L, splits, torch.bfloat16, q.device)
     kernel[(m_blocks, B, splits)](
         q_desc, kv_desc, block_table, cache_seqlens, *scales, o1, l1, softmax_scale * LOG2E,
         block_table.stride(0), block_table.shape[1], num_blocks, splits,
         S_Q=s_q, H=H, PAGE=page, BN=BN, STAGES=config["STAGES"], DIRECT=splits == 1,
-        CAUSAL=causal, num_warps=NUM_WARPS)
+        CAUSAL=causal, num_warps=NUM_WARPS, **modes)
     if splits > 1:
         _merge(o1, l1, out, lse, splits)
     return out, lse
+
+
+def _q_terms(q2):
+    """q2 [N, 576] bf16 -> (its e4m3 terms [2 N, 576]: the hi rows, then the lo rows; s [N]
+    fp32), q = (hi + lo) / s per row (q_terms_kernel.py)."""
+    import triton
+
+    from lowering.decode.q_terms_kernel import q_terms_kernel
+
+    n, d = q2.shape
+    terms = torch.empty((2 * n, d), dtype=torch.float8_e4m3fn, device=q2.device)
+    q_s = torch.empty(n, dtype=torch.float32, device=q2.device)
+    q_terms_kernel[(triton.cdiv(n, Q_TERMS_ROWS),)](
+        q2, terms, q_s, n, D=d, BLOCK_D=triton.next_power_of_2(d), ROWS=Q_TERMS_ROWS,
+        num_warps=4)
+    return terms, q_s
 
 
 def _merge(o1, l1, out, lse, splits):

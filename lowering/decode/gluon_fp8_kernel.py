@@ -16,6 +16,14 @@ a one-warp TMA producer, tiles of BN keys) with e4m3 operands:
 Scores = (q8 . k8) * q_scale * k_scale * softmax_scale; O = sum(P8 V8) * k_scale /
 (P_SCALE * l). Output as the bf16 kernel's stage 1: DIRECT -> out [B, ROWS, 512] bf16 +
 lse [B, H, S_Q]; else fp32 partials + lse for triton_merge_kernel.
+
+BF16Q (a bf16 query over an fp8 cache, kv_cache_dtype="fp8" past 32 query rows): q
+comes as two e4m3 terms per element, hi and lo, with s [rows] a power of two per row
+(q_terms_kernel.py: q = (hi + lo) / s, a bf16's precision kept). q_desc covers [2 N, 576],
+hi rows then lo rows; the producer copies both (18 boxes); QK chains 9 MMAs over hi and 9
+over lo into one accumulator; qs_ptr holds s and the scale becomes per row,
+k_scale * softmax_scale / s. The terms take 72 KB of shared memory, so the ring is
+shorter (BF16Q_CONFIG in gluon_decode.py: 6 tiles of 32 keys).
 """
 from __future__ import annotations
 
@@ -27,25 +35,48 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from lowering.decode.gluon_common import (tma_load, cta_work, finish_rows, load_ring,
                                           ring_barriers)
 
+NCH = gl.constexpr(9)              # 576 = 8 value chunks of 64 + the rope chunk
+
 P_SCALE = gl.constexpr(256.0)      # P to e4m3 as p * P_SCALE
 
 
 @gluon.jit
-def _producer(q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sK, q_row0, b, start,
-              n_tiles, stride_bt, num_blocks, BN: gl.constexpr, PAGE: gl.constexpr,
-              STAGES: gl.constexpr, NCH: gl.constexpr):
-    mbarrier.expect(q_bar, NCH * 64 * 64)
-    for c in gl.static_range(NCH):
-        tma_load(q_desc, [q_row0, c * 64], q_bar, sQ.index(c))
+def _producer(q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sK, q_row0, lo_row0,
+              b, start, n_tiles, stride_bt, num_blocks, BN: gl.constexpr, PAGE: gl.constexpr,
+              STAGES: gl.constexpr, NCH: gl.constexpr, BF16Q: gl.constexpr):
+    if BF16Q:
+        # q's hi rows at q_row0, its lo rows at lo_row0 (B x ROWS rows further down)
+        mbarrier.expect(q_bar, 2 * NCH * 64 * 64)
+        for c in gl.static_range(NCH):
+            tma_load(q_desc, [q_row0, c * 64], q_bar, sQ.index(c))
+            tma_load(q_desc, [lo_row0, c * 64], q_bar, sQ.index(NCH + c))
+    else:
+        mbarrier.expect(q_bar, NCH * 64 * 64)
+        for c in gl.static_range(NCH):
+            tma_load(q_desc, [q_row0, c * 64], q_bar, sQ.index(c))
     load_ring(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
               num_blocks, BN, PAGE, STAGES, NCH)
 
 
 @gluon.jit
-def _qk(sQ, sK, s, s_l: gl.constexpr, BN: gl.constexpr, NCH: gl.constexpr):
-    """Issue S = q8 k8^T for the tile in stage s (9 chained fp8 wgmma). [64, BN] fp32."""
-    tok = warpgroup_mma(sQ.index(NCH - 1), sK.index(s * NCH + NCH - 1).permute((1, 0)),
-                        gl.zeros([64, BN], gl.float32, s_l), is_async=True)
+def _qk(sQ, sK, s, z, s_l: gl.constexpr, BN: gl.constexpr, NCH: gl.constexpr,
+        BF16Q: gl.constexpr):
+    """Issue S = q8 k8^T for the tile in stage s (9 chained fp8 wgmma). [64, BN] fp32.
+
+    BF16Q: 9 over q's lo term, then 9 over its hi term, into the same accumulator. Hopper
+    adds each fp8 MMA into the accumulator keeping ~14 bits relative to the largest addend,
+    so the small lo products go first, while the sum is still small: after the hi ones
+    they would be summed at the scores' magnitude, doubling the scores' rounding. z is a
+    runtime 0 (min(key0, 0)) in the lo terms' indices: with constant ones ptxas hoists the
+    18 descriptors out of the loop and spills them (184-208 bytes of stack at BN = 64,
+    against 56-88 with z)."""
+    acc = gl.zeros([64, BN], gl.float32, s_l)
+    if BF16Q:
+        for c in gl.static_range(NCH):
+            acc = warpgroup_mma(sQ.index(NCH + c + z),
+                                sK.index(s * NCH + c + z).permute((1, 0)), acc, is_async=True)
+    tok = warpgroup_mma(sQ.index(NCH - 1), sK.index(s * NCH + NCH - 1).permute((1, 0)), acc,
+                        is_async=True)
     for c in gl.static_range(NCH - 1):
         tok = warpgroup_mma(sQ.index(c), sK.index(s * NCH + c).permute((1, 0)), tok,
                             is_async=True)
@@ -75,10 +106,10 @@ def _transpose_values(W: gl.constexpr, sK, s, vt, key0, end, BN: gl.constexpr,
 @gluon.jit
 def _softmax_publish(W: gl.constexpr, sc, m_prev, l_prev, key0, end, scale_log2, k, p_empty,
                      p_full, sP, sStat, s_l: gl.constexpr, BN: gl.constexpr):
-    """Base-2 online softmax of this warpgroup's k-th tile; P (e4m3, x P_SCALE) and
-    (m, l, alpha) go to slot W. Returns (P fp8, m, l, alpha)."""
+    """Base-2 online softmax of this warpgroup's k-th tile (scale_log2 [64], per row); P
+    (e4m3, x P_SCALE) and (m, l, alpha) go to slot W. Returns (P fp8, m, l, alpha)."""
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
-    sc = gl.where((key0 + cols < end)[None, :], sc * scale_log2, float("-inf"))
+    sc = gl.where((key0 + cols < end)[None, :], sc * scale_log2[:, None], float("-inf"))
     m_new = gl.maximum(m_prev, gl.max(sc, axis=1))
     alpha = gl.exp2(m_prev - m_new)
     p = gl.exp2(sc - m_new[:, None])
@@ -109,9 +140,10 @@ def _other_pv(W: gl.constexpr, acc, sP, sStat, vt, p_full, i, row_o: gl.constexp
 
 @gluon.jit
 def _consumer(W: gl.constexpr, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sK, sP, sVT,
-              sStat, o_ptr, lse_ptr, qs_ptr, ks_ptr, o_row0, lse_row0, lse_stride, start, end,
-              n_tiles, sm_scale_log2, BN: gl.constexpr, STAGES: gl.constexpr,
-              NCH: gl.constexpr, DIRECT: gl.constexpr):
+              sStat, o_ptr, lse_ptr, qs_ptr, ks_ptr, q_row0, o_row0, lse_row0,
+              lse_stride, start, end, n_tiles, sm_scale_log2, BN: gl.constexpr,
+              STAGES: gl.constexpr, NCH: gl.constexpr, DIRECT: gl.constexpr,
+              BF16Q: gl.constexpr):
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, BN, 32])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -120,7 +152,12 @@ def _consumer(W: gl.constexpr, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sK
     row_s: gl.constexpr = gl.SliceLayout(1, s_l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
     k_scale = gl.load(ks_ptr)
-    scale_log2 = sm_scale_log2 * gl.load(qs_ptr) * k_scale
+    if BF16Q:
+        q_s = gl.load(qs_ptr + q_row0 + gl.arange(0, 64, layout=row_s))        # [64] per row
+        scale_log2 = (sm_scale_log2 * k_scale) / q_s
+    else:
+        scale_log2 = gl.full([64], sm_scale_log2 * gl.load(qs_ptr) * k_scale, gl.float32,
+                             row_s)
     acc = gl.zeros([64, 256], gl.float32, o_l)                 # O[:, 256 W : 256 W + 256]
     m_prev = gl.full([64], float("-inf"), gl.float32, row_s)
     l_prev = gl.zeros([64], gl.float32, row_s)
@@ -130,7 +167,7 @@ def _consumer(W: gl.constexpr, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sK
     if W == 0:
         if n_tiles > 0:
             mbarrier.wait(kv_full.index(0), 0)
-            tok = _qk(sQ, sK, 0, s_l, BN, NCH)
+            tok = _qk(sQ, sK, 0, gl.minimum(start, 0), s_l, BN, NCH, BF16Q)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=[tok])
             p8, m_prev, l_prev, alpha = _softmax_publish(W, sc, m_prev, l_prev, start, end,
                                                          scale_log2, 0, p_empty, p_full, sP,
@@ -145,7 +182,7 @@ def _consumer(W: gl.constexpr, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sK
         s = i % STAGES
         so = (i - 1) % STAGES
         mbarrier.wait(kv_full.index(s), (i // STAGES) & 1)
-        tok = _qk(sQ, sK, s, s_l, BN, NCH)                             # 9 groups in flight
+        tok = _qk(sQ, sK, s, gl.minimum(start + i * BN, 0), s_l, BN, NCH, BF16Q)  # 9 (18)
         # the other warpgroup's tile i - 1: its values transposed, then its P V
         mbarrier.wait(kv_full.index(so), ((i - 1) // STAGES) & 1)
         _transpose_values(W, sK, so, vt_other, start + (i - 1) * BN, end, BN, NCH)
@@ -191,21 +228,22 @@ def _consumer(W: gl.constexpr, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sK
 
 @gluon.jit
 def _wg(cargs, pargs, W: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-        NCH: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr):
-    (q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sK, sP, sVT, sStat, o_ptr, lse_ptr, qs_ptr,
-     ks_ptr, o_row0, lse_row0, lse_stride, start, end, n_tiles, sm_scale_log2) = cargs
+        DIRECT: gl.constexpr, PAGE: gl.constexpr, BF16Q: gl.constexpr):
+    (q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sK, sP, sVT, sStat, o_ptr, lse_ptr,
+     qs_ptr, ks_ptr, q_row0, o_row0, lse_row0, lse_stride, start, end, n_tiles,
+     sm_scale_log2) = cargs
     _consumer(W, q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sK, sP, sVT, sStat, o_ptr,
-              lse_ptr, qs_ptr, ks_ptr, o_row0, lse_row0, lse_stride, start, end, n_tiles,
-              sm_scale_log2, BN, STAGES, NCH, DIRECT)
+              lse_ptr, qs_ptr, ks_ptr, q_row0, o_row0, lse_row0, lse_stride, start, end,
+              n_tiles, sm_scale_log2, BN, STAGES, NCH, DIRECT, BF16Q)
 
 
 @gluon.jit
 def _load(cargs, pargs, W: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-          NCH: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr):
-    (q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sK, q_row0, b, start, n_tiles,
-     stride_bt, num_blocks) = pargs
-    _producer(q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sK, q_row0, b, start,
-              n_tiles, stride_bt, num_blocks, BN, PAGE, STAGES, NCH)
+          DIRECT: gl.constexpr, PAGE: gl.constexpr, BF16Q: gl.constexpr):
+    (q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sK, q_row0, lo_row0, b, start,
+     n_tiles, stride_bt, num_blocks) = pargs
+    _producer(q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sK, q_row0, lo_row0, b,
+              start, n_tiles, stride_bt, num_blocks, BN, PAGE, STAGES, NCH, BF16Q)
 
 
 @gluon.jit
@@ -213,8 +251,9 @@ def mla_decode_fp8_kernel(q_desc, kv_desc, table_ptr, lens_ptr, qs_ptr, ks_ptr, 
                           sm_scale_log2, stride_bt, max_blocks, num_blocks, num_splits,
                           S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
                           BN: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
-                          CAUSAL: gl.constexpr):
-    NCH: gl.constexpr = 9                       # 576 = 8 value chunks of 64 + the rope chunk
+                          CAUSAL: gl.constexpr, BF16Q: gl.constexpr):
+    """grid (ROWS / 64, B, num_splits). q_desc: fp8 q [B x ROWS, 576] with its per-tensor
+    scale at qs_ptr, or BF16Q: q's terms [2 B x ROWS, 576] with s [B x ROWS] at qs_ptr."""
     b, start, end, n_tiles, q_row0, o_row0, lse_row0, lse_stride = cta_work(
         lens_ptr, max_blocks, num_splits, S_Q, H, PAGE, BN, DIRECT, CAUSAL)
 
@@ -223,7 +262,10 @@ def mla_decode_fp8_kernel(q_desc, kv_desc, table_ptr, lens_ptr, qs_ptr, ks_ptr, 
     slk: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 64], f8)
     slp: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BN], f8)
     slv: gl.constexpr = gl.NVMMASharedLayout.get_default_for([256, BN], f8)
-    sQ = gl.allocate_shared_memory(f8, [NCH, 64, 64], sl)                 # q (rope chunk last)
+    if BF16Q:
+        sQ = gl.allocate_shared_memory(f8, [2 * NCH, 64, 64], sl)         # q's hi, then lo
+    else:
+        sQ = gl.allocate_shared_memory(f8, [NCH, 64, 64], sl)             # q (rope chunk last)
     sK = gl.allocate_shared_memory(f8, [STAGES * NCH, BN, 64], slk)
     sP = gl.allocate_shared_memory(f8, [2, 64, BN], slp)
     sVT = gl.allocate_shared_memory(f8, [4, 256, BN], slv)                # per WG: other, own
@@ -232,11 +274,13 @@ def mla_decode_fp8_kernel(q_desc, kv_desc, table_ptr, lens_ptr, qs_ptr, ks_ptr, 
     q_bar, kv_full, kv_empty, p_full, p_empty = ring_barriers(STAGES)
 
     cargs = (q_bar, kv_full, kv_empty, p_full, p_empty, sQ, sK, sP, sVT, sStat, o_ptr, lse_ptr,
-             qs_ptr, ks_ptr, o_row0, lse_row0, lse_stride, start, end, n_tiles, sm_scale_log2)
-    pargs = (q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sK, q_row0, b, start,
-             n_tiles, stride_bt, num_blocks)
-    gl.warp_specialize([(_wg, (cargs, pargs, 0, BN, STAGES, NCH, DIRECT, PAGE)),
-                        (_wg, (cargs, pargs, 1, BN, STAGES, NCH, DIRECT, PAGE)),
-                        (_load, (cargs, pargs, 1, BN, STAGES, NCH, DIRECT, PAGE))],
+             qs_ptr, ks_ptr, q_row0, o_row0, lse_row0, lse_stride, start, end, n_tiles,
+             sm_scale_log2)
+    lo_row0 = q_row0 + gl.num_programs(1) * (S_Q * H)       # BF16Q: q's lo term (grid: B)
+    pargs = (q_desc, kv_desc, table_ptr, q_bar, kv_full, kv_empty, sQ, sK, q_row0, lo_row0, b,
+             start, n_tiles, stride_bt, num_blocks)
+    gl.warp_specialize([(_wg, (cargs, pargs, 0, BN, STAGES, DIRECT, PAGE, BF16Q)),
+                        (_wg, (cargs, pargs, 1, BN, STAGES, DIRECT, PAGE, BF16Q)),
+                        (_load, (cargs, pargs, 1, BN, STAGES, DIRECT, PAGE, BF16Q))],
                        [4, 1], [240, 24])
 
