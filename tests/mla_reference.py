@@ -143,3 +143,39 @@ def nan_empty(monkeypatch):
         t = empty(*args, **kwargs)
         return t.fill_(float("nan")) if t.is_floating_point() else t
     monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def heads_of_any_scale(q, far_head=None, far_scale=10.0):
+    """q [B, s_q, H, D] with heads of very different magnitudes, as bf16: head 0 x 1e4,
+    head 1 x 1e-4, head 2 all zero, head 3 x 1e-3 with one entry of 50, and far_head (if
+    given) x far_scale."""
+    q = q.float()
+    q[:, :, 0] *= 1e4
+    q[:, :, 1] *= 1e-4
+    q[:, :, 2] = 0.0
+    q[:, :, 3] *= 1e-3
+    q[:, :, 3, 7] = 50.0
+    if far_head is not None:
+        q[:, :, far_head] *= far_scale
+    return q.to(torch.bfloat16)
+
+
+def lse_rel_err(lse, ref_lse):
+    """Largest LSE error relative to the reference's magnitude (at least 1)."""
+    return ((lse.double() - ref_lse).abs() / ref_lse.abs().clamp_min(1.0)).max().item()
+
+
+def refused_by_gluon_then_triton(q, kv8, k_scale, bt, cl, scale, match, ref, tol):
+    """An fp8-cache call backend="gluon" refuses (BackendUnavailable matching `match`),
+    which backend="auto" gives the Triton kernel: its output within tol of ref."""
+    import pytest
+
+    import lowering
+    with pytest.raises(lowering.BackendUnavailable, match=match):
+        lowering.mla_decode(q, kv8, bt, cl, scale, kv_cache_dtype="fp8", k_scale=k_scale,
+                            backend="gluon")
+    n = lowering.backend_choices["triton"]
+    out, _ = lowering.mla_decode(q, kv8, bt, cl, scale, kv_cache_dtype="fp8", k_scale=k_scale)
+    assert lowering.backend_choices["triton"] == n + 1
+    assert rel_err(out, ref) < tol
+
