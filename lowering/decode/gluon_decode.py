@@ -12,8 +12,8 @@ blocks in pairs, two buffers refilled by halves; 0.81-0.86x of FlashMLA's kernel
 compute-bound 128-head shapes); with pages of 32, gluon_ring_kernel.py (32-key tiles in a
 ring of 4 fed by a producer warp; 0.75-0.79x). More rows over an fp8 cache take the fp8
 kernel (gluon_fp8_kernel.py) in its BF16Q mode: q_terms_kernel.py first writes the bf16
-query as two e4m3 terms scaled per row, and QK chains fp8 MMAs over both (bf16q_kernel()). Helpers they share:
-gluon_common.py.
+query as two e4m3 terms scaled per row, and QK chains fp8 MMAs over both (bf16q_kernel();
+0.69-0.72x the bf16 kernels at 128 heads on an H100). Helpers they share: gluon_common.py.
 
 Serves: q on an SM90 GPU, triton with Gluon's Hopper API, q bf16, rows of 576 = 512 +
 64, head_dim_v 512; a bf16 cache (kind "auto") at up to 32 query rows with pages of whole
@@ -52,9 +52,9 @@ FP8_CONFIGS = (dict(BN=64, STAGES=3), dict(BN=32, STAGES=8))
 FP8_LONG_SPLIT = 1024
 # The fp8 kernel's BF16Q mode (a bf16 query over an fp8 cache, past 32 query rows): q's
 # two e4m3 terms take 72 KB beside the ring, which leaves 2 x 64 or 6 x 32 keys (218 KB).
-# 32-key tiles at every split length: 2 x 64 ran 1.25-1.3x slower at 128 heads (H100;
-# the fp8-query mode too slows by that much from 3 x 64 to 2 x 64), while 6 x 32 ran as
-# fast as 8 x 32 does in the fp8-query mode (docs/notes/NOTES-decode-fp8.md).
+# 32-key tiles at every split length: 2 x 64 ran 1.26-1.29x slower at 128 heads (H100;
+# the fp8-query mode slows 1.4-1.6x from 3 x 64 to 2 x 64), while 6 x 32 ran as fast as
+# 8 x 32 does in the fp8-query mode (docs/notes/NOTES-decode-fp8.md).
 BF16Q_CONFIG = dict(BN=32, STAGES=6)
 # Query rows per program of q_terms_kernel.py: 1 and 8 timed within 1 µs of each other
 # at 128 heads, B = 1-64 (H100; 6-17 µs a call: docs/notes/probe_fp8_bf16q.py).
