@@ -103,16 +103,8 @@ def time_us(fn, graph: bool) -> float:
     import triton.testing
     if not graph:
         return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median") * 1e3
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3
+    from timing import graph_time_us      # benchmarks/timing.py, beside this script
+    return graph_time_us(fn, warmup_calls=3)
 
 
 def hf_view(block):

@@ -6,7 +6,9 @@ import triton.testing
 
 
 def capture(fn, warmup_calls: int = 1) -> torch.cuda.CUDAGraph:
-    """fn captured once in a CUDA graph, after warm-up calls on a side stream."""
+    """fn captured once in a CUDA graph, after warm-up calls on a side stream (with the
+    garbage collector paused during the capture, as DecodeGraph captures)."""
+    from mla_ops.hf.graph import capturing
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -14,7 +16,7 @@ def capture(fn, warmup_calls: int = 1) -> torch.cuda.CUDAGraph:
             fn()
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capturing(graph):
         fn()
     return graph
 
