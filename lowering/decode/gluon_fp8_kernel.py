@@ -1,5 +1,6 @@
-"""Hopper MLA decode for an fp8 query and an fp8 cache, in Gluon: stage 1 of the
-"gluon" route of lowering.mla_decode_fp8q (launcher: gluon_decode.py).
+"""Hopper MLA decode over an fp8 cache, in Gluon: stage 1 of the "gluon" route of
+lowering.mla_decode_fp8q (an fp8 query), and in its BF16Q mode of lowering.mla_decode's
+"gluon" route over an fp8 cache past 32 query rows (launcher: gluon_decode.py).
 
 The bf16 kernel's design (gluon_decode_kernel.py: two consumer warpgroups in ping-pong,
 a one-warp TMA producer, tiles of BN keys) with e4m3 operands:
@@ -20,8 +21,8 @@ lse [B, H, S_Q]; else fp32 partials + lse for triton_merge_kernel.
 BF16Q (a bf16 query over an fp8 cache, kv_cache_dtype="fp8" past 32 query rows): q
 comes as two e4m3 terms per element, hi and lo, with s [rows] a power of two per row
 (q_terms_kernel.py: q = (hi + lo) / s, a bf16's precision kept). q_desc covers [2 N, 576],
-hi rows then lo rows; the producer copies both (18 boxes); QK chains 9 MMAs over hi and 9
-over lo into one accumulator; qs_ptr holds s and the scale becomes per row,
+hi rows then lo rows; the producer copies both (18 boxes); QK chains 9 MMAs over lo, then
+9 over hi, into one accumulator (_qk); qs_ptr holds s and the scale becomes per row,
 k_scale * softmax_scale / s. The terms take 72 KB of shared memory, so the ring is
 shorter (BF16Q_CONFIG in gluon_decode.py: 6 tiles of 32 keys).
 """
