@@ -69,8 +69,8 @@ def _qk(sQ, sK, s, z, s_l: gl.constexpr, BN: gl.constexpr, NCH: gl.constexpr,
     so the small lo products go first, while the sum is still small: after the hi ones
     they would be summed at the scores' magnitude, doubling the scores' rounding. z is a
     runtime 0 (min(key0, 0)) in the lo terms' indices: with constant ones ptxas hoists the
-    18 descriptors out of the loop and spills them (184-208 bytes of stack at BN = 64,
-    against 56-88 with z)."""
+    18 descriptors out of the loop and spills them (at BN = 64, 184-208 bytes of stack
+    against 56-88 with z; at BF16Q's BN = 32, 0-16 with z under triton 3.6-3.9)."""
     acc = gl.zeros([64, BN], gl.float32, s_l)
     if BF16Q:
         for c in gl.static_range(NCH):
