@@ -32,8 +32,8 @@ def _reference(q):
 
 
 def _run(q):
-    from lowering.decode.gluon_decode import _q_terms
-    terms, s = _q_terms(q.to(DEVICE))
+    from lowering.decode.q_terms_kernel import q_terms
+    terms, s = q_terms(q.to(DEVICE))
     n = q.shape[0]
     return terms[:n].cpu(), terms[n:].cpu(), s.cpu()
 

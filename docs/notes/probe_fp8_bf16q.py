@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from lowering.decode import gluon_decode as gd  # noqa: E402
+from lowering.decode.q_terms_kernel import q_terms  # noqa: E402
 from mla_reference import decode_ref64, make_case, quantize_e4m3, rel_err  # noqa: E402
 from timing import graph_time_us  # noqa: E402
 
@@ -73,7 +74,7 @@ def main():
             t[f"bf16q {bn}x{st}"] = graph_time_us(lambda: gd._launch(
                 pick(bn, st), q, kv8, bt, cl, (ks,), SCALE, True, 0, bf16q=True))
         q2 = q.view(-1, L + R)
-        t["q terms alone"] = graph_time_us(lambda: gd._q_terms(q2))
+        t["q terms alone"] = graph_time_us(lambda: q_terms(q2))
         base = t["bf16"]
         print(f"B={B} H={H} S={S}: " + ", ".join(f"{k} {v:.1f} ({base / v:.2f}x)"
                                                  for k, v in t.items()), flush=True)

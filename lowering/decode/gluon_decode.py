@@ -56,9 +56,6 @@ FP8_LONG_SPLIT = 1024
 # the fp8-query mode slows 1.4-1.6x from 3 x 64 to 2 x 64), while 6 x 32 ran as fast as
 # 8 x 32 does in the fp8-query mode (docs/notes/NOTES-decode-fp8.md).
 BF16Q_CONFIG = dict(BN=32, STAGES=6)
-# Query rows per program of q_terms_kernel.py: 1 and 8 timed within 1 µs of each other
-# at 128 heads, B = 1-64 (H100; 6-17 µs a call: docs/notes/probe_fp8_bf16q.py).
-Q_TERMS_ROWS = 1
 MIN_SPLIT_KEYS = 256
 NUM_WARPS = 4           # the default partition: consumer warpgroup 0
 # The few-rows kernel (gluon_rows_kernel.py, bf16 q), by cache and query rows padded to NR
@@ -290,7 +287,8 @@ def _launch(pick, q, kv_cache, block_table, cache_seqlens, scales, softmax_scale
     lay_k = gl.NVMMASharedLayout.get_default_for([BN, 64], el_kv)
     kv_desc = TensorDescriptor.from_tensor(kv_cache.view(num_blocks * page, D), [BN, 64], lay_k)
     if bf16q:
-        q2, q_s = _q_terms(q2)                          # [2 B rows, 576] e4m3, [B rows] fp32
+        from lowering.decode.q_terms_kernel import q_terms
+        q2, q_s = q_terms(q2)                           # [2 B rows, 576] e4m3, [B rows] fp32
         scales = (q_s, *scales)
     else:
         _check_tma_aligned("q", q2)
@@ -307,22 +305,6 @@ def _launch(pick, q, kv_cache, block_table, cache_seqlens, scales, softmax_scale
     if splits > 1:
         _merge(o1, l1, out, lse, splits)
     return out, lse
-
-
-def _q_terms(q2):
-    """q2 [N, 576] bf16 -> (its e4m3 terms [2 N, 576]: the hi rows, then the lo rows; s [N]
-    fp32), q = (hi + lo) / s per row (q_terms_kernel.py)."""
-    import triton
-
-    from lowering.decode.q_terms_kernel import q_terms_kernel
-
-    n, d = q2.shape
-    terms = torch.empty((2 * n, d), dtype=torch.float8_e4m3fn, device=q2.device)
-    q_s = torch.empty(n, dtype=torch.float32, device=q2.device)
-    q_terms_kernel[(triton.cdiv(n, Q_TERMS_ROWS),)](
-        q2, terms, q_s, n, D=d, BLOCK_D=triton.next_power_of_2(d), ROWS=Q_TERMS_ROWS,
-        num_warps=4)
-    return terms, q_s
 
 
 def _merge(o1, l1, out, lse, splits):

@@ -8,14 +8,19 @@ query is (hi + lo) / s. Both roundings are done on fp32 values by bit arithmetic
 (fp8_rounding.round_e4m3), so the casts are exact and nothing widens an e4m3 value back
 (the ptxas that triton 3.6 ships miscompiled such a widening: gluon_rows_kernel.py).
 
-ROWS rows a program; out [2 N, 576]: the hi rows, then the lo rows.
+ROWS rows a program; out [2 N, 576]: the hi rows, then the lo rows. Launcher: q_terms().
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from lowering.fused.fp8_rounding import round_e4m3, to_e4m3
+
+# Query rows per program: 1 and 8 timed within 1 µs of each other at 128 heads, B = 1-64
+# (H100; 6-17 µs a call: docs/notes/probe_fp8_bf16q.py).
+ROWS_PER_PROGRAM = 1
 
 
 @triton.jit
@@ -38,3 +43,16 @@ def q_terms_kernel(q_ptr, out_ptr, s_ptr, n_rows, D: tl.constexpr, BLOCK_D: tl.c
     tl.store(out_ptr + offs, hi.to(out_ptr.dtype.element_ty), mask=keep)
     tl.store(out_ptr + n_rows.to(tl.int64) * D + offs, to_e4m3(xs - hi, out_ptr), mask=keep)
     tl.store(s_ptr + rows, s, mask=rows < n_rows)
+
+
+def q_terms(q2):
+    """q2 [N, 576] bf16 (contiguous) -> (its e4m3 terms [2 N, 576]: the hi rows, then the
+    lo rows; s [N] fp32), q = (hi + lo) / s per row."""
+    n, d = q2.shape
+    terms = torch.empty((2 * n, d), dtype=torch.float8_e4m3fn, device=q2.device)
+    q_s = torch.empty(n, dtype=torch.float32, device=q2.device)
+    q_terms_kernel[(triton.cdiv(n, ROWS_PER_PROGRAM),)](
+        q2, terms, q_s, n, D=d, BLOCK_D=triton.next_power_of_2(d), ROWS=ROWS_PER_PROGRAM,
+        num_warps=4)
+    return terms, q_s
+
