@@ -1,5 +1,5 @@
 """A bf16 decode query as two e4m3 terms per element, for the fp8 Gluon kernel's BF16Q mode
-(gluon_fp8_kernel.py; launcher: gluon_decode.py).
+(gluon_fp8_kernel.py; called by gluon_decode.py's launcher).
 
 Each row r of q [N, 576] gets s[r], the power of two that brings the row's largest |q|
 into [128, 256), and two e4m3 rows: hi = e4m3(q s) and lo = e4m3(q s - hi). hi + lo keeps
@@ -55,4 +55,3 @@ def q_terms(q2):
         q2, terms, q_s, n, D=d, BLOCK_D=triton.next_power_of_2(d), ROWS=ROWS_PER_PROGRAM,
         num_warps=4)
     return terms, q_s
-
