@@ -7,10 +7,15 @@ ring slot"). R1 is set once from the constant bank and then only addresses the s
 this lists each cubin with an instruction that reads R1 as a source operand otherwise.
 
     TRITON_CACHE_DIR=/tmp/tc python -m pytest -q -n 8 -m gpu tests   (fills the cache)
-    python docs/notes/scan_stack_pointer.py /tmp/tc
+    python docs/notes/scan_stack_pointer.py /tmp/tc [--all]
+
+Inductor's generated kernels (triton_poi_ / triton_per_ / triton_red_ / triton_tem_) read
+R1 for their stack frames' arithmetic; they are skipped unless --all is given. The
+cubins are disassembled in parallel, one process per CPU.
 """
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -42,11 +47,18 @@ def r1_reads(cubin: Path) -> list[str]:
     return hits
 
 
+INDUCTOR = ("triton_poi_", "triton_per_", "triton_red_", "triton_tem_")
+
+
 def main():
+    from concurrent.futures import ThreadPoolExecutor
     cubins = sorted(Path(sys.argv[1]).rglob("*.cubin"))
+    if "--all" not in sys.argv:
+        cubins = [c for c in cubins if not c.name.startswith(INDUCTOR)]
     flagged = 0
-    for c in cubins:
-        hits = r1_reads(c)
+    with ThreadPoolExecutor(os.cpu_count() or 4) as pool:     # nvdisasm runs as processes
+        found = list(pool.map(r1_reads, cubins))
+    for c, hits in zip(cubins, found):
         if hits:
             flagged += 1
             print(f"{c.name}: {len(hits)} {hits[:4]}", flush=True)
