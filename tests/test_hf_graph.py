@@ -180,6 +180,31 @@ def test_capture_pauses_the_garbage_collector(monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_uncapturable_step_names_its_host_read(monkeypatch):
+    """A norm that reads a device value on the host inside the step: DecodeGraph refuses
+    with an error naming that line (and the cache is as it was), and generate() warns with
+    the same line and still gives HF's tokens from eager steps."""
+    ref, model, cache, ids, mask, first = prefilled([5, 9], max_cache_len=32)
+    norm_cls = type(model.model.norm)
+    norm_forward = norm_cls.forward
+
+    def reads_on_host(self, x):
+        if x.abs().sum().item() < 0:            # a host read of a device value; never true
+            x = -x
+        return norm_forward(self, x)
+
+    monkeypatch.setattr(norm_cls, "forward", reads_on_host)
+    site = r"test_hf_graph\.py:\d+ in reads_on_host"
+    with pytest.raises(RuntimeError, match=site):
+        H.DecodeGraph(model, cache, compile=False)
+    assert cache.seq_lens() == [5, 9]
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match=site):
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        exp = ref.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, exp)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_bf16_page64_replays_match_compiled_generate(kv_cache_dtype):
     """bf16 with block 64 (bf16 cache: FlashMLA on SM90 when installed, else Triton; fp8

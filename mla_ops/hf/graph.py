@@ -25,11 +25,18 @@ not seen: call runner.sync() after one. Were the count ever stale, the device si
 drops tokens that have no room (never writing outside a row's own blocks).
 
 Without CUDA (or with graph=False) the runner calls the compiled step directly.
+
+A step that cannot be captured raises a RuntimeError. Where the cause is a host read of a
+device value (HF code that reads expert counts, `.item()`, `.tolist()`), the error names
+the line: after the failed capture the step runs once more eagerly under torch's sync
+debug mode, which raises at the first such read (host_read_site; the cache is restored).
 """
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import traceback
 
 import torch
 
@@ -54,6 +61,32 @@ def capturing(graph: torch.cuda.CUDAGraph, pool=None):
     finally:
         if enabled:
             gc.enable()
+
+
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def host_read_site(step) -> str | None:
+    """Where step() first reads a device value on the host ("file:line in function", the
+    innermost frame outside torch), found by running it once under torch's sync debug
+    mode; None if it runs through without such a read. CUDA only; step's effects stay."""
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    except RuntimeError as exc:
+        if "synchronizing" not in str(exc):
+            return None
+        frames = [f for f in traceback.extract_tb(exc.__traceback__)
+                  if not f.filename.startswith(TORCH_DIR)]
+        if not frames:
+            return None
+        f = frames[-1]
+        where = os.sep.join(f.filename.split(os.sep)[-3:])   # enough to find the file
+        return f"{where}:{f.lineno} in {f.name}: {f.line}"
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+    return None
 
 
 class DecodeGraph:
@@ -136,13 +169,27 @@ class DecodeGraph:
                 self.logits, self.next_tokens = self._step()
         except RuntimeError as exc:
             c.restore(saved)
+            site = self._host_read(warmup)
+            c.restore(saved)
+            why = (f"the step reads a device value on the host at {site}" if site else
+                   "some layer of the model copies between host and device inside its "
+                   "forward, e.g. a MoE router reading token counts on the host")
             raise RuntimeError(
-                f"the decode step cannot be captured in a CUDA graph: {exc}\n(some layer of "
-                f"the model copies between host and device inside its forward, e.g. a MoE "
-                f"router reading token counts on the host; use DecodeGraph(..., graph=False) "
-                f"or compile with mode='reduce-overhead', which skips such graphs)") from exc
+                f"the decode step cannot be captured in a CUDA graph: {why} ({exc})\n(use "
+                f"DecodeGraph(..., graph=False) or compile with mode='reduce-overhead', "
+                f"which skips such graphs)") from exc
         c.restore(saved)        # warm-up tokens were written past the lengths: unseen
         self._graph = g
+
+    def _host_read(self, warmup: int) -> str | None:
+        """host_read_site of the step after `warmup` plain steps (as the capture saw it);
+        the caller restores the cache."""
+        try:
+            for _ in range(warmup):
+                self._step()
+            return host_read_site(self._step)
+        except Exception:            # the diagnosis must not hide the capture's own error
+            return None
 
     # -- room --------------------------------------------------------------------------
     def sync(self) -> int:
