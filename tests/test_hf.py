@@ -147,8 +147,11 @@ def test_bytes_per_token_and_lazy_blocks():
     assert c.get_seq_length() == 0 and c.is_compileable and c.get_max_length() == 256
 
 
-def test_fallback_without_paged_cache_is_hf():
-    cfg = tiny_config("v3")
+@pytest.mark.parametrize("family", ["v3", "v2"])
+def test_fallback_without_paged_cache_is_hf(family):
+    """No PagedMLACache: HF's own attention forward, bit for bit (V2's gets HF's complex
+    freqs_cis back from the converted rotary module's V2Rotary)."""
+    cfg = tiny_config(family)
     ref, model = build_pair(cfg)
     H.convert(model)
     ids, mask = left_padded([4, 9])
@@ -156,6 +159,25 @@ def test_fallback_without_paged_cache_is_hf():
         a = model(ids, attention_mask=mask, use_cache=False).logits
         b = ref(ids, attention_mask=mask, use_cache=False).logits
     assert torch.equal(a, b)
+
+
+def test_v2_rotary_parts_once_a_forward():
+    """A converted V2 model's rotary module returns HF's freqs_cis with its real and
+    imaginary parts as contiguous tensors (made once a forward, read by every layer);
+    converting twice keeps it."""
+    cfg = tiny_config("v2")
+    ref, model = build_pair(cfg)
+    H.convert(model)
+    x = torch.randn(2, 5, cfg.hidden_size)
+    pos = torch.arange(3, 8).expand(2, 5)
+    exp = ref.model.rotary_emb(x, pos)                                   # [2, 5, R/2] complex
+    got = model.model.rotary_emb(x, pos)
+    assert isinstance(got, H.families.V2Rotary) and torch.equal(got.freqs_cis, exp)
+    for part, want in ((got.cos, exp.real), (got.sin, exp.imag)):
+        assert part.is_contiguous() and torch.equal(part, want)
+    cls = type(model.model.rotary_emb)
+    H.convert(model)
+    assert type(model.model.rotary_emb) is cls
 
 
 def test_convert_reuses_parameters_and_is_idempotent():

@@ -7,8 +7,8 @@ import torch
 
 from mla_ops.cache import CacheFullError  # noqa: F401  (raised by PagedMLACache and DecodeGraph)
 from mla_ops.hf.fallback import paged_or_hf
-from mla_ops.hf.families import (FAMILY_NAMES, beside_of, class_attributes, family_of,
-                                 layout_unmet, refusal_of)
+from mla_ops.hf.families import (FAMILY_NAMES, beside_of, class_attributes, convert_v2_rotary,
+                                 family_of, layout_unmet, refusal_of)
 from mla_ops.hf.fp8_linear import check_model, dequantized_weight, is_block_fp8
 from mla_ops.hf.generate import check_cache_options, generation_class
 from mla_ops.hf.layer import convert_layers
@@ -297,6 +297,8 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
     for m, mla, fam in plans:          # nothing below can fail
         m.add_module("mla_attn", mla)
         m.__class__ = _paged_class(type(m), fam)
+    if any(fam.tag == "v2" for _, _, fam in plans):
+        convert_v2_rotary(model)       # freqs_cis's parts once a forward (families.V2Rotary)
     for m in mlps:
         m.__class__ = fused_mlp_class(type(m))
     if head is not None:

@@ -3,6 +3,7 @@ PagedMLACache; with any other cache (or none) the layer runs HF's own forward.""
 from __future__ import annotations
 
 from mla_ops.hf.cache import PagedMLACache
+from mla_ops.hf.families import freqs_cis_of
 
 
 def paged_or_hf(self, hidden_states, position_embeddings, attention_mask, past_key_values,
@@ -18,7 +19,7 @@ def paged_or_hf(self, hidden_states, position_embeddings, attention_mask, past_k
     if past_key_values is not None:
         kwargs["past_key_values"] = past_key_values
     if position_embeddings is not None:       # (Kimi Linear's MLA takes none)
-        kwargs["position_embeddings"] = position_embeddings
+        kwargs["position_embeddings"] = freqs_cis_of(position_embeddings)
     out, *rest = self.hf_forward(hidden_states=hidden_states, attention_mask=attention_mask,
                                  **kwargs)          # (GLM-5's: a third output, its top-k)
     return None, None, ((out if residual is None else residual + out), *rest)

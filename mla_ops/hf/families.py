@@ -49,9 +49,49 @@ from __future__ import annotations
 import functools
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
+
+
+class V2Rotary(NamedTuple):
+    """What a DeepSeek-V2 model's rotary module returns after convert(): HF's complex
+    freqs_cis [b, s, R/2], and its real and imaginary parts made contiguous once per
+    forward. The converted layers' kernels read the parts; taken from freqs_cis in each
+    layer instead, Inductor copied both out of the complex tensor in every layer (two small
+    kernels a layer of a compiled decode step). HF's own code gets freqs_cis back
+    (freqs_cis_of)."""
+    freqs_cis: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def freqs_cis_of(position_embeddings):
+    """HF's form of a layer's position embeddings (V2Rotary -> its freqs_cis)."""
+    if isinstance(position_embeddings, V2Rotary):
+        return position_embeddings.freqs_cis
+    return position_embeddings
+
+
+def _v2_rotary_forward(self, x, position_ids):
+    freqs_cis = self.hf_forward(x, position_ids)                          # [b, s, R/2]
+    return V2Rotary(freqs_cis, freqs_cis.real.contiguous(), freqs_cis.imag.contiguous())
+
+
+@functools.cache
+def _v2_rotary_class(cls):
+    return type(cls.__name__, (cls,), {"forward": _v2_rotary_forward, "hf_forward": cls.forward,
+                                       "mla_converted": True, "__module__": __name__})
+
+
+def convert_v2_rotary(model) -> None:
+    """Swap the class of every HF DeepseekV2RotaryEmbedding in model (in place) for one
+    whose forward returns V2Rotary."""
+    for m in model.modules():
+        cls = type(m)
+        if (cls.__name__ == "DeepseekV2RotaryEmbedding" and cls.__module__.startswith("transformers.")
+                and not getattr(m, "mla_converted", False)):
+            m.__class__ = _v2_rotary_class(cls)
 
 
 def rope_per_config(self, q_rot, k_rot, position_embeddings):
@@ -64,8 +104,8 @@ def rope_per_config(self, q_rot, k_rot, position_embeddings):
 
 
 def rope_complex(self, q_rot, k_rot, position_embeddings):
-    """DeepSeek-V2's complex RoPE: position_embeddings are its freqs_cis."""
-    return self._mla_rope(q_rot, k_rot, position_embeddings.to(q_rot.device))
+    """DeepSeek-V2's complex RoPE: position_embeddings are its freqs_cis (or V2Rotary)."""
+    return self._mla_rope(q_rot, k_rot, freqs_cis_of(position_embeddings).to(q_rot.device))
 
 
 def rope_interleaved(self, q_rot, k_rot, position_embeddings):

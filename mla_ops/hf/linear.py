@@ -28,6 +28,7 @@ from lowering.fused.q_absorb import (q_absorb_unmet, q_kv_absorb_unmet,  # and t
 from lowering.fused.q_rope import q_rope_any
 from lowering.gemm import linear as gemm  # registers the mla::decode_* GEMM ops
 from mla_ops.hf import fp8_linear as fp8
+from mla_ops.hf.families import V2Rotary
 
 
 def _plain(*mods) -> bool:
@@ -136,6 +137,8 @@ def rope_rows(position_embeddings, B: int, S: int):
         if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[:2] != (B, S):
             return t.expand(B, S, t.shape[-1])
         return t
+    if isinstance(position_embeddings, V2Rotary):
+        return V2Rotary(*(rows(t) for t in position_embeddings))
     if isinstance(position_embeddings, (tuple, list)):
         return tuple(rows(t) for t in position_embeddings)
     return rows(position_embeddings)
@@ -144,10 +147,13 @@ def rope_rows(position_embeddings, B: int, S: int):
 def rope_angles(attn, position_embeddings):
     """(cos, sin, rope) for the fused ops (lowering/fused/q_rope.py's ROPES) of a
     DeepSeek-V3 attention (HF's rows, rope 1 / 0 by config.rope_interleave) or a V2 one
-    (its complex freqs_cis as real and imaginary parts, rope 2); None for other families."""
+    (its complex freqs_cis as real and imaginary parts, rope 2: V2Rotary's, made once per
+    forward, after convert()); None for other families."""
     pe = position_embeddings
     if attn.mla_family == "v3" and isinstance(pe, (tuple, list)):
         return pe[0], pe[1], int(bool(attn.config.rope_interleave))
+    if attn.mla_family == "v2" and isinstance(pe, V2Rotary):
+        return pe.cos, pe.sin, 2
     if attn.mla_family == "v2" and isinstance(pe, torch.Tensor) and pe.is_complex():
         return pe.real, pe.imag, 2
     return None
