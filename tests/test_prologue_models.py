@@ -112,7 +112,7 @@ def test_v2_lite_attention_prologue_matches_hf_modules(rows):
         q_hf = attn.q_proj(x).view(rows, 1, 16, 192).transpose(1, 2)
         kv = attn.kv_a_proj_with_mqa(x)
         k = kv[..., 512:].reshape(rows, 1, 1, 64)
-        q_pe, k_pe = m.apply_rotary_emb(q_hf[..., 128:], k, freqs)
+        q_pe, k_pe = m.apply_rotary_emb(q_hf[..., 128:], k, freqs.freqs_cis)   # HF's form
         ref_kv = torch.cat([attn.kv_a_layernorm(kv[..., :512]), k_pe.reshape(rows, 1, 64)], -1)
     assert q.shape == (rows, 1, 16, 192) and kv_row.shape == ref_kv.shape
     assert _rel(q[..., :128], q_hf.transpose(1, 2)[..., :128].double().cpu()) < 2e-2
@@ -156,7 +156,7 @@ def test_prefill_rows_take_the_prologue_ops(family):
             assert fused is not None, "V2-Lite's prefill rows should take the prologue op"
             q, kv_row, _ = fused
             q_hf = attn.q_proj(x).view(1, rows, 16, 192).transpose(1, 2)
-            q_pe, k_pe = m2.apply_rotary_emb(q_hf[..., 128:], k, pe)
+            q_pe, k_pe = m2.apply_rotary_emb(q_hf[..., 128:], k, pe.freqs_cis)
         ref_kv = torch.cat([attn.kv_a_layernorm(kv[..., :512]), k_pe.reshape(1, rows, 64)], -1)
     assert _rel(q[..., :128], q_hf.transpose(1, 2)[..., :128].double().cpu()) < 2e-2
     assert _rel(q[..., 128:], q_pe.transpose(1, 2).double().cpu()) < 2e-2
