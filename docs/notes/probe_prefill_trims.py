@@ -57,10 +57,10 @@ def route_select(x, weight, bias, mode, top_k, n_group, topk_group, norm_topk_pr
     wt = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
     grouped = mode != 1
     router.router_select_kernel[(T,)](
-        logits, bias if mode == 0 else logits, idx, wt, T, E, 1,
+        logits, bias if mode == 0 else logits, idx, wt, T, E,
         E // n_group if grouped else E, n_group if grouped else 1,
         topk_group if grouped else 1, top_k, float(scale),
-        MODE=mode, NORM=bool(norm_topk_prob) and mode == 0,
+        SPLIT=1, MODE=mode, NORM=bool(norm_topk_prob) and mode == 0,
         BLOCK_E=max(16, triton.next_power_of_2(E)),
         BLOCK_G=max(2, triton.next_power_of_2(n_group if grouped else 1)),
         BLOCK_K=max(2, triton.next_power_of_2(top_k)), LIBDEVICE=True,

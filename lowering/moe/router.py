@@ -150,9 +150,9 @@ def launch(x, weight, bias, mode, top_k, n_group, topk_group, norm_topk_prob, sc
     select = torch.library.wrap_triton(router_select_kernel)
     select[(T,)](
         partial, bias if mode == 0 else partial, topk_idx, topk_weight,
-        T, E, split, E // n_group if grouped else E, n_group if grouped else 1,
+        T, E, E // n_group if grouped else E, n_group if grouped else 1,
         topk_group if grouped else 1, top_k, float(scale),
-        MODE=mode, NORM=bool(norm_topk_prob) and mode == 0,
+        SPLIT=split, MODE=mode, NORM=bool(norm_topk_prob) and mode == 0,
         BLOCK_E=max(16, triton.next_power_of_2(E)),
         BLOCK_G=max(2, triton.next_power_of_2(n_group if grouped else 1)),
         BLOCK_K=max(2, triton.next_power_of_2(top_k)), LIBDEVICE=x.is_cuda,

@@ -59,7 +59,8 @@ def router_select_kernel(
     part_ptr,                     # [SPLIT, T, E] fp32 contiguous
     bias_ptr,                     # [E] (MODE 0: e_score_correction_bias, any float dtype)
     idx_ptr, wgt_ptr,             # topk_idx [T, TOP_K] int64, topk_weight [T, TOP_K] fp32
-    T, E, SPLIT, GROUP_SIZE, N_GROUP, TOPK_GROUP, TOP_K, scale,
+    T, E, GROUP_SIZE, N_GROUP, TOPK_GROUP, TOP_K, scale,
+    SPLIT: tl.constexpr,          # the partials' count, unrolled: their loads all in flight
     MODE: tl.constexpr, NORM: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
     LIBDEVICE: tl.constexpr,
@@ -69,7 +70,7 @@ def router_select_kernel(
     valid = lanes < E
     neg_inf = tl.full([BLOCK_E], float("-inf"), tl.float32)
     logits = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for s in range(SPLIT):
+    for s in tl.static_range(SPLIT):                                         # in split order
         logits += tl.load(part_ptr + (s * T + t) * E + lanes, mask=valid, other=0.0)
 
     if MODE == 0:                 # sigmoid; the bias only for the choice
