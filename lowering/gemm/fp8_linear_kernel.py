@@ -226,9 +226,10 @@ def fp8_split_reduce_kernel(
     r_ptr,                          # EPILOGUE 1: the residual [M, N1]
     M, N1, NP,
     stride_ps, stride_pm, stride_y1, stride_y2, stride_r,
-    SPLIT_K, EPILOGUE: tl.constexpr, BLOCK: tl.constexpr,
+    SPLIT_K: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """The sum of the partials in split order (fp32), rounded once to y's dtype, then by
+    """The sum of the partials in split order (fp32; the splits unrolled, so their loads
+    are in flight together), rounded once to y's dtype, then by
     EPILOGUE: 0 y1 = the sum (N1 = NP); 1 y1 = the sum plus the residual (rounded again:
     HF's `residual + linear(x)`); 2 gated: columns [0, N1) hold gate's partials and
     [N1, 2 N1) up's, y1 = silu(gate) * up rounded as the unfused modules; 3 two outputs:
@@ -239,7 +240,7 @@ def fp8_split_reduce_kernel(
     ok = offs < (NP if EPILOGUE == 3 else N1)
     row = p_ptr + m.to(tl.int64) * stride_pm + offs
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, SPLIT_K):
+    for s in tl.static_range(SPLIT_K):
         acc += tl.load(row + s * stride_ps, mask=ok, other=0.0)
     dt = y1_ptr.dtype.element_ty
     y1 = y1_ptr + m.to(tl.int64) * stride_y1 + offs
@@ -250,7 +251,7 @@ def fp8_split_reduce_kernel(
         tl.store(y1, (acc.to(dt).to(tl.float32) + r.to(tl.float32)).to(dt), mask=ok)
     elif EPILOGUE == 2:
         up = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in range(0, SPLIT_K):
+        for s in tl.static_range(SPLIT_K):
             up += tl.load(row + N1 + s * stride_ps, mask=ok, other=0.0)
         g = acc.to(dt).to(tl.float32)
         act = (g * tl.sigmoid(g)).to(dt).to(tl.float32)                        # silu(gate)
