@@ -1,0 +1,86 @@
+"""The MoE router's launch configs at the released models' shapes (GPU probe, not
+maintained): lowering.moe.router's logits kernel (BLOCK_E, SPLIT, BLOCK_K, warps, stages)
+and the select kernel's warps, each timed as the router's two launches captured 20 times
+in a CUDA graph (µs a router call, the median of 5 replays), the shipped config first.
+Every candidate's topk_idx must equal the shipped one's (printed otherwise).
+
+    python docs/notes/probe_router_configs.py [v2-lite,v3] [T,...] [shipped]
+
+With "shipped" only the shipped config is timed (at 1, 2 and 4 select warps): run from
+another tree (PYTHONPATH) it times that tree's kernels.
+"""
+import itertools
+import sys
+import torch
+from lowering.moe import router as moe_router
+
+SHAPES = {  # E, H, mode, top_k, n_group, topk_group, norm, scale
+    "v2-lite": (64, 2048, 1, 6, 1, 1, False, 1.0),
+    "v3": (256, 7168, 0, 8, 8, 4, True, 2.5),
+}
+
+
+def graph_us(fn, reps=20):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / reps * 1000)
+    return sorted(times)[2]
+
+
+def main(shapes, rows, shipped_only=False):
+    dev = torch.device("cuda")
+    for name in shapes:
+        E, H, mode, top_k, n_group, topk_group, norm, scale = SHAPES[name]
+        w = torch.randn(E, H, device=dev) / H ** 0.5                      # fp32, as HF's
+        bias = torch.randn(E, device=dev) * 0.1 if mode == 0 else None
+        shipped = moe_router.logits_config(E, H)
+        cands = [shipped] + [c for c in itertools.product(
+            (16, 32, 64), (8, 16, 32, 64), (64, 128), (2, 4), (2,))
+            if c != shipped and c[0] <= E and c[1] * c[2] <= H
+            and (E // c[0]) * c[1] <= 512 and not shipped_only]
+        for T in rows:
+            x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+            args = (x, w, bias, mode, top_k, n_group, topk_group, norm, scale)
+            ref = moe_router.launch(*args)[0].clone()
+            res = []
+            for warps in (1, 2, 4):
+                moe_router.SELECT_WARPS = warps
+                for cfg in (cands if warps == 1 else [shipped]):
+                    try:
+                        idx = moe_router.launch(*args, config=cfg)[0]
+                        if not torch.equal(idx, ref):
+                            print(f"  {name} T={T} {cfg} select warps {warps}: other experts")
+                        res.append((graph_us(lambda: moe_router.launch(*args, config=cfg)),
+                                    cfg, warps))
+                    except Exception as exc:               # a config that does not compile
+                        print(f"  {name} T={T} {cfg}: {type(exc).__name__}")
+            moe_router.SELECT_WARPS = 1
+            base = res[0][0]
+            res_sorted = sorted(res)
+            print(f"{name} T={T}: shipped {shipped} select 1 warp {base:.2f} µs; best: " +
+                  "; ".join(f"{c} w{wp} {us:.2f} ({base / us:.2f}x)" for us, c, wp in res_sorted[:6]),
+                  flush=True)
+            print(f"  select warps: " + ", ".join(f"{wp}: {us:.2f}" for us, c, wp in res
+                                                   if c == shipped), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1].split(",") if len(sys.argv) > 1 else ["v2-lite", "v3"],
+         [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1],
+         len(sys.argv) > 3 and sys.argv[3] == "shipped")
