@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from probe_router_configs import graph_us        # same folder (docs/notes)
 
 
 
@@ -95,30 +96,6 @@ def chain_kernel(w_ptr, y_ptr, cnt_ptr, L, N, NPROG,
     last = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
     if last == NPROG * L - 1:
         tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-
-
-def graph_us(fn, reps=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / reps * 1000)
-    return sorted(times)[2]
 
 
 def main(L, sizes):
