@@ -103,6 +103,22 @@ def test_kernels_other_configs(config, H):
     check_vs_fp64(idx.cpu(), wgt.cpu(), route_fp64(x, weight, bias, *args))
 
 
+@pytest.mark.parametrize("fma", [True, False])
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T,config,H", [(1, None, 96), (3, (16, 5, 32, 4, 1), 160),
+                                        (4, (32, 2, 32, 4, 1), 128)])
+def test_kernels_row_fma_and_dot_forms(T, config, H, wdtype, fma):
+    """The logits kernel's two forms (per-lane sums, ROW_FMA; the dot) at a few rows, with a
+    ragged last slice (160 in 5) and whole slices, either weight dtype."""
+    mode, E, G, KG, K, norm, _ = CASES["v3"]
+    x, weight, bias = problem(E, H, T, wdtype, seed=40 + T)
+    args = (mode, K, G, KG, norm, 2.5)
+    assert router.row_fma(T, weight) == (wdtype == torch.float32)
+    idx, wgt = router.launch(x.to(DEV), weight.to(DEV), bias.to(DEV), *args, config=config,
+                             fma=fma)
+    check_vs_fp64(idx.cpu(), wgt.cpu(), route_fp64(x, weight, bias, *args))
+
+
 def tie_problem(kind, wdtype, T=5, H=96):
     """x > 0 and router rows that are positive multiples of one positive row, so the ranking
     is the same for every token; equal rows (and biases) give exactly equal logits.
@@ -141,10 +157,12 @@ def tie_problem(kind, wdtype, T=5, H=96):
 TIE_KINDS = ["v3", "v2_greedy", "v2_group", "v3_groups", "v2_groups", "v3_top2"]
 
 
+@pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", TIE_KINDS)
-def test_kernels_exact_ties_go_to_the_lower_index(kind, wdtype):
-    x, weight, bias, (mode, K, G, KG), want = tie_problem(kind, wdtype)
+def test_kernels_exact_ties_go_to_the_lower_index(kind, wdtype, T):
+    """T = 1 over an fp32 weight runs the logits kernel's ROW_FMA form."""
+    x, weight, bias, (mode, K, G, KG), want = tie_problem(kind, wdtype, T=T)
     args = (mode, K, G, KG, True, 2.5)
     idx, wgt = router.launch(x.to(DEV), weight.to(DEV), bias.to(DEV), *args)
     ref = route_fp64(x, weight, bias, *args)
@@ -251,7 +269,7 @@ GPU_CASES = {"v3": (0, 256, 7168, 8, 4, 8, True), "v2_lite": (1, 64, 2048, 1, 1,
 
 @GPU
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("T", [1, 8, 32, 64, 65, 2048])
+@pytest.mark.parametrize("T", [1, 3, 8, 32, 64, 65, 2048])
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_gpu_kernels_vs_torch_at_model_shapes(case, T, wdtype):
     """The op's kernels against HF's torch calls on CUDA: the same experts except on rows

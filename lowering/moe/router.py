@@ -40,8 +40,10 @@ MODES = (0, 1, 2)            # V3 sigmoid + groups, V2 greedy, V2 group_limited_
 MAX_EXPERTS = 512            # the select kernel holds a token's E logits in one block
 
 # router_logits_kernel: (E, H) -> (BLOCK_E, SPLIT, BLOCK_K, num_warps, num_stages), the
-# weight read spread over ~128 programs (an H200 has 132 SMs). Chosen by that count, not
-# yet benchmarked (a sweep on the target GPU should replace them).
+# weight read spread over ~128 programs (an H200 has 132 SMs). Chosen by that count; a
+# sweep of 48 tiles (docs/notes/probe_router_configs.py, H100, bf16 weights) found none
+# faster for V3 at 1 and 32 rows or V2-Lite at 1 row (BENCHMARKS.md, "The router"). V2's
+# is not swept.
 LOGITS_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
     (256, 7168): (32, 16, 64, 4, 3),     # V3: 8 expert blocks x 16 slices of 448 = 128
     (64, 2048): (16, 32, 64, 4, 2),      # V2-Lite: 4 expert blocks x 32 slices of 64 = 128
@@ -49,8 +51,13 @@ LOGITS_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
 }
 PROGRAMS = 128               # the target of logits_config's default
 # router_select_kernel: one warp per token, so its ~50 block reductions (V3) stay within
-# warp shuffles, no shared-memory round trips; not yet benchmarked
+# warp shuffles, no shared-memory round trips (2 or 4 warps: 0.81-0.84x on an H100)
 SELECT_WARPS = 1
+# the logits kernel's ROW_FMA form (router_logits_kernel.py) up to this many rows over an
+# fp32 weight; on an H100 at one row: V3 11.0 µs a router call against 25.9 with the IEEE
+# dot, V2-Lite 5.0 against 5.9. Over a bf16 weight the dot stays faster (9.7 against 11.8,
+# 4.6 against 5.1), so row_fma takes fp32 weights only.
+ROW_FMA_ROWS = 4
 
 
 def logits_config(E: int, H: int) -> tuple[int, int, int, int, int]:
@@ -120,11 +127,19 @@ def kernel_serves(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
+def row_fma(T: int, weight: torch.Tensor) -> bool:
+    """Whether the logits kernel sums per lane (ROW_FMA) rather than in a dot: an fp32
+    weight (the dot would be IEEE fp32 on the CUDA cores, T padded to 16) and at most
+    ROW_FMA_ROWS rows."""
+    return weight.dtype == torch.float32 and T <= ROW_FMA_ROWS
+
+
 def launch(x, weight, bias, mode, top_k, n_group, topk_group, norm_topk_prob, scale, *,
-           config=None) -> tuple[torch.Tensor, torch.Tensor]:
+           config=None, fma=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The logits and the selection kernel (on CPU tensors under TRITON_INTERPRET=1 too):
     x [T, H], weight [E, H] (H contiguous), bias [E] with mode 0. Up to MAX_ROWS rows the
-    logits kernel (config: logits_config's tuple), past it HF's fp32 GEMM."""
+    logits kernel (config: logits_config's tuple; fma: ROW_FMA, row_fma's rule when None),
+    past it HF's fp32 GEMM."""
     T, H = x.shape
     E = weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -136,12 +151,14 @@ def launch(x, weight, bias, mode, top_k, n_group, topk_group, norm_topk_prob, sc
         chunk = triton.cdiv(triton.cdiv(H, split), block_k) * block_k  # H values per split
         split = triton.cdiv(H, chunk)                                  # no empty splits
         partial = torch.empty((split, T, E), dtype=torch.float32, device=x.device)
+        fma = row_fma(T, weight) if fma is None else fma
         kernel = torch.library.wrap_triton(router_logits_kernel)         # [SPLIT, T, E]
         kernel[(triton.cdiv(E, block_e), split)](
             x, weight, partial, T, E, H, chunk, x.stride(0), weight.stride(0),
-            BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_E=block_e, BLOCK_K=block_k,
-            EVEN_K=H % chunk == 0, W_F32=weight.dtype == torch.float32,
-            DOT_F32=not x.is_cuda, num_warps=warps, num_stages=stages)
+            BLOCK_T=triton.next_power_of_2(T) if fma else max(16, triton.next_power_of_2(T)),
+            BLOCK_E=block_e, BLOCK_K=block_k, EVEN_K=H % chunk == 0,
+            W_F32=weight.dtype == torch.float32, DOT_F32=not x.is_cuda, ROW_FMA=bool(fma),
+            num_warps=warps, num_stages=stages)
     topk_idx = torch.empty((T, top_k), dtype=torch.int64, device=x.device)          # [T, K]
     topk_weight = torch.empty((T, top_k), dtype=torch.float32, device=x.device)     # [T, K]
     grouped = mode != 1

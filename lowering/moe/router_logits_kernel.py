@@ -19,6 +19,11 @@ an fp32 weight (HF declares the router weight fp32) is multiplied with x widened
 torch's fp32 GEMM only in the summation order. DOT_F32 (the CPU interpreter, which
 mis-multiplies 16-bit dots) widens both operands and uses the IEEE fp32 dot.
 
+ROW_FMA (a few rows over an fp32 weight, where the IEEE dot pads T to 16 rows and runs on
+the CUDA cores anyway): no dot; each lane keeps fp32 sums of its k column's products
+[BLOCK_E, BLOCK_T, BLOCK_K] across the slice's tiles, summed over k once at the end. The
+same products, another summation order.
+
     grid = (cdiv(E, BLOCK_E), SPLIT)
 """
 from __future__ import annotations
@@ -38,6 +43,7 @@ def router_logits_kernel(
     EVEN_K: tl.constexpr,         # H % CHUNK == 0: every slice is whole BLOCK_K tiles
     W_F32: tl.constexpr,          # the weight is fp32: IEEE fp32 dot
     DOT_F32: tl.constexpr,        # the CPU interpreter: every dot in fp32
+    ROW_FMA: tl.constexpr,        # few rows, fp32 weight: per-lane fp32 sums, no dot
 ):
     s = tl.program_id(1)
     offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)              # [BLOCK_E]
@@ -49,20 +55,33 @@ def router_logits_kernel(
     x_cols = x_ptr + offs_t.to(tl.int64)[None, :] * stride_xt                # [1, BLOCK_T]
     h_lo = s * CHUNK
     h_hi = tl.minimum(H, h_lo + CHUNK)
-    acc = tl.zeros((BLOCK_E, BLOCK_T), dtype=tl.float32)
-    for k0 in range(h_lo, h_hi, BLOCK_K):
-        kk = k0 + offs_k                                                     # [BLOCK_K]
-        if EVEN_K:               # no ragged slice: row masks only (vector loads)
-            w = tl.load(w_rows + kk[None, :], mask=e_ok[:, None], other=0.0)
-            x = tl.load(x_cols + kk[:, None], mask=t_ok[None, :], other=0.0)
-        else:
+    if ROW_FMA:                  # [BLOCK_E, BLOCK_T, BLOCK_K] per-lane fp32 sums
+        acc3 = tl.zeros((BLOCK_E, BLOCK_T, BLOCK_K), dtype=tl.float32)
+        x_rows = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt           # [BLOCK_T, 1]
+        for k0 in range(h_lo, h_hi, BLOCK_K):
+            kk = k0 + offs_k                                                 # [BLOCK_K]
             k_ok = kk < h_hi
-            w = tl.load(w_rows + kk[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_cols + kk[:, None], mask=t_ok[None, :] & k_ok[:, None], other=0.0)
-        if DOT_F32 or W_F32:     # exact widening, then an IEEE fp32 dot
-            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
-        else:                    # 16-bit products, exact in the fp32 accumulator
-            acc = tl.dot(w, x, acc)                                          # [BLOCK_E, BLOCK_T]
+            w = tl.load(w_rows + kk[None, :], mask=e_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)                            # [BLOCK_E, BLOCK_K]
+            x = tl.load(x_rows + kk[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)                            # [BLOCK_T, BLOCK_K]
+            acc3 += w[:, None, :] * x[None, :, :]
+        acc = tl.sum(acc3, axis=2)                                           # [BLOCK_E, BLOCK_T]
+    else:
+        acc = tl.zeros((BLOCK_E, BLOCK_T), dtype=tl.float32)
+        for k0 in range(h_lo, h_hi, BLOCK_K):
+            kk = k0 + offs_k                                                 # [BLOCK_K]
+            if EVEN_K:           # no ragged slice: row masks only (vector loads)
+                w = tl.load(w_rows + kk[None, :], mask=e_ok[:, None], other=0.0)
+                x = tl.load(x_cols + kk[:, None], mask=t_ok[None, :], other=0.0)
+            else:
+                k_ok = kk < h_hi
+                w = tl.load(w_rows + kk[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(x_cols + kk[:, None], mask=t_ok[None, :] & k_ok[:, None], other=0.0)
+            if DOT_F32 or W_F32:  # exact widening, then an IEEE fp32 dot
+                acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+            else:                 # 16-bit products, exact in the fp32 accumulator
+                acc = tl.dot(w, x, acc)                                      # [BLOCK_E, BLOCK_T]
     # partial[s, t, e]: the accumulator transposed
     p_ptrs = part_ptr + (s * T + offs_t)[None, :] * E + offs_e[:, None]      # [BLOCK_E, BLOCK_T]
     tl.store(p_ptrs, acc, mask=e_ok[:, None] & t_ok[None, :])
