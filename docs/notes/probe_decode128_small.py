@@ -53,7 +53,11 @@ def main():
                 runs[f"triton v{vp} k{keys}"] = tri
         line = []
         for name, fn in runs.items():
-            out, _ = fn()
+            try:
+                out, _ = fn()
+            except Exception as exc:          # a variant that does not compile (shared memory)
+                line.append(f"{name} {type(exc).__name__}")
+                continue
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             g = capture(fn, 2)
             us = kernel_time_us(g.replay, reps=20)
