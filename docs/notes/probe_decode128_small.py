@@ -6,7 +6,8 @@ allow a few minutes), and the Triton kernel with its value columns in 1, 2 or 4 
 two split lengths; µs from the first kernel's start
 to the last one's end of one call captured in a CUDA graph (profiler, no launch gaps).
 
-    python docs/notes/probe_decode128_small.py [--shapes 1x4096,4x4096]
+    python docs/notes/probe_decode128_small.py [--shapes 1x4096,4x4096] [--splits 4,8,32]
+        [--no-triton]
 """
 import argparse, sys, torch
 sys.path[:0] = ["benchmarks", "docs/notes"]         # run from the repository root
@@ -24,6 +25,9 @@ L, H, PAGE = 512, 128, 64
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1x4096,4x4096")
+    ap.add_argument("--splits", default="4,8,32", help="the Gluon kernel's split counts "
+                    "(beside the shipped one)")
+    ap.add_argument("--no-triton", action="store_true", help="FlashMLA and Gluon only")
     args = ap.parse_args()
     scale = 192 ** -0.5
     for shape in args.shapes.split(","):
@@ -35,11 +39,11 @@ def main():
                                                                 *sched),
                 "flashmla+sched": lambda: fm.flashmla_decode(q, kv, bt, lens, scale, True, L)}
         auto = choose_num_splits(B, 2, bt.shape[1] * PAGE, sm_count(q.device), min_split_keys=256)
-        for n in sorted({4, 8, 32, auto}):        # each split size compiles its kernel
+        for n in sorted({*(int(v) for v in args.splits.split(",")), auto}):   # a kernel each
             runs[f"gluon s{n}{'*' if n == auto else ''}"] = (
                 lambda n=n: gluon_decode(q, kv, bt, lens, scale, True, n))
         wide = td.CONFIGS[(0, "wide", "gpu")]
-        for vp in (1, 2, 4):
+        for vp in (() if args.no_triton else (1, 2, 4)):
             for keys in (64, 256):
                 cfg = dict(wide, BLOCK_M=64, V_PARTS=vp, min_split_keys=keys)
 
