@@ -14,8 +14,8 @@ logits do not depend on scheduling.
 
 Numerics: HF computes F.linear(x.float(), weight.float()). x and a weight of x's 16-bit
 dtype are multiplied in that dtype (each product is exact in fp32) with fp32 accumulation;
-an fp32 weight (HF declares the router weight fp32) is multiplied with x widened to fp32
-(exact) in an IEEE fp32 dot (input_precision="ieee", no TF32). The result differs from
+an fp32 weight (a router kept in fp32) is multiplied with x widened to fp32 (exact) in an
+IEEE fp32 dot (input_precision="ieee", no TF32). The result differs from
 torch's fp32 GEMM only in the summation order. DOT_F32 (the CPU interpreter, which
 mis-multiplies 16-bit dots) widens both operands and uses the IEEE fp32 dot.
 
