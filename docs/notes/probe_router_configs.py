@@ -1,7 +1,8 @@
 """The MoE router's launch configs at the released models' shapes (GPU probe, not
 maintained): lowering.moe.router's logits kernel (BLOCK_E, SPLIT, BLOCK_K, warps, stages),
-in its dot form and, up to 4 rows, its per-lane ROW_FMA form, and the select kernel's warps, each timed as the router's two launches captured 20 times
-in a CUDA graph (µs a router call, the median of 5 replays), the shipped config first.
+in its dot form and, up to 4 rows, its per-lane ROW_FMA form, and the select kernel's
+warps, each timed as the router's two launches captured 20 times in a CUDA graph (µs a
+router call, the median of 5 replays), the shipped config first.
 Every candidate's topk_idx must equal the shipped one's (printed otherwise).
 
     python docs/notes/probe_router_configs.py [v2-lite,v3] [T,...] [shipped] [fp32]
@@ -14,7 +15,9 @@ kernels.
 import itertools
 import sys
 import torch
-from lowering.moe import router as moe_router
+sys.path.insert(0, "benchmarks")                    # run from the repository root
+from timing import capture                          # noqa: E402
+from lowering.moe import router as moe_router      # noqa: E402
 
 SHAPES = {  # E, H, mode, top_k, n_group, topk_group, norm, scale
     "v2-lite": (64, 2048, 1, 6, 1, 1, False, 1.0),
@@ -23,15 +26,9 @@ SHAPES = {  # E, H, mode, top_k, n_group, topk_group, norm, scale
 
 
 def graph_us(fn, reps=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
+    """µs a call of fn: reps calls captured in one CUDA graph (benchmarks/timing.py's
+    capture), the median of 5 replays, no L2 flush between them."""
+    g = capture(lambda: [fn() for _ in range(reps)])
     g.replay()
     torch.cuda.synchronize()
     times = []
