@@ -64,9 +64,12 @@ def check_vs_fp64(idx, wgt, ref, order=True):
         assert ((w - w_ref).abs() / w_ref.abs()).max().item() < 1e-5
 
 
-# mode, E, n_group, topk_group, top_k, norm, H; scale 2.5
+# mode, E, n_group, topk_group, top_k, norm, H; scale 2.5. The select kernel ranks groups
+# as rows where E, n_group and the group size are powers of two (GROUPS_2D), else one
+# group at a time: the "ragged" cases (groups of 6 and 5, like V2's 160 experts in 8).
 CASES = {"v3": (0, 64, 8, 3, 6, True, 96), "v3_no_norm": (0, 64, 8, 3, 6, False, 160),
-         "v2_greedy": (1, 32, 1, 1, 4, False, 160), "v2_group": (2, 32, 4, 2, 3, False, 96)}
+         "v2_greedy": (1, 32, 1, 1, 4, False, 160), "v2_group": (2, 32, 4, 2, 3, False, 96),
+         "v3_ragged": (0, 48, 8, 3, 5, True, 96), "v2_group_ragged": (2, 40, 8, 3, 4, False, 96)}
 
 
 def problem(E, H, T, wdtype, seed):
@@ -128,10 +131,13 @@ def tie_problem(kind, wdtype, T=5, H=96):
     base = torch.rand(H, generator=g) / H
     mode, E, G, KG, K = {"v3": (0, 64, 8, 3, 4), "v2_greedy": (1, 32, 1, 1, 4),
                          "v2_group": (2, 32, 4, 2, 4), "v3_groups": (0, 64, 8, 1, 4),
-                         "v2_groups": (2, 32, 4, 1, 3), "v3_top2": (0, 64, 8, 1, 2)}[kind]
+                         "v2_groups": (2, 32, 4, 1, 3), "v3_top2": (0, 64, 8, 1, 2),
+                         "v3_groups_ragged": (0, 48, 8, 1, 4),
+                         "v2_groups_ragged": (2, 24, 4, 1, 3),
+                         "v3_top2_ragged": (0, 48, 8, 1, 2)}[kind]
     weight = torch.randn(E, H, generator=g) * 0.1 / H ** 0.5
     bias = torch.rand(E, generator=g) * 0.01
-    if kind.endswith("groups"):       # two equal groups lead: the lower one is kept
+    if "_groups" in kind:             # two equal groups lead: the lower one is kept
         per = E // G
         a, b = (3, 5) if mode == 0 else (1, 3)
         for j in range(per):
@@ -139,11 +145,13 @@ def tie_problem(kind, wdtype, T=5, H=96):
         weight[b * per:(b + 1) * per] = weight[a * per:(a + 1) * per]
         bias[b * per:(b + 1) * per] = bias[a * per:(a + 1) * per]
         want = list(range(a * per, a * per + K))
-    elif kind == "v3_top2":           # group 2's top-2 is one value twice: 2 s > s' + s''
-        weight[17] = weight[20] = base * 2.0
-        weight[48], weight[49] = base * 2.3, base * 1.6
-        bias[[20, 48, 49]] = bias[17].item()
-        want = [17, 20]
+    elif kind.startswith("v3_top2"):  # group 2's top-2 is one value twice: 2 s > s' + s''
+        per = E // G
+        a, b, c = 2 * per + 1, 2 * per + 4, 6 * per       # (per 8: experts 17, 20, 48)
+        weight[a] = weight[b] = base * 2.0
+        weight[c], weight[c + 1] = base * 2.3, base * 1.6
+        bias[[b, c, c + 1]] = bias[a].item()
+        want = [a, b]
     else:                             # 3 leaders, then experts 9 and 12 (or 20) equal
         for e, c in ((0, 3.0), (1, 2.8), (2, 2.6)):
             weight[e] = base * c
@@ -154,7 +162,8 @@ def tie_problem(kind, wdtype, T=5, H=96):
     return x, weight.to(wdtype), bias, (mode, K, G, KG), want
 
 
-TIE_KINDS = ["v3", "v2_greedy", "v2_group", "v3_groups", "v2_groups", "v3_top2"]
+TIE_KINDS = ["v3", "v2_greedy", "v2_group", "v3_groups", "v2_groups", "v3_top2",
+             "v3_groups_ragged", "v2_groups_ragged", "v3_top2_ragged"]
 
 
 @pytest.mark.parametrize("T", [1, 5])
@@ -264,7 +273,8 @@ def test_route_dispatches_to_the_op(monkeypatch, family, method):
 
 # ------------------------------------------------------------------------- GPU
 
-GPU_CASES = {"v3": (0, 256, 7168, 8, 4, 8, True), "v2_lite": (1, 64, 2048, 1, 1, 6, False)}
+GPU_CASES = {"v3": (0, 256, 7168, 8, 4, 8, True), "v2_lite": (1, 64, 2048, 1, 1, 6, False),
+             "v2": (2, 160, 5120, 8, 3, 6, False)}
 
 
 @GPU

@@ -5,7 +5,7 @@ warps, each timed as the router's two launches captured 20 times in a CUDA graph
 router call, the median of 5 replays), the shipped config first.
 Every candidate's topk_idx must equal the shipped one's (printed otherwise).
 
-    python docs/notes/probe_router_configs.py [v2-lite,v3] [T,...] [shipped] [fp32]
+    python docs/notes/probe_router_configs.py [v2-lite,v3,v2] [T,...] [shipped] [fp32]
 
 The router weight is bf16, as in a model loaded in bf16 (HF's router casts it to fp32 in
 its forward); with "fp32" an fp32 weight. With "shipped" only the shipped config is timed
@@ -22,6 +22,7 @@ from lowering.moe import router as moe_router      # noqa: E402
 SHAPES = {  # E, H, mode, top_k, n_group, topk_group, norm, scale
     "v2-lite": (64, 2048, 1, 6, 1, 1, False, 1.0),
     "v3": (256, 7168, 0, 8, 8, 4, True, 2.5),
+    "v2": (160, 5120, 2, 6, 8, 3, False, 16.0),
 }
 
 

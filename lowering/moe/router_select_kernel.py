@@ -14,9 +14,12 @@ MODE (HF's DeepseekV3TopkRouter / DeepseekV2TopkRouter):
     2  V2 group_limited_greedy: group score = the group's best score; the TOPK_GROUP best
        groups kept, the others' scores 0.0; the TOP_K best of those; weight = score * scale
 
-Experts are contiguous groups of GROUP_SIZE = E / N_GROUP (any size: groups are masks over
-the [BLOCK_E] lanes, not a reshape). Every selection (the groups' top-2, the groups, the
-experts) is TOP-k rounds of "largest value, lowest lane holding it, knock it out", so
+Experts are contiguous groups of GROUP_SIZE = E / N_GROUP, of any size: with GROUPS_2D (E a
+power of two, N_GROUP and GROUP_SIZE too) the groups are the rows of [N_GROUP, GROUP_SIZE]
+and ranked all at once, else masks over the [BLOCK_E] lanes, one group at a time. Every
+selection (the groups' top-2, the groups, the experts) is rounds of "largest value, lowest
+lane holding it" (one (value, lane) reduction, tl.max's return_indices with ties to the
+left), the winner knocked out before the next round, so
 equal values go to the LOWER index, the rule of torch.topk on CUDA (its radix select keeps
 the lowest indices among the values equal to the k-th); the chosen set is then the one
 torch's topk keeps. Outputs are in the order chosen: descending value, ties lower index
@@ -48,10 +51,10 @@ def _exp(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _first_max(v, lanes, NONE: tl.constexpr):
-    """(the largest value of v, the lowest lane holding it)."""
-    m = tl.max(v, axis=0)
-    return m, tl.min(tl.where(v == m, lanes, NONE), axis=0)
+def _first_max(v):
+    """(the largest value of v [N], the lowest lane holding it): one (value, lane)
+    reduction, not a max and then a search for its lane."""
+    return tl.max(v, axis=0, return_indices=True, return_indices_tie_break_left=True)
 
 
 @triton.jit
@@ -63,6 +66,7 @@ def router_select_kernel(
     SPLIT: tl.constexpr,          # the partials' count, unrolled: their loads all in flight
     MODE: tl.constexpr, NORM: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUPS_2D: tl.constexpr,      # BLOCK_E == BLOCK_G * GROUP_SIZE == E: groups as rows
     LIBDEVICE: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -87,16 +91,26 @@ def router_select_kernel(
     if MODE != 1:                 # keep the TOPK_GROUP best groups
         gid = lanes // GROUP_SIZE                                            # [BLOCK_E]
         glanes = tl.arange(0, BLOCK_G)                                       # [BLOCK_G]
-        gscore = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        for g in range(N_GROUP):
-            v = tl.where(gid == g, choice, neg_inf)
-            m1, i1 = _first_max(v, lanes, BLOCK_E)
+        if GROUPS_2D:             # every group at once, a row each
+            c2 = tl.reshape(choice, [BLOCK_G, BLOCK_E // BLOCK_G])           # [G, GROUP_SIZE]
+            m1, i1 = tl.max(c2, axis=1, return_indices=True,
+                            return_indices_tie_break_left=True)              # [BLOCK_G]
             if MODE == 0:         # + the second largest (m1 again if it is there twice)
-                m1 = m1 + tl.max(tl.where(lanes == i1, neg_inf, v), axis=0)
-            gscore = tl.where(glanes == g, m1, gscore)
+                jl = tl.arange(0, BLOCK_E // BLOCK_G)
+                m1 = m1 + tl.max(tl.where(jl[None, :] == i1[:, None], float("-inf"), c2),
+                                 axis=1)
+            gscore = m1
+        else:                     # groups as masks over the lanes, one at a time
+            gscore = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            for g in range(N_GROUP):
+                v = tl.where(gid == g, choice, neg_inf)
+                m1, i1 = _first_max(v)
+                if MODE == 0:
+                    m1 = m1 + tl.max(tl.where(lanes == i1, neg_inf, v), axis=0)
+                gscore = tl.where(glanes == g, m1, gscore)
         kept = tl.zeros([BLOCK_E], dtype=tl.int32)
         for _ in range(TOPK_GROUP):
-            gm, gi = _first_max(gscore, glanes, BLOCK_G)
+            gm, gi = _first_max(gscore)
             kept = tl.where(gid == gi, 1, kept)
             gscore = tl.where(glanes == gi, float("-inf"), gscore)
         if MODE == 0:
@@ -107,16 +121,17 @@ def router_select_kernel(
 
     klanes = tl.arange(0, BLOCK_K)                                           # [BLOCK_K]
     k_ok = klanes < TOP_K
-    top_i = tl.zeros([BLOCK_K], dtype=tl.int32)
-    top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    top_i = tl.full([BLOCK_K], -1, dtype=tl.int32)
     for k in range(TOP_K):
-        m, i = _first_max(choice, lanes, BLOCK_E)
-        w = tl.max(tl.where(lanes == i, scores, neg_inf), axis=0)           # scores[i]
+        m, i = _first_max(choice)
         top_i = tl.where(klanes == k, i, top_i)
-        top_w = tl.where(klanes == k, w, top_w)
         choice = tl.where(lanes == i, neg_inf, choice)
+    # their scores, all K at once: [BLOCK_K, BLOCK_E] -> [BLOCK_K]
+    top_w = tl.max(tl.where(lanes[None, :] == top_i[:, None], scores[None, :], float("-inf")),
+                   axis=1)
+    top_w = tl.where(k_ok, top_w, 0.0)
     if NORM:
-        den = tl.sum(tl.where(k_ok, top_w, 0.0), axis=0) + 1e-20
+        den = tl.sum(top_w, axis=0) + 1e-20
         top_w = div_rn(top_w, tl.zeros_like(top_w) + den)
     top_w = top_w * scale
     tl.store(idx_ptr + t * TOP_K + klanes, top_i.to(tl.int64), mask=k_ok)
