@@ -14,10 +14,12 @@ import pytest  # noqa: E402
 @pytest.fixture
 def flashmla_at_every_size(monkeypatch):
     """backend="auto" takes FlashMLA wherever it serves, also for the few heads and short
-    caches of the tiny test models (where lowering.flashmla_pays would give the call to
-    the Triton kernel, and the registry's _few_rows_gluon to the Gluon few-rows kernel)."""
+    caches of the tiny test models, and the few requests of 128-head ones (where
+    lowering.flashmla_pays would give the call to the Triton or the Gluon pair kernel,
+    and the registry's _few_rows_gluon to the Gluon few-rows kernel)."""
     from lowering.decode import registry
     monkeypatch.setattr(registry, "SMALL_DECODE_POSITIONS", 0)
+    monkeypatch.setattr(registry, "FEW_REQUESTS", 0)
     monkeypatch.setattr(registry, "_few_rows_gluon", lambda call, auto: False)
 
 

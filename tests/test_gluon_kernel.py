@@ -223,10 +223,10 @@ def test_few_rows_bf16_conditions_and_auto_preference(monkeypatch):
     from lowering.decode import registry
     from lowering.decode.registry import DecodeCall
 
-    def call(s_q=1, H=16, page=64, width=576):
-        q = torch.empty(2, s_q, H, width, dtype=torch.bfloat16)
-        kv = torch.empty(4, page, width, dtype=torch.bfloat16)
-        return DecodeCall(q, kv, torch.zeros(2, 4, dtype=torch.int32), None, 1.0, True, "auto",
+    def call(s_q=1, H=16, page=64, width=576, B=2, dtype=torch.bfloat16):
+        q = torch.empty(B, s_q, H, width, dtype=dtype)
+        kv = torch.empty(4, page, width, dtype=dtype)
+        return DecodeCall(q, kv, torch.zeros(B, 4, dtype=torch.int32), None, 1.0, True, "auto",
                           None, width - 64)
 
     assert gd.gluon_unmet(call()) is None and gd.gluon_unmet(call(s_q=2)) is None
@@ -239,9 +239,23 @@ def test_few_rows_bf16_conditions_and_auto_preference(monkeypatch):
     assert "few-rows kernel is faster" in registry._flashmla_unmet(call(), True)
     assert "few-rows kernel is faster" in registry._flashmla_unmet(call(s_q=2), True)
     assert registry._flashmla_unmet(call(), False) is None                      # asked by name
-    assert registry._flashmla_unmet(call(H=128), True) is None
     assert registry.choose_route(call(), "bf16", "auto").name == "gluon"
-    assert registry.choose_route(call(H=128), "bf16", "auto").name == "flashmla"
+    # 128 heads: the pair kernel up to FEW_REQUESTS requests, FlashMLA past them, and for
+    # fp16 (the pair kernel takes bf16 only) at any batch
+    few, many = registry.FEW_REQUESTS, registry.FEW_REQUESTS + 1
+    assert "pair kernel is faster" in registry._flashmla_unmet(call(H=128, B=few), True)
+    assert registry.choose_route(call(H=128, B=1), "bf16", "auto").name == "gluon"
+    assert registry.choose_route(call(H=128, B=few), "bf16", "auto").name == "gluon"
+    assert registry._flashmla_unmet(call(H=128, B=many), True) is None
+    assert registry.choose_route(call(H=128, B=many), "bf16", "auto").name == "flashmla"
+    assert registry.choose_route(call(H=128, B=1, dtype=torch.float16), "bf16",
+                                 "auto").name == "flashmla"
+    assert registry._flashmla_unmet(call(H=128, B=1), False) is None          # asked by name
+    monkeypatch.setattr(registry, "_gluon_check", lambda: lambda call: "stubbed: no gluon")
+    assert registry._flashmla_unmet(call(H=128, B=1), True) is None  # FlashMLA, not triton
+    monkeypatch.undo()
+    monkeypatch.setattr(registry, "hopper_unmet", lambda q, what: None)
+    monkeypatch.setattr(registry, "_flashmla_check", lambda: lambda call: None)
     # pages the kernel cannot tile: the Triton / FlashMLA size rule decides as before
     assert "few-rows" not in (registry._flashmla_unmet(call(page=32), True) or "")
 

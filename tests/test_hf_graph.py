@@ -305,7 +305,9 @@ def test_auto_leaves_small_few_head_steps_to_triton(monkeypatch):
     lowered; the registry's auto route agrees on the same shapes."""
     import lowering
     from lowering.decode import registry
-    assert lowering.flashmla_pays(128, 1, 64) and lowering.flashmla_pays(16, 8, 4096)
+    assert lowering.flashmla_pays(128, 5, 64) and lowering.flashmla_pays(16, 8, 4096)
+    assert not lowering.flashmla_pays(128, 4, 1 << 20)   # 128 heads, few requests: Gluon
+    assert lowering.flashmla_pays(128, 1, 4096, torch.float16)   # which takes bf16 only
     assert not lowering.flashmla_pays(16, 1, 4096) and not lowering.flashmla_pays(16, 4, 4096)
     _, model, cache, ids, mask, first = prefilled([9, 3], max_cache_len=48, block_size=8, seed=6)
     seen = []

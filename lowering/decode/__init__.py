@@ -29,8 +29,9 @@ With s_q > 1 and causal, query i sees cache positions [0, cache_seqlens - s_q + 
 Routes (registry.py): one table for both entries, each route with a priority and an
 unmet(call, auto) -> None | reason. backend="auto" takes the first route of the entry's
 query kind that serves the call (mla_decode: flashmla, gluon, triton, reference =
-BACKENDS, flashmla below 64 heads only past SMALL_DECODE_POSITIONS positions a call; mla_decode_fp8q: flashmla, gluon, triton = FP8Q_BACKENDS; in the
-batch-invariant mode, lowering.config.batch_invariant, the Triton kernels); an explicit
+BACKENDS, flashmla below 64 heads only past SMALL_DECODE_POSITIONS positions a call, from
+64 heads only past FEW_REQUESTS requests where gluon serves; mla_decode_fp8q: flashmla,
+gluon, triton = FP8Q_BACKENDS; in the batch-invariant mode, lowering.config.batch_invariant, the Triton kernels); an explicit
 backend that cannot serve a call raises BackendUnavailable naming the unmet
 condition. Eager calls are counted per route in `backend_choices`.
 

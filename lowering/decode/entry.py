@@ -61,8 +61,8 @@ def run_decode(call: DecodeCall, query: str = "bf16", backend: str = "auto"):
 def select_backend(q, kv_cache, *, kv_cache_dtype="auto", backend="auto",
                    head_dim_v=None, block_table=None) -> str:
     """Name of the mla_decode backend that would serve a call with this q and cache
-    (raises BackendUnavailable if none can). block_table: the call's, whose width enters
-    the choice below 64 heads (flashmla_pays); without it that rule is left out."""
+    (raises BackendUnavailable if none can). block_table: the call's, whose width and
+    batch enter the choice (flashmla_pays); without it that rule is left out."""
     if block_table is not None:
         check_tensor("block_table", block_table, ndim=2)
     kind = canonical_kv_cache_dtype(kv_cache_dtype)
@@ -76,9 +76,10 @@ def uses_flashmla(device, q_dtype, num_heads: int, width: int, block_size: int,
     """Whether a decode call with these properties (q [B, s_q, num_heads, width] of q_dtype
     over a cache of block_size rows of width) would run on the flashmla backend: for an
     fp8 q (float8_e4m3fn, an mla_decode_fp8q call over an fp8 cache), whether FlashMLA's
-    fp8 kernel would run when handed decode_schedule(..., fp8q=True). Below 64 heads
-    backend="auto" gives a bf16 call to FlashMLA only where flashmla_pays(num_heads, B,
-    max_len) of the call's shapes also holds (plain arithmetic: ask it per step).
+    fp8 kernel would run when handed decode_schedule(..., fp8q=True). backend="auto" gives
+    a bf16 call to FlashMLA only where flashmla_pays(num_heads, B, max_len, q_dtype) of the
+    call's shapes also holds (below 64 heads past a number of cached positions, from 64
+    past a few requests; plain arithmetic: ask it per step).
 
     Plain Python (imports, device queries): call it outside compiled code and keep the
     answer, e.g. when a cache is built.

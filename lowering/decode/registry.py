@@ -170,19 +170,33 @@ def _gluon_fp8q_check():
 SMALL_DECODE_POSITIONS = 16384
 
 
-def flashmla_pays(num_heads: int, batch: int, max_len: int) -> bool:
-    """Whether backend="auto" gives a bf16 decode call of these shapes to FlashMLA (where
-    FlashMLA serves it): from 64 heads always, below only past SMALL_DECODE_POSITIONS
-    positions (batch x max_len, max_len = block-table width x block size)."""
-    return num_heads >= 64 or batch * max_len > SMALL_DECODE_POSITIONS
+# From 64 heads the Gluon pair kernel (its own split count) beat FlashMLA's kernels, its
+# schedule computed outside the call, at up to this many requests on an H200 (µs, 128
+# heads: 1 x 4096 19.2 vs 20.8, 4 x 4096 26.3 vs 27.5, 1 x 32768 39.7 vs 46.8, 2 x 16384
+# 38.6 vs 49.5, 4 x 8192 35.5 vs 37.9), and lost from 8 (8 x 4096 35.4 vs 34.0, 16 x 4096
+# 52.0 vs 43.5); BENCHMARKS.md, "128 heads at a few requests".
+FEW_REQUESTS = 4
+
+
+def flashmla_pays(num_heads: int, batch: int, max_len: int,
+                  dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether backend="auto" gives a decode call of these shapes and query dtype to
+    FlashMLA (where FlashMLA serves it): from 64 heads past FEW_REQUESTS requests (always
+    for fp16, which the Gluon pair kernel does not take), below only past
+    SMALL_DECODE_POSITIONS positions (batch x max_len, max_len = block-table width x
+    block size)."""
+    if num_heads >= 64:
+        return dtype != torch.bfloat16 or batch > FEW_REQUESTS
+    return batch * max_len > SMALL_DECODE_POSITIONS
 
 
 def _pays(call) -> Optional[bool]:
-    """flashmla_pays of a call's heads, batch and table width (None: no block table)."""
+    """flashmla_pays of a call's heads, batch, table width and query dtype (None: no
+    block table)."""
     if call.block_table is None:
         return None
     return flashmla_pays(call.q.shape[2], call.q.shape[0],
-                         call.block_table.shape[1] * call.kv_cache.shape[1])
+                         call.block_table.shape[1] * call.kv_cache.shape[1], call.q.dtype)
 
 
 def _few_rows_gluon(call, auto) -> bool:
@@ -204,6 +218,11 @@ def _flashmla_unmet(call, auto):
     pays = _pays(call) if reason is None and auto else None
     if pays is not None and not pays:          # (a traced SymBool is not `False`)
         B, H = call.q.shape[0], call.q.shape[2]
+        if H >= 64:
+            if _gluon_unmet(call, auto) is None:
+                return (f"at {H} heads and {B} requests the gluon pair kernel is faster "
+                        f"(lowering.decode.registry.flashmla_pays)")
+            return None                        # FlashMLA, with its schedule in the call
         n = call.block_table.shape[1] * call.kv_cache.shape[1]
         return (f"at {H} heads and {B} x {n} cached positions the triton kernel is "
                 f"faster (lowering.decode.registry.flashmla_pays)")

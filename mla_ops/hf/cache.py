@@ -345,10 +345,12 @@ class PagedMLACache(Cache):
                                  f"pass device= to PagedMLACache")
             valid = None if S == 1 else step_ops.valid_tokens(attention_mask, B, S, self.seen)
             served = self._flashmla_fp8q_backends if fp8_query else self._flashmla_backends
-            # "auto" below 64 heads: FlashMLA only for calls of many positions (shapes only)
+            # "auto": below 64 heads FlashMLA only for calls of many positions, from 64
+            # for more than a few requests (shapes and dtype only)
             flashmla = S == 1 and backend in served and (
                 fp8_query or backend != "auto"
-                or lowering.flashmla_pays(self.num_heads, B, self.max_blocks * self.block_size))
+                or lowering.flashmla_pays(self.num_heads, B, self.max_blocks * self.block_size,
+                                          self.dtype))
             check = not compiling and first and context_bound is None
             if check and S == 1 and self.room_for_decode(B):
                 check = False                   # known to fit: no host read this step
