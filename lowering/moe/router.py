@@ -50,8 +50,9 @@ LOGITS_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
     (160, 5120): (32, 26, 64, 4, 3),     # V2: 5 expert blocks x 20 slices of 256 = 100
 }
 PROGRAMS = 128               # the target of logits_config's default
-# router_select_kernel: one warp per token, so its ~50 block reductions (V3) stay within
-# warp shuffles, no shared-memory round trips (2 or 4 warps: 0.81-0.84x on an H100)
+# router_select_kernel: one warp per token, so its block reductions (~15 at V3's shape)
+# stay within warp shuffles, no shared-memory round trips (H200: 4 warps within 4 % of one
+# at V3 and V2, 2 and 4 warps 0.88-0.92x at V2-Lite; BENCHMARKS.md, "The router's selection")
 SELECT_WARPS = 1
 # the logits kernel's ROW_FMA form (router_logits_kernel.py) up to this many rows over an
 # fp32 weight; on an H100 at one row: V3 11.0 µs a router call against 25.9 with the IEEE
