@@ -323,6 +323,18 @@ def test_auto_leaves_small_few_head_steps_to_triton(monkeypatch):
         plans[backend, threshold] = step.meta.decode_schedule is not None
     assert plans == {("auto", None): False, ("flashmla", None): True, ("auto", 0): True}
     assert seen == [(2, cache.max_blocks)] * 2
+    # from 64 heads: no schedule for a bf16 step of up to FEW_REQUESTS requests (the
+    # Gluon pair kernel's), one past them and for fp16 (shapes and dtype only)
+    monkeypatch.setattr(cache, "num_heads", 128)
+    plans = {}
+    for few, dtype in ((2, torch.bfloat16), (1, torch.bfloat16), (2, torch.float16)):
+        monkeypatch.setattr(registry, "FEW_REQUESTS", few)
+        monkeypatch.setattr(cache, "dtype", dtype)
+        cache._step = None
+        step = cache.prepare(0, 2, 1, None, dtype, cache.device, backend="auto")
+        plans[few, dtype] = step.meta.decode_schedule is not None
+    assert plans == {(2, torch.bfloat16): False, (1, torch.bfloat16): True,
+                     (2, torch.float16): True}
     q = torch.empty(2, 1, 4, 576, dtype=torch.bfloat16)
     call = registry.DecodeCall(q, torch.empty(6, 8, 576, dtype=torch.bfloat16),
                                torch.zeros(2, 6, dtype=torch.int32), None, 1.0, True, "auto",
