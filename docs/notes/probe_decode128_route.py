@@ -1,10 +1,11 @@
 """A/B of the 128-head bf16 decode route inside whole V3-shaped DecodeGraph steps (GPU
-probe, not maintained): backend "auto" as shipped (FlashMLA at >= 64 heads, its scheduler
-once a step) against flashmla_pays answering False at 128 heads up to batch B (the Gluon
-pair kernel then serves, and the step plans no FlashMLA schedule). The steps of
-bench_generate.py's v3-moe shape (bf16 weights) and of bench_fp8_weights.py (bf16 and
-fp8 weights), each compiled and captured once a variant; step µs from events over N greedy steps,
-ROUNDS rounds alternating the variants (medians).
+probe, not maintained): flashmla_pays forced True from 64 heads (FlashMLA, its scheduler
+once a step: the route before 2026-12-06) against forced False there (the Gluon pair
+kernel, no FlashMLA schedule); below 64 heads the shipped rule. The steps of
+bench_fp8_weights.py's V3 shape (2 layers, 1 dense) with bf16 and with fp8 weights, each
+variant compiled and captured once; step µs from events over N greedy steps, ROUNDS
+rounds alternating the variants (medians). Run 2026-12-06 before the rule changed, when
+the shipped rule was the "flashmla" variant.
 
     python docs/notes/probe_decode128_route.py 1,2,4,8 [ROUNDS] [N]
 """
@@ -20,8 +21,10 @@ from bench_fp8_weights import v3_moe_config, fill_cache
 SHIPPED = registry.flashmla_pays
 
 
-def use(gluon: bool):
-    pays = (lambda h, b, n: SHIPPED(h, b, n) and not (h >= 64)) if gluon else SHIPPED
+def use(gluon):
+    """gluon True / False: the variant's rule from 64 heads; None: the shipped rule."""
+    def pays(h, b, n, dtype=torch.bfloat16):
+        return SHIPPED(h, b, n, dtype) if h < 64 or gluon is None else not gluon
     registry.flashmla_pays = lowering.flashmla_pays = pays
 
 
@@ -42,7 +45,7 @@ def build(model, cfg, B, S, gluon: bool):
     print(f"  B{B} {'gluon' if gluon else 'shipped'}: FlashMLA kernels in the step: "
           f"{any('flash' in n for n in names)}; pair kernel: "
           f"{any('pair' in n or 'gluon' in n for n in names)}", flush=True)
-    use(False)
+    use(None)
     return runner, cache, ids
 
 
@@ -79,7 +82,7 @@ def main():
                     res[variant].append(step_us(runner, ids, a.n))
             del built
             torch.cuda.empty_cache()
-            use(False)
+            use(None)
             med = {k: sorted(v)[len(v) // 2] for k, v in res.items()}
             print(f"{name} weights B{B} S{a.S}: " + "; ".join(
                 f"{k} {med[k]:.1f} µs (runs {', '.join(f'{x:.1f}' for x in v)})"

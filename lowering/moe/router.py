@@ -163,8 +163,8 @@ def launch(x, weight, bias, mode, top_k, n_group, topk_group, norm_topk_prob, sc
     topk_idx = torch.empty((T, top_k), dtype=torch.int64, device=x.device)          # [T, K]
     topk_weight = torch.empty((T, top_k), dtype=torch.float32, device=x.device)     # [T, K]
     grouped = mode != 1
-    block_e = max(16, triton.next_power_of_2(E))
-    block_g = max(2, triton.next_power_of_2(n_group if grouped else 1))
+    lanes_e = max(16, triton.next_power_of_2(E))                     # the select's blocks
+    lanes_g = max(2, triton.next_power_of_2(n_group if grouped else 1))
     if mode == 0:
         bias = bias if bias.stride(-1) == 1 else bias.contiguous()
     select = torch.library.wrap_triton(router_select_kernel)
@@ -173,8 +173,8 @@ def launch(x, weight, bias, mode, top_k, n_group, topk_group, norm_topk_prob, sc
         T, E, E // n_group if grouped else E, n_group if grouped else 1,
         topk_group if grouped else 1, top_k, float(scale),
         SPLIT=split, MODE=mode, NORM=bool(norm_topk_prob) and mode == 0,
-        BLOCK_E=block_e, BLOCK_G=block_g, BLOCK_K=max(2, triton.next_power_of_2(top_k)),
-        GROUPS_2D=grouped and E == block_e and n_group == block_g, LIBDEVICE=x.is_cuda,
+        BLOCK_E=lanes_e, BLOCK_G=lanes_g, BLOCK_K=max(2, triton.next_power_of_2(top_k)),
+        GROUPS_2D=grouped and E == lanes_e and n_group == lanes_g, LIBDEVICE=x.is_cuda,
         num_warps=SELECT_WARPS, num_stages=1)
     return topk_idx, topk_weight
 
