@@ -51,6 +51,13 @@ def _exp(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _take_larger(v1, i1, w1, v2, i2, w2):
+    """The (value, lane, carried) triple of the larger value, the lower lane on a tie."""
+    first = (v1 > v2) | ((v1 == v2) & (i1 < i2))
+    return tl.where(first, v1, v2), tl.where(first, i1, i2), tl.where(first, w1, w2)
+
+
+@triton.jit
 def _first_max(v):
     """(the largest value of v [N], the lowest lane holding it): one (value, lane)
     reduction, not a max and then a search for its lane."""
@@ -121,15 +128,13 @@ def router_select_kernel(
 
     klanes = tl.arange(0, BLOCK_K)                                           # [BLOCK_K]
     k_ok = klanes < TOP_K
-    top_i = tl.full([BLOCK_K], -1, dtype=tl.int32)
-    for k in range(TOP_K):
-        m, i = _first_max(choice)
+    top_i = tl.zeros([BLOCK_K], dtype=tl.int32)
+    top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k in range(TOP_K):        # the winner's score carried through the same reduction
+        m, i, w = tl.reduce((choice, lanes, scores), 0, _take_larger)
         top_i = tl.where(klanes == k, i, top_i)
+        top_w = tl.where(klanes == k, w, top_w)
         choice = tl.where(lanes == i, neg_inf, choice)
-    # their scores, all K at once: [BLOCK_K, BLOCK_E] -> [BLOCK_K]
-    top_w = tl.max(tl.where(lanes[None, :] == top_i[:, None], scores[None, :], float("-inf")),
-                   axis=1)
-    top_w = tl.where(k_ok, top_w, 0.0)
     if NORM:
         den = tl.sum(top_w, axis=0) + 1e-20
         top_w = div_rn(top_w, tl.zeros_like(top_w) + den)
