@@ -161,20 +161,33 @@ def test_fallback_without_paged_cache_is_hf(family):
     assert torch.equal(a, b)
 
 
-def test_v2_rotary_parts_once_a_forward():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_v2_rotary_parts_once_a_forward(device):
     """A converted V2 model's rotary module returns HF's freqs_cis with its real and
-    imaginary parts as contiguous tensors (made once a forward, read by every layer);
-    converting twice keeps it."""
+    imaginary parts as contiguous fp32 tensors (cos / sin of HF's angles, made once a
+    forward, read by every layer); converting twice keeps it. On CUDA the parts equal
+    freqs_cis's bit for bit (cosf / sinf either way); on the CPU torch.cos and polar's
+    std::cos may differ by an ulp. Positions up to 160k, scaled and not."""
     cfg = tiny_config("v2")
     ref, model = build_pair(cfg)
     H.convert(model)
-    x = torch.randn(2, 5, cfg.hidden_size)
-    pos = torch.arange(3, 8).expand(2, 5)
-    exp = ref.model.rotary_emb(x, pos)                                   # [2, 5, R/2] complex
-    got = model.model.rotary_emb(x, pos)
-    assert isinstance(got, H.families.V2Rotary) and torch.equal(got.freqs_cis, exp)
-    for part, want in ((got.cos, exp.real), (got.sin, exp.imag)):
-        assert part.is_contiguous() and torch.equal(part, want)
+    ref, model = ref.to(device), model.to(device)
+    x = torch.randn(2, 5, cfg.hidden_size, device=device)
+    for pos in (torch.arange(3, 8), torch.tensor([1, 4097, 33333, 99991, 163839])):
+        pos = pos.to(device).expand(2, 5)
+        for s in (1.0, 0.7071):
+            ref.model.rotary_emb.attention_scaling = s
+            model.model.rotary_emb.attention_scaling = s
+            exp = ref.model.rotary_emb(x, pos)                           # [2, 5, R/2] complex
+            got = model.model.rotary_emb(x, pos)
+            assert isinstance(got, H.families.V2Rotary) and torch.equal(got.freqs_cis, exp)
+            for part, want in ((got.cos, exp.real), (got.sin, exp.imag)):
+                assert part.is_contiguous() and part.dtype == torch.float32
+                if device == "cuda":
+                    assert torch.equal(part, want)
+                else:
+                    torch.testing.assert_close(part, want, rtol=3e-7, atol=6e-8)
     cls = type(model.model.rotary_emb)
     H.convert(model)
     assert type(model.model.rotary_emb) is cls

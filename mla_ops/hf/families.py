@@ -56,11 +56,11 @@ import torch
 
 class V2Rotary(NamedTuple):
     """What a DeepSeek-V2 model's rotary module returns after convert(): HF's complex
-    freqs_cis [b, s, R/2], and its real and imaginary parts made contiguous once per
-    forward. The converted layers' kernels read the parts; taken from freqs_cis in each
-    layer instead, Inductor copied both out of the complex tensor in every layer (two small
-    kernels a layer of a compiled decode step). HF's own code gets freqs_cis back
-    (freqs_cis_of)."""
+    freqs_cis [b, s, R/2], and its real and imaginary parts, cos and sin of HF's angles
+    times its attention_scaling, computed in fp32 once per forward without the complex
+    tensor (one fused kernel of a compiled step, where freqs_cis, if nothing reads it, is
+    dropped). The converted layers' kernels read the parts; HF's own code gets freqs_cis
+    back (freqs_cis_of)."""
     freqs_cis: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
@@ -74,8 +74,11 @@ def freqs_cis_of(position_embeddings):
 
 
 def _v2_rotary_forward(self, x, position_ids):
-    freqs_cis = self.hf_forward(x, position_ids)                          # [b, s, R/2]
-    return V2Rotary(freqs_cis, freqs_cis.real.contiguous(), freqs_cis.imag.contiguous())
+    freqs_cis = self.hf_forward(x, position_ids)         # [b, s, R/2]; HF's rope updates run
+    inv_freq = self.inv_freq.to(device=x.device, dtype=torch.float)
+    angles = position_ids[..., None].float() * inv_freq                  # HF's, [b, s, R/2]
+    scale = self.attention_scaling                       # polar(1, a) * s = (cos a * s, sin a * s)
+    return V2Rotary(freqs_cis, torch.cos(angles) * scale, torch.sin(angles) * scale)
 
 
 @functools.cache
