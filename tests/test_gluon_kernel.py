@@ -337,3 +337,23 @@ def test_bf16_kernel_by_page():
     assert gd.bf16_kernel(128, 64) == (mla_decode_pair_kernel, gd.PAIR_CONFIG)
     assert gd.bf16_kernel(32, 4096) == (mla_decode_gluon_kernel, gd.CONFIG)
     assert gd.bf16_kernel(96, 4096) == (mla_decode_gluon_kernel, gd.CONFIG)
+
+
+def test_few_rows_splits_at_one_request():
+    """The few-rows kernel's split count: a split per 64-key tile at one request (up to the
+    SMs and MAX_SPLITS), the Triton backend's MIN_SPLIT_KEYS sizing from two requests on;
+    never more splits than tiles, and one split where one tile holds the request."""
+    from lowering.decode import gluon_decode as gd
+    from lowering.decode.triton_decode import MAX_SPLITS, choose_num_splits
+    assert gd.ONE_REQUEST_SPLIT_KEYS == gd.ROWS_CONFIGS[16]["BN"] == gd.FP8_CACHE_CONFIGS[16]["BN"]
+    assert gd.rows_splits(1, 1024, 132) == 16                      # 4 before (256-key splits)
+    assert gd.rows_splits(1, 4096, 132) == 64 == MAX_SPLITS
+    assert gd.rows_splits(1, 4096, 48) == 48                       # no more than the SMs
+    assert gd.rows_splits(1, 64, 132) == 1 and gd.rows_splits(1, 100, 132) == 2
+    for B, cap in ((2, 4096), (4, 4096), (8, 4096), (32, 1024), (128, 4096)):
+        assert gd.rows_splits(B, cap, 132) == choose_num_splits(
+            B, 1, cap, 132, min_split_keys=gd.MIN_SPLIT_KEYS)
+    for B in (1, 2, 3):
+        for cap in (64, 640, 1000, 4096, 1 << 20):
+            n = gd.rows_splits(B, cap, 132)
+            assert 1 <= n <= min(MAX_SPLITS, -(-cap // 64))          # no split without a tile

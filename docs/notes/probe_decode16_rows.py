@@ -6,6 +6,7 @@ FlashMLA, Gluon and Triton (step µs from events over 100 replays; ROUNDS altern
 
     python docs/notes/probe_decode16_rows.py [--steps v2-lite:32:1024,v2-lite:1:4096] [--rounds 2]
     python docs/notes/probe_decode16_rows.py --sweep       # split counts of the Gluon kernel
+    python docs/notes/probe_decode16_rows.py --few 1x1024,1x4096,2x4096   # one request's rule
 """
 import argparse, sys, torch
 sys.path[:0] = ["benchmarks", "docs/notes"]         # run from the repository root
@@ -82,6 +83,41 @@ def sweep_splits(H=16):
         torch.cuda.empty_cache()
 
 
+def sweep_few_requests(shapes, H=16):
+    """The few-rows kernel over a bf16 and an fp8 cache at one and two requests: the split
+    counts of MIN_SPLIT_KEYS' rule (old) and of rows_splits (new, starred) beside others,
+    µs from its first kernel's start to the merge's end in a CUDA-graph replay (profiler),
+    each after an L2 flush."""
+    from timing import capture, kernel_time_us
+    from lowering.decode.gluon_decode import (MIN_SPLIT_KEYS, gluon_decode_fp8_cache_op,
+                                              gluon_decode_op, rows_splits)
+    from lowering.decode.registry import sm_count
+    scale = 192 ** -0.5
+    for B, S in shapes:
+        q, kv, bt, lens = inputs(B, H, S)
+        k_scale = torch.full((1,), 0.05, device="cuda")
+        kv8 = (kv.float() / 0.05).clamp(-448, 448).to(torch.float8_e4m3fn)
+        sms = sm_count(q.device)
+        old = td.choose_num_splits(B, 1, S, sms, min_split_keys=MIN_SPLIT_KEYS)
+        new = rows_splits(B, S, sms)
+        for kind in ("bf16", "fp8"):
+            line = []
+            for n in sorted({old, new, 8, 16, 32, 48, 64}):
+                if n * 64 > S or n > td.MAX_SPLITS:
+                    continue
+                if kind == "bf16":
+                    fn = lambda n=n: gluon_decode_op(q, kv, bt, lens, scale, True, n)
+                else:
+                    fn = lambda n=n: gluon_decode_fp8_cache_op(q, kv8, bt, lens, k_scale, scale,
+                                                               True, n)
+                us = kernel_time_us(capture(fn, 2).replay, reps=20)
+                tag = ("*" if n == new else "") + ("(old)" if n == old else "")
+                line.append(f"{n}{tag}: {us:.1f}")
+            print(f"{kind} B{B} S{S} (µs): " + ", ".join(line), flush=True)
+        del q, kv, kv8, bt, lens
+        torch.cuda.empty_cache()
+
+
 def step_us(shape, B, S, only):
     """A DecodeGraph step's µs with the bf16 decode route `only` (and the reference)."""
     from probe_step_kernels import replay_us
@@ -103,10 +139,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip-attention", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="the Gluon kernel's split counts only")
+    ap.add_argument("--few", default="", help="BxS,...: the split counts at a few requests, "
+                    "bf16 and fp8 caches, the old rule against rows_splits")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     if args.sweep:
         sweep_splits()
+        return
+    if args.few:
+        sweep_few_requests([tuple(int(v) for v in x.split("x")) for x in args.few.split(",")])
         return
     if not args.skip_attention:
         attention()

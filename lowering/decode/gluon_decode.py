@@ -31,8 +31,8 @@ and each request's split size is derived on the device from its length, so repla
 changing lengths stay correct. Lengths and page ids are
 bounded in the kernels (as in the Triton kernel), so no clamp kernels run before them.
 Splits: as the Triton backend sizes them (batch x row blocks x splits about fills the
-GPU once), with at least MIN_SPLIT_KEYS keys per split; the partials are merged by
-triton_merge_kernel.
+GPU once), with at least MIN_SPLIT_KEYS keys per split (the few-rows kernel at one
+request: ONE_REQUEST_SPLIT_KEYS); the partials are merged by triton_merge_kernel.
 """
 from __future__ import annotations
 
@@ -57,6 +57,11 @@ FP8_LONG_SPLIT = 1024
 # 8 x 32 does in the fp8-query mode (docs/notes/NOTES-decode-fp8.md).
 BF16Q_CONFIG = dict(BN=32, STAGES=6)
 MIN_SPLIT_KEYS = 256
+# The few-rows kernel at one request: a split per 64-key tile (up to the GPU's SMs and
+# MAX_SPLITS). Its calls there are latency, not bytes: on an H100 (probe_decode16_rows.py
+# --sweep, the merge included) 1 x 4096 went 14.3 -> 13.1 µs from 16 splits to 64, 1 x
+# 1024 13.2 -> 9.9 from 4 to 16; from four requests on, 16 splits of 4096 stay the best.
+ONE_REQUEST_SPLIT_KEYS = 64
 NUM_WARPS = 4           # the default partition: consumer warpgroup 0
 # The few-rows kernel (gluon_rows_kernel.py, bf16 q), by cache and query rows padded to NR
 # = 16 or 32: tiles of 64 keys (the M side of its MMAs) in a ring of STAGES. Over an fp8
@@ -322,6 +327,14 @@ def _merge(o1, l1, out, lse, splits):
         SPLIT_BLOCK=min(16, triton.next_power_of_2(splits)), BLOCK_L=bl, num_warps=4)
 
 
+def rows_splits(B: int, capacity: int, sms: int) -> int:
+    """The few-rows kernel's splits for B requests whose table addresses capacity keys:
+    the Triton backend's sizing, with a split as short as one tile at one request."""
+    from lowering.decode.triton_decode import choose_num_splits
+    keys = ONE_REQUEST_SPLIT_KEYS if B == 1 else MIN_SPLIT_KEYS
+    return choose_num_splits(B, 1, capacity, sms, min_split_keys=keys)
+
+
 def _launch_rows(q, kv_cache, block_table, cache_seqlens, k_scale, softmax_scale, causal,
                  num_splits):
     """gluon_rows_kernel.py (one CTA per request and split; an fp8 cache where k_scale is
@@ -332,7 +345,7 @@ def _launch_rows(q, kv_cache, block_table, cache_seqlens, k_scale, softmax_scale
     from lowering.decode.gluon_common import LOG2E
     from lowering.decode.gluon_rows_kernel import mla_decode_rows_kernel
     from lowering.decode.registry import sm_count
-    from lowering.decode.triton_decode import choose_num_splits, stage1_outputs
+    from lowering.decode.triton_decode import stage1_outputs
 
     B, s_q, H, D = q.shape
     num_blocks, page, _ = kv_cache.shape
@@ -342,8 +355,7 @@ def _launch_rows(q, kv_cache, block_table, cache_seqlens, k_scale, softmax_scale
     if page % BN:
         raise ValueError(f"the gluon few-rows kernel needs block_size to be a multiple of {BN}, "
                          f"kv_cache has block_size {page}")
-    splits = num_splits or choose_num_splits(B, 1, block_table.shape[1] * page,
-                                             sm_count(q.device), min_split_keys=MIN_SPLIT_KEYS)
+    splits = num_splits or rows_splits(B, block_table.shape[1] * page, sm_count(q.device))
     _check_tma_aligned("kv_cache", kv_cache)
     el = gl.float8e4nv if fp8 else gl.bfloat16
     lay_k = gl.NVMMASharedLayout.get_default_for([BN, 64], el)
