@@ -19,7 +19,8 @@ power of two, N_GROUP and GROUP_SIZE too) the groups are the rows of [N_GROUP, G
 and ranked all at once, else masks over the [BLOCK_E] lanes, one group at a time. Every
 selection (the groups' top-2, the groups, the experts) is rounds of "largest value, lowest
 lane holding it" (one (value, lane) reduction, tl.max's return_indices with ties to the
-left), the winner knocked out before the next round, so
+left; the experts' rounds carry the winner's score in the same reduction, (value, lane,
+score) through _take_larger), the winner knocked out before the next round, so
 equal values go to the LOWER index, the rule of torch.topk on CUDA (its radix select keeps
 the lowest indices among the values equal to the k-th); the chosen set is then the one
 torch's topk keeps. Outputs are in the order chosen: descending value, ties lower index
