@@ -33,7 +33,8 @@ BACKENDS, flashmla below 64 heads only past SMALL_DECODE_POSITIONS positions a c
 64 heads only past FEW_REQUESTS requests where gluon serves; mla_decode_fp8q: flashmla,
 gluon, triton = FP8Q_BACKENDS; in the batch-invariant mode, lowering.config.batch_invariant,
 the Triton kernels); an explicit backend that cannot serve a call raises
-BackendUnavailable naming the unmet condition. Eager calls are counted per route in `backend_choices`.
+BackendUnavailable naming the unmet condition. Eager calls are counted per route in
+`backend_choices`.
 
 Checks (lowering.checks): shapes, dtypes and devices always; the values (lengths and
 block ids in range) of CPU inputs always, of CUDA inputs with validate=True or

@@ -57,11 +57,8 @@ FP8_LONG_SPLIT = 1024
 # 8 x 32 does in the fp8-query mode (docs/notes/NOTES-decode-fp8.md).
 BF16Q_CONFIG = dict(BN=32, STAGES=6)
 MIN_SPLIT_KEYS = 256
-# The few-rows kernel at one request: a split per 64-key tile (up to the GPU's SMs and
-# MAX_SPLITS). Its calls there are latency, not bytes: on an H100 (docs/notes/
-# probe_decode16_rows.py --few, the merge included), µs with 256-key splits -> one tile:
-# bf16 cache 1 x 1024 12.9 -> 9.8, 1 x 4096 14.3 -> 13.3; fp8 cache 14.4 -> 9.6, 14.7 ->
-# 11.6. At four requests 16 splits of 4096 keys stayed the best (--sweep).
+# The few-rows kernel at one request, bound by latency, not bytes: a split per 64-key
+# tile (1.08-1.5x on an H100; BENCHMARKS.md, "16-head decode at one request").
 ONE_REQUEST_SPLIT_KEYS = 64
 NUM_WARPS = 4           # the default partition: consumer warpgroup 0
 # The few-rows kernel (gluon_rows_kernel.py, bf16 q), by cache and query rows padded to NR
