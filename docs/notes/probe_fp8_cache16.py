@@ -1,5 +1,5 @@
 """fp8 cache at 16 heads (H200 probe, not maintained): the Gluon fp8-cache kernel
-(gluon_rows_kernel.py) at ring depths 2 and 3 against our bf16 decode (FlashMLA's
+(gluon_rows_kernel.py) at ring depths 2, 3 and 4 against our bf16 decode (FlashMLA's
 kernels with the schedule outside the call, and the Triton kernel), the Triton fp8-cache
 kernel and FlashMLA's fp8 kernel (fp8 query), each call captured in a CUDA graph and
 timed by the profiler's kernel span (benchmarks/timing.py); the fp8 outputs checked
@@ -87,7 +87,7 @@ def main():
             kernels = [("", current)] + ([(" baseline", baseline)] if baseline else [])
             for name, kernel in kernels:
                 rk.mla_decode_rows_kernel = kernel
-                for stages in (2, 3):
+                for stages in (2, 3, 4):
                     gd.FP8_CACHE_CONFIGS[16] = dict(base, STAGES=stages)
                     run = lambda: gd.gluon_decode_fp8_cache(q, kv8, bt, lens, ks, SCALE, True)
                     key = f"gluon fp8kv{name} s{stages}"
