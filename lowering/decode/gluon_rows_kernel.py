@@ -40,22 +40,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from lowering.decode.gluon_common import load_ring, tma_load
-
-# FP8 at 16 rows: P V's values as the MMA's register operand, never widened into shared
-# memory. Row r = 16 w + 8 h + g of chunk c's accumulator (warp w, lane group g) is value
-# column 128 w + 16 g + 2 c + h, so a thread's rows in the eight chunks are 16 consecutive
-# columns of one box: one 16-byte load per key. V_L loads the slot's eight value boxes as
-# [box * 64 + key, 64]: registers hold 16 columns and the keys 2t, 2t + 1, 2t + 8, 2t + 9
-# (+ 16 kb) that lane t holds in the MMA's A operand; lanes and warps pick the run. (A
-# load's four keys have one parity, so its 64-byte rows share half the banks: 2-way.)
-V_L = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0], [16, 0], [32, 0]],
-    lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [64, 0]],
-    warp_bases=[[128, 0], [256, 0]], block_bases=[], shape=[512, 64]))
-ACC16_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                 instr_shape=[16, 16, 16]))
-VT_L = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=ACC16_L, k_width=2))
+from lowering.decode.gluon_common import load_ring
 
 
 @gluon.jit
@@ -130,47 +115,6 @@ def _store_chunk(acc, inv, c: gl.constexpr, o_ptr, o_row0, ROWS: gl.constexpr,
 
 
 @gluon.jit
-def _values(sK, s, key0, end, BN: gl.constexpr, NCH: gl.constexpr, STAGES: gl.constexpr):
-    """Ring slot s's values as eight fp16 A operands [64 permuted columns, BN keys] (V_L's
-    header); keys at or past end become 0 in a split's last tile."""
-    v = sK.index(s).load(V_L).to(gl.float16)                       # [box * BN + key, 64]
-    if key0 + BN > end:
-        r = gl.arange(0, 8 * BN, layout=gl.SliceLayout(1, V_L))
-        v = gl.where((key0 + r % BN < end)[:, None], v, gl.zeros_like(v))
-    v = gl.reshape(v, [4, 2, BN, 4, 8, 2])                         # [w, g >> 2, key, g & 3, c, h]
-    v = gl.permute(v, [0, 5, 1, 3, 2, 4])                          # [w, h, g >> 2, g & 3, key, c]
-    v = gl.reshape(v, [64, BN, 2, 2, 2])                           # [row, key, c >> 2, c >> 1 & 1, c & 1]
-    e, o = gl.split(v)                                             # c even / odd
-    e0, e1 = gl.split(e)
-    o0, o1 = gl.split(o)
-    v0, v4 = gl.split(e0)
-    v2, v6 = gl.split(e1)
-    v1, v5 = gl.split(o0)
-    v3, v7 = gl.split(o1)
-    return (gl.convert_layout(v0, VT_L), gl.convert_layout(v1, VT_L),
-            gl.convert_layout(v2, VT_L), gl.convert_layout(v3, VT_L),
-            gl.convert_layout(v4, VT_L), gl.convert_layout(v5, VT_L),
-            gl.convert_layout(v6, VT_L), gl.convert_layout(v7, VT_L))
-
-
-@gluon.jit
-def _store_permuted(acc, inv, c: gl.constexpr, o_ptr, o_row0, ROWS: gl.constexpr,
-                    NR: gl.constexpr, DIRECT: gl.constexpr):
-    """Chunk c of the register-values path: acc [64, NR] (row r is value column
-    128 (r >> 4) + 16 (r & 7) + 2 c + (r >> 3 & 1), V_L's header) times inv [NR]."""
-    o = acc * inv[None, :]
-    r = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC16_L))
-    n = gl.arange(0, NR, layout=gl.SliceLayout(0, ACC16_L))
-    col = 128 * (r // 16) + 16 * (r % 8) + 2 * c + (r // 8) % 2
-    ptrs = o_ptr + (o_row0 + n)[None, :].to(gl.int64) * 512 + col[:, None]
-    mask = (n[None, :] < ROWS) & (col[:, None] < 512)
-    if DIRECT:
-        gl.store(ptrs, o.to(gl.bfloat16), mask=mask)
-    else:
-        gl.store(ptrs, o, mask=mask)
-
-
-@gluon.jit
 def _q_terms(q_ptr, sQ, b, ROWS: gl.constexpr, NR: gl.constexpr):
     """FP8: q [NR, 576] (rows past ROWS 0) as two e4m3 terms, hi = e4m3(q s) and lo =
     e4m3(q s - hi), with s [NR] a power of two per row that brings its largest |q| into
@@ -231,7 +175,6 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
               NCH: gl.constexpr, DIRECT: gl.constexpr, CAUSAL: gl.constexpr,
               FP8: gl.constexpr):
     ROWS: gl.constexpr = S_Q * H
-    REG_V: gl.constexpr = FP8 and NR == 16        # P V's values from registers (V_L)
     if FP8:
         f16: gl.constexpr = gl.float16
     else:
@@ -284,24 +227,12 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
         if FP8:
             # S^T [BN, 2 NR] = K8 [hi; lo]^T: 9 chained fp8 MMAs over the ring slot, while
             # this warpgroup widens the slot's value chunks for P V; hi + lo once both end
-            if REG_V:       # sK [STAGES, 8 BN, 64]: the values; sW [STAGES, BN, 64]: rope
-                tok = warpgroup_mma(sK.index(s + z).slice(0, BN), sQ.index(z).permute((1, 0)),
-                                    gl.zeros([BN, 2 * NR], gl.float32, s2_l), is_async=True)
-                for c in gl.static_range(1, NCH - 1):
-                    tok = warpgroup_mma(sK.index(s + z).slice(c * BN, BN),
-                                        sQ.index(c + z).permute((1, 0)), tok, is_async=True)
-                tok = warpgroup_mma(sW.index(s + z), sQ.index(NCH - 1 + z).permute((1, 0)),
+            tok = warpgroup_mma(sK.index(s * NCH + z), sQ.index(z).permute((1, 0)),
+                                gl.zeros([BN, 2 * NR], gl.float32, s2_l), is_async=True)
+            for c in gl.static_range(1, NCH):
+                tok = warpgroup_mma(sK.index(s * NCH + z + c), sQ.index(c + z).permute((1, 0)),
                                     tok, is_async=True)
-            else:
-                tok = warpgroup_mma(sK.index(s * NCH + z), sQ.index(z).permute((1, 0)),
-                                    gl.zeros([BN, 2 * NR], gl.float32, s2_l), is_async=True)
-                for c in gl.static_range(1, NCH):
-                    tok = warpgroup_mma(sK.index(s * NCH + z + c),
-                                        sQ.index(c + z).permute((1, 0)), tok, is_async=True)
-            if REG_V:
-                v0, v1, v2, v3, v4, v5, v6, v7 = _values(sK, s, key0, end, BN, NCH, STAGES)
-            else:
-                _widen(sK, s, sW, key0, end, BN)
+            _widen(sK, s, sW, key0, end, BN)
             s2 = warpgroup_mma_wait(num_outstanding=0, deps=[tok])
             mbarrier.arrive(kv_empty.index(s), count=1)
             hi, lo = gl.split(gl.permute(gl.reshape(s2, [BN, 2, NR]), [0, 2, 1]))
@@ -336,24 +267,14 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
         # O^T += V^T P^T, per 64 value columns (V^T: the tile read MN-major)
         a = alpha[None, :]
         pt = sP.permute((1, 0))
-        if REG_V:
-            acc0 = warpgroup_mma(v0, pt, acc0 * a, is_async=True)
-            acc1 = warpgroup_mma(v1, pt, acc1 * a, is_async=True)
-            acc2 = warpgroup_mma(v2, pt, acc2 * a, is_async=True)
-            acc3 = warpgroup_mma(v3, pt, acc3 * a, is_async=True)
-            acc4 = warpgroup_mma(v4, pt, acc4 * a, is_async=True)
-            acc5 = warpgroup_mma(v5, pt, acc5 * a, is_async=True)
-            acc6 = warpgroup_mma(v6, pt, acc6 * a, is_async=True)
-            acc7 = warpgroup_mma(v7, pt, acc7 * a, is_async=True)
-        else:
-            acc0 = warpgroup_mma(sA.index(a0 + 0).permute((1, 0)), pt, acc0 * a, is_async=True)
-            acc1 = warpgroup_mma(sA.index(a0 + 1).permute((1, 0)), pt, acc1 * a, is_async=True)
-            acc2 = warpgroup_mma(sA.index(a0 + 2).permute((1, 0)), pt, acc2 * a, is_async=True)
-            acc3 = warpgroup_mma(sA.index(a0 + 3).permute((1, 0)), pt, acc3 * a, is_async=True)
-            acc4 = warpgroup_mma(sA.index(a0 + 4).permute((1, 0)), pt, acc4 * a, is_async=True)
-            acc5 = warpgroup_mma(sA.index(a0 + 5).permute((1, 0)), pt, acc5 * a, is_async=True)
-            acc6 = warpgroup_mma(sA.index(a0 + 6).permute((1, 0)), pt, acc6 * a, is_async=True)
-            acc7 = warpgroup_mma(sA.index(a0 + 7).permute((1, 0)), pt, acc7 * a, is_async=True)
+        acc0 = warpgroup_mma(sA.index(a0 + 0).permute((1, 0)), pt, acc0 * a, is_async=True)
+        acc1 = warpgroup_mma(sA.index(a0 + 1).permute((1, 0)), pt, acc1 * a, is_async=True)
+        acc2 = warpgroup_mma(sA.index(a0 + 2).permute((1, 0)), pt, acc2 * a, is_async=True)
+        acc3 = warpgroup_mma(sA.index(a0 + 3).permute((1, 0)), pt, acc3 * a, is_async=True)
+        acc4 = warpgroup_mma(sA.index(a0 + 4).permute((1, 0)), pt, acc4 * a, is_async=True)
+        acc5 = warpgroup_mma(sA.index(a0 + 5).permute((1, 0)), pt, acc5 * a, is_async=True)
+        acc6 = warpgroup_mma(sA.index(a0 + 6).permute((1, 0)), pt, acc6 * a, is_async=True)
+        acc7 = warpgroup_mma(sA.index(a0 + 7).permute((1, 0)), pt, acc7 * a, is_async=True)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
             num_outstanding=0, deps=[acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7])
         if not FP8:
@@ -372,16 +293,6 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
         o_row0 = (b * num_splits + split) * ROWS
         lse_off = o_row0 + rows
     gl.store(lse_ptr + lse_off, lse, mask=rows < ROWS)
-    if REG_V:
-        _store_permuted(acc0, inv, 0, o_ptr, o_row0, ROWS, NR, DIRECT)
-        _store_permuted(acc1, inv, 1, o_ptr, o_row0, ROWS, NR, DIRECT)
-        _store_permuted(acc2, inv, 2, o_ptr, o_row0, ROWS, NR, DIRECT)
-        _store_permuted(acc3, inv, 3, o_ptr, o_row0, ROWS, NR, DIRECT)
-        _store_permuted(acc4, inv, 4, o_ptr, o_row0, ROWS, NR, DIRECT)
-        _store_permuted(acc5, inv, 5, o_ptr, o_row0, ROWS, NR, DIRECT)
-        _store_permuted(acc6, inv, 6, o_ptr, o_row0, ROWS, NR, DIRECT)
-        _store_permuted(acc7, inv, 7, o_ptr, o_row0, ROWS, NR, DIRECT)
-        return
     _store_chunk(acc0, inv, 0, o_ptr, o_row0, ROWS, NR, DIRECT)
     _store_chunk(acc1, inv, 1, o_ptr, o_row0, ROWS, NR, DIRECT)
     _store_chunk(acc2, inv, 2, o_ptr, o_row0, ROWS, NR, DIRECT)
@@ -405,35 +316,10 @@ def _consume(cargs, pargs, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.conste
 
 @gluon.jit
 def _load(pargs, BN: gl.constexpr, STAGES: gl.constexpr, NCH: gl.constexpr,
-          PAGE: gl.constexpr, KV_BYTES: gl.constexpr, REG_V: gl.constexpr):
-    kv_desc, table_ptr, kv_full, kv_empty, sK, sW, b, start, n_tiles, stride_bt, num_blocks = pargs
-    if REG_V:
-        _load_apart(kv_desc, table_ptr, kv_full, kv_empty, sK, sW, b, start, n_tiles,
-                    stride_bt, num_blocks, BN, PAGE, STAGES)
-    else:
-        load_ring(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
-                  num_blocks, BN, PAGE, STAGES, NCH, KV_BYTES)
-
-
-@gluon.jit
-def _load_apart(kv_desc, table_ptr, kv_full, kv_empty, sV, sR, b, start, n_tiles, stride_bt,
-                num_blocks, BN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr):
-    """load_ring's loop with slot s's eight value boxes as one view sV.index(s) [8 BN, 64]
-    (for _values) and its rope box apart, sR.index(s)."""
-    nxt = gl.load(table_ptr + b * stride_bt + start // PAGE, mask=n_tiles > 0, other=0)
-    for i in range(n_tiles):
-        s = i % STAGES
-        key = start + i * BN
-        page = nxt
-        nxt = gl.load(table_ptr + b * stride_bt + (key + BN) // PAGE, mask=i + 1 < n_tiles,
-                      other=0)
-        mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)
-        page = gl.minimum(gl.maximum(page, 0), num_blocks - 1)
-        row = page * PAGE + key % PAGE
-        mbarrier.expect(kv_full.index(s), 9 * BN * 64)
-        for c in gl.static_range(8):
-            tma_load(kv_desc, [row, c * 64], kv_full.index(s), sV.index(s).slice(c * BN, BN))
-        tma_load(kv_desc, [row, 512], kv_full.index(s), sR.index(s))
+          PAGE: gl.constexpr, KV_BYTES: gl.constexpr):
+    kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt, num_blocks = pargs
+    load_ring(kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
+              num_blocks, BN, PAGE, STAGES, NCH, KV_BYTES)
 
 
 @gluon.jit
@@ -445,7 +331,6 @@ def mla_decode_rows_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, l
     """grid (B, num_splits); 4 warps (the consumer) plus the producer warp. FP8: an e4m3
     cache (widened), else bf16 (the ring slots are the MMAs' tiles)."""
     NCH: gl.constexpr = 9                       # 576 = 8 value chunks of 64 + the rope chunk
-    REG_V: gl.constexpr = FP8 and NR == 16      # P V's values from registers (V_L)
     b = gl.program_id(0)
     split = gl.program_id(1)
     # lengths bounded here (CUDA-graph replays are not checked on the host)
@@ -458,13 +343,9 @@ def mla_decode_rows_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, l
     if FP8:
         kv: gl.constexpr = gl.float8e4nv
         KV_BYTES: gl.constexpr = 1
-        if REG_V:       # the values go to registers (V_L): sW holds the slots' rope boxes
-            sW = gl.allocate_shared_memory(kv, [STAGES, BN, 64],
-                                           gl.NVMMASharedLayout.get_default_for([BN, 64], kv))
-        else:
-            sW = gl.allocate_shared_memory(gl.float16, [NCH - 1, BN, 64],        # the values
-                                           gl.NVMMASharedLayout.get_default_for([BN, 64],
-                                                                                gl.float16))
+        sW = gl.allocate_shared_memory(gl.float16, [NCH - 1, BN, 64],            # the values
+                                       gl.NVMMASharedLayout.get_default_for([BN, 64],
+                                                                            gl.float16))
         sQ = gl.allocate_shared_memory(kv, [NCH, 2 * NR, 64],                    # [hi; lo]
                                        gl.NVMMASharedLayout.get_default_for([2 * NR, 64], kv))
         sP = gl.allocate_shared_memory(gl.float16, [NR, BN],
@@ -478,12 +359,8 @@ def mla_decode_rows_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, l
                                        gl.NVMMASharedLayout.get_default_for([NR, 64], kv))
         sP = gl.allocate_shared_memory(kv, [NR, BN],
                                        gl.NVMMASharedLayout.get_default_for([NR, BN], kv))
-    if REG_V:           # each slot's value boxes as one view [8 BN, 64] (rope: sW)
-        sK = gl.allocate_shared_memory(kv, [STAGES, 8 * BN, 64],
-                                       gl.NVMMASharedLayout.get_default_for([BN, 64], kv))
-    else:
-        sK = gl.allocate_shared_memory(kv, [STAGES * NCH, BN, 64],
-                                       gl.NVMMASharedLayout.get_default_for([BN, 64], kv))
+    sK = gl.allocate_shared_memory(kv, [STAGES * NCH, BN, 64],
+                                   gl.NVMMASharedLayout.get_default_for([BN, 64], kv))
     kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -492,9 +369,9 @@ def mla_decode_rows_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, l
 
     cargs = (q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split, seqlen,
              start, end, n_tiles, sm_scale_log2, num_splits)
-    pargs = (kv_desc, table_ptr, kv_full, kv_empty, sK, sW, b, start, n_tiles, stride_bt,
+    pargs = (kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
              num_blocks)
     gl.warp_specialize([(_consume, (cargs, pargs, BN, NR, STAGES, NCH, S_Q, H, PAGE, DIRECT,
                                     CAUSAL, FP8)),
-                        (_load, (pargs, BN, STAGES, NCH, PAGE, KV_BYTES, REG_V))],
+                        (_load, (pargs, BN, STAGES, NCH, PAGE, KV_BYTES))],
                        [1], [24])
