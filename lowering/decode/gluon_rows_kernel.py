@@ -40,14 +40,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from lowering.decode.gluon_common import load_ring, tma_load
-
-# a barrier of the calling partition's warps (renamed after triton 3.6)
-_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+from lowering.decode.gluon_common import load_ring
 
 
 @gluon.jit
-def _widen(sK, s, sW, w0, key0, end, BN: gl.constexpr):
+def _widen(sK, s, sW, key0, end, BN: gl.constexpr):
     """Ring slot s's eight value chunks [BN, 64] e4m3 -> sW fp16; in a split's last tile
     keys at or past end become 0 (unwritten rows may hold NaN, and 0 x NaN is NaN). All
     eight are read before the first is written back, so the shared-memory loads overlap.
@@ -63,25 +60,25 @@ def _widen(sK, s, sW, w0, key0, end, BN: gl.constexpr):
     x7 = sK.index(s * 9 + 7).load(w_l)
     keep = (key0 + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l)) < end)[:, None]
     if key0 + BN > end:
-        _put_all(sW, w0, x0, x1, x2, x3, x4, x5, x6, x7, keep, True)
+        _put_all(sW, x0, x1, x2, x3, x4, x5, x6, x7, keep, True)
     else:
-        _put_all(sW, w0, x0, x1, x2, x3, x4, x5, x6, x7, keep, False)
+        _put_all(sW, x0, x1, x2, x3, x4, x5, x6, x7, keep, False)
 
 
 @gluon.jit
-def _put_all(sW, w0, x0, x1, x2, x3, x4, x5, x6, x7, keep, MASKED: gl.constexpr):
-    _put(sW, w0 + 0, x0, keep, MASKED)
-    _put(sW, w0 + 1, x1, keep, MASKED)
-    _put(sW, w0 + 2, x2, keep, MASKED)
-    _put(sW, w0 + 3, x3, keep, MASKED)
-    _put(sW, w0 + 4, x4, keep, MASKED)
-    _put(sW, w0 + 5, x5, keep, MASKED)
-    _put(sW, w0 + 6, x6, keep, MASKED)
-    _put(sW, w0 + 7, x7, keep, MASKED)
+def _put_all(sW, x0, x1, x2, x3, x4, x5, x6, x7, keep, MASKED: gl.constexpr):
+    _put(sW, 0, x0, keep, MASKED)
+    _put(sW, 1, x1, keep, MASKED)
+    _put(sW, 2, x2, keep, MASKED)
+    _put(sW, 3, x3, keep, MASKED)
+    _put(sW, 4, x4, keep, MASKED)
+    _put(sW, 5, x5, keep, MASKED)
+    _put(sW, 6, x6, keep, MASKED)
+    _put(sW, 7, x7, keep, MASKED)
 
 
 @gluon.jit
-def _put(sW, c, x, keep, MASKED: gl.constexpr):
+def _put(sW, c: gl.constexpr, x, keep, MASKED: gl.constexpr):
     """Chunk c of the widened tile: x [BN, 64] e4m3 as fp16, rows not kept 0 where MASKED."""
     y = x.to(gl.float16)
     if MASKED:
@@ -151,21 +148,6 @@ def _q_terms(q_ptr, sQ, b, ROWS: gl.constexpr, NR: gl.constexpr):
     _put_terms(sQ, 7, x7, s, NR)
     _put_terms(sQ, 8, x8, s, NR)
     return s
-
-
-@gluon.jit
-def _q_scale(q_ptr, b, ROWS: gl.constexpr, NR: gl.constexpr):
-    """_q_terms' s [NR] alone (nothing stored)."""
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])       # [16, 64]
-    qr = gl.arange(0, NR, layout=gl.SliceLayout(1, q_l))
-    qc = gl.arange(0, 64, layout=gl.SliceLayout(0, q_l))
-    q_rows = q_ptr + (b * ROWS + qr)[:, None].to(gl.int64) * 576 + qc[None, :]
-    q_mask = (qr[:, None] < ROWS) & (qc[None, :] < 64)
-    amax = gl.zeros([NR], gl.float32, gl.SliceLayout(1, q_l))
-    for c in gl.static_range(9):
-        amax = gl.maximum(amax, _amax(gl.load(q_rows + 64 * c, mask=q_mask,
-                                              other=0.0).to(gl.float32)))
-    return gl.exp2(gl.floor(gl.log2(256.0 / gl.maximum(amax, 1e-30))))
 
 
 @gluon.jit
@@ -250,7 +232,7 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
             for c in gl.static_range(1, NCH):
                 tok = warpgroup_mma(sK.index(s * NCH + z + c), sQ.index(c + z).permute((1, 0)),
                                     tok, is_async=True)
-            _widen(sK, s, sW, 0, key0, end, BN)
+            _widen(sK, s, sW, key0, end, BN)
             s2 = warpgroup_mma_wait(num_outstanding=0, deps=[tok])
             mbarrier.arrive(kv_empty.index(s), count=1)
             hi, lo = gl.split(gl.permute(gl.reshape(s2, [BN, 2, NR]), [0, 2, 1]))
@@ -393,190 +375,3 @@ def mla_decode_rows_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, l
                                     CAUSAL, FP8)),
                         (_load, (pargs, BN, STAGES, NCH, PAGE, KV_BYTES))],
                        [1], [24])
-
-
-# ---- FP8 at 16 rows: two consumer warpgroups on alternate tiles ("ping-pong") ----------
-# Warpgroup W takes tiles W, W + 2, ... of the CTA's split through ring slot W, which it
-# refills itself (tile i + 2) once its QK and widening have read tile i, and keeps its own
-# online softmax, widened values and P; each writes its result as a split of its own
-# (partial 2 split + W), which the merge adds. One tile's chain (QK, widen, softmax, P V)
-# then overlaps the other warpgroup's.
-
-
-@gluon.jit
-def _pp_refill(kv_desc, table_ptr, kv_full, sK, W: gl.constexpr, i, n_tiles, b, start,
-               stride_bt, num_blocks, BN: gl.constexpr, PAGE: gl.constexpr,
-               NCH: gl.constexpr):
-    """Tile i of the split, if there is one, into ring slot W (NCH TMA boxes)."""
-    ok = i < n_tiles
-    key = start + i * BN
-    page = gl.load(table_ptr + b * stride_bt + key // PAGE, mask=ok, other=0)
-    page = gl.minimum(gl.maximum(page, 0), num_blocks - 1)
-    row = page * PAGE + key % PAGE
-    bar = kv_full.index(W)
-    mbarrier.expect(bar, NCH * BN * 64, pred=ok)
-    for c in gl.static_range(NCH):
-        tma_load(kv_desc, [row, c * 64], bar, sK.index(W * NCH + c), pred=ok)
-
-
-@gluon.jit
-def _pp_consumer(W: gl.constexpr, args, S_Q: gl.constexpr, H: gl.constexpr,
-                 BN: gl.constexpr, NR: gl.constexpr, NCH: gl.constexpr, PAGE: gl.constexpr,
-                 CAUSAL: gl.constexpr):
-    (q_ptr, ks_ptr, o_ptr, lse_ptr, kv_desc, table_ptr, kv_full, q_bar, sK, sW, sQ, sP, b,
-     split, seqlen, start, end, n_tiles, sm_scale_log2, num_splits, stride_bt,
-     num_blocks) = args
-    ROWS: gl.constexpr = S_Q * H
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                 instr_shape=[16, NR, 16])
-    s2_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, 2 * NR, 32])
-    row_l: gl.constexpr = gl.SliceLayout(0, s_l)
-    key_l: gl.constexpr = gl.SliceLayout(1, s_l)
-    _pp_refill(kv_desc, table_ptr, kv_full, sK, W, W, n_tiles, b, start, stride_bt,
-               num_blocks, BN, PAGE, NCH)
-    if W == 0:          # the query's terms, once for both warpgroups
-        q_s = _q_terms(q_ptr, sQ, b, ROWS, NR)
-        fence_async_shared()
-        mbarrier.arrive(q_bar, count=1)
-    else:
-        q_s = _q_scale(q_ptr, b, ROWS, NR)
-    mbarrier.wait(q_bar, 0)
-    q_s = gl.convert_layout(q_s, row_l)
-    k_scale = gl.load(ks_ptr)
-    scale_log2 = (sm_scale_log2 * k_scale) / q_s                         # [NR]
-    rows = gl.arange(0, NR, layout=row_l)
-    if CAUSAL:
-        limit = seqlen - S_Q + rows // H + 1
-    else:
-        limit = rows * 0 + seqlen
-    m_i = gl.full([NR], float("-inf"), gl.float32, row_l)
-    l_acc = gl.zeros([BN, NR], gl.float32, s_l)
-    acc0 = gl.zeros([64, NR], gl.float32, s_l)
-    acc1 = gl.zeros([64, NR], gl.float32, s_l)
-    acc2 = gl.zeros([64, NR], gl.float32, s_l)
-    acc3 = gl.zeros([64, NR], gl.float32, s_l)
-    acc4 = gl.zeros([64, NR], gl.float32, s_l)
-    acc5 = gl.zeros([64, NR], gl.float32, s_l)
-    acc6 = gl.zeros([64, NR], gl.float32, s_l)
-    acc7 = gl.zeros([64, NR], gl.float32, s_l)
-    for j in range(gl.cdiv(gl.maximum(n_tiles - W, 0), 2)):
-        i = 2 * j + W
-        key0 = start + i * BN
-        mbarrier.wait(kv_full.index(W), j & 1)
-        z = gl.minimum(key0, 0)
-        tok = warpgroup_mma(sK.index(W * NCH + z), sQ.index(z).permute((1, 0)),
-                            gl.zeros([BN, 2 * NR], gl.float32, s2_l), is_async=True)
-        for c in gl.static_range(1, NCH):
-            tok = warpgroup_mma(sK.index(W * NCH + z + c), sQ.index(c + z).permute((1, 0)),
-                                tok, is_async=True)
-        _widen(sK, W, sW, W * 8, key0, end, BN)
-        s2 = warpgroup_mma_wait(num_outstanding=0, deps=[tok])
-        _barrier()                   # every warp's reads of the slot are done: refill it
-        fence_async_shared()
-        _pp_refill(kv_desc, table_ptr, kv_full, sK, W, i + 2, n_tiles, b, start, stride_bt,
-                   num_blocks, BN, PAGE, NCH)
-        hi, lo = gl.split(gl.permute(gl.reshape(s2, [BN, 2, NR]), [0, 2, 1]))
-        sc = gl.convert_layout(hi + lo, s_l)                                   # [BN, NR]
-        keys = key0 + gl.arange(0, BN, layout=key_l)
-        vis = (keys[:, None] < end) & (keys[:, None] < limit[None, :])
-        sc = gl.where(vis, sc * scale_log2[None, :], float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=0))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(sc - m_use[None, :])
-        l_acc = l_acc * alpha[None, :] + p
-        m_i = m_new
-        sPw = sP.index(W)
-        sPw.store(gl.permute(p.to(gl.float16), [1, 0]))                        # P [NR, BN]
-        fence_async_shared()
-        a = alpha[None, :]
-        pt = sPw.permute((1, 0))
-        a0 = W * 8 + z
-        acc0 = warpgroup_mma(sW.index(a0 + 0).permute((1, 0)), pt, acc0 * a, is_async=True)
-        acc1 = warpgroup_mma(sW.index(a0 + 1).permute((1, 0)), pt, acc1 * a, is_async=True)
-        acc2 = warpgroup_mma(sW.index(a0 + 2).permute((1, 0)), pt, acc2 * a, is_async=True)
-        acc3 = warpgroup_mma(sW.index(a0 + 3).permute((1, 0)), pt, acc3 * a, is_async=True)
-        acc4 = warpgroup_mma(sW.index(a0 + 4).permute((1, 0)), pt, acc4 * a, is_async=True)
-        acc5 = warpgroup_mma(sW.index(a0 + 5).permute((1, 0)), pt, acc5 * a, is_async=True)
-        acc6 = warpgroup_mma(sW.index(a0 + 6).permute((1, 0)), pt, acc6 * a, is_async=True)
-        acc7 = warpgroup_mma(sW.index(a0 + 7).permute((1, 0)), pt, acc7 * a, is_async=True)
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
-            num_outstanding=0, deps=[acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7])
-    l_i = gl.sum(l_acc, axis=0)
-    has = l_i > 0.0
-    l_safe = gl.where(has, l_i, 1.0)
-    lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    inv = k_scale / l_safe
-    o_row0 = (b * 2 * num_splits + 2 * split + W) * ROWS
-    gl.store(lse_ptr + o_row0 + rows, lse, mask=rows < ROWS)
-    _store_acc(acc0, inv, 0, o_ptr, o_row0, ROWS, NR)
-    _store_acc(acc1, inv, 1, o_ptr, o_row0, ROWS, NR)
-    _store_acc(acc2, inv, 2, o_ptr, o_row0, ROWS, NR)
-    _store_acc(acc3, inv, 3, o_ptr, o_row0, ROWS, NR)
-    _store_acc(acc4, inv, 4, o_ptr, o_row0, ROWS, NR)
-    _store_acc(acc5, inv, 5, o_ptr, o_row0, ROWS, NR)
-    _store_acc(acc6, inv, 6, o_ptr, o_row0, ROWS, NR)
-    _store_acc(acc7, inv, 7, o_ptr, o_row0, ROWS, NR)
-
-
-@gluon.jit
-def _store_acc(acc, inv, c: gl.constexpr, o_ptr, o_row0, ROWS: gl.constexpr,
-               NR: gl.constexpr):
-    """fp32 value columns [64 c, 64 c + 64) of the rows from acc [64, NR] (O^T) times inv
-    [NR], in the accumulator's own layout: a warp's stores are 32-byte runs of a row, and
-    no shared memory is needed to transpose them."""
-    acc_l: gl.constexpr = acc.type.layout
-    col = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
-    n = gl.arange(0, NR, layout=gl.SliceLayout(0, acc_l))
-    ptrs = o_ptr + (o_row0 + n)[None, :].to(gl.int64) * 512 + 64 * c + col[:, None]
-    gl.store(ptrs, acc * inv[None, :], mask=(n[None, :] < ROWS) & (col[:, None] < 64))
-
-
-@gluon.jit
-def _pp_wg0(args, S_Q: gl.constexpr, H: gl.constexpr, BN: gl.constexpr, NR: gl.constexpr,
-            NCH: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr):
-    _pp_consumer(0, args, S_Q, H, BN, NR, NCH, PAGE, CAUSAL)
-
-
-@gluon.jit
-def _pp_wg1(args, S_Q: gl.constexpr, H: gl.constexpr, BN: gl.constexpr, NR: gl.constexpr,
-            NCH: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr):
-    _pp_consumer(1, args, S_Q, H, BN, NR, NCH, PAGE, CAUSAL)
-
-
-@gluon.jit
-def mla_decode_rows_pp_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, lse_ptr,
-                              sm_scale_log2, stride_bt, max_blocks, num_blocks, num_splits,
-                              S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
-                              BN: gl.constexpr, NR: gl.constexpr, CAUSAL: gl.constexpr):
-    """grid (B, num_splits); 8 warps: two consumer warpgroups, no producer (see above).
-    An e4m3 cache at NR = 16; fp32 partials o [B, 2 num_splits, ROWS, 512] and lse [B,
-    2 num_splits, ROWS] for the merge."""
-    NCH: gl.constexpr = 9
-    b = gl.program_id(0)
-    split = gl.program_id(1)
-    seqlen = gl.minimum(gl.maximum(gl.load(lens_ptr + b), 1), max_blocks * PAGE)
-    chunk = gl.cdiv(gl.cdiv(seqlen, num_splits), BN) * BN
-    start = split * chunk
-    end = gl.minimum(start + chunk, seqlen)
-    n_tiles = gl.maximum(gl.cdiv(end - start, BN), 0)
-    kv: gl.constexpr = gl.float8e4nv
-    sK = gl.allocate_shared_memory(kv, [2 * NCH, BN, 64],
-                                   gl.NVMMASharedLayout.get_default_for([BN, 64], kv))
-    sW = gl.allocate_shared_memory(gl.float16, [2 * (NCH - 1), BN, 64],
-                                   gl.NVMMASharedLayout.get_default_for([BN, 64], gl.float16))
-    sQ = gl.allocate_shared_memory(kv, [NCH, 2 * NR, 64],
-                                   gl.NVMMASharedLayout.get_default_for([2 * NR, 64], kv))
-    sP = gl.allocate_shared_memory(gl.float16, [2, NR, BN],
-                                   gl.NVMMASharedLayout.get_default_for([NR, BN], gl.float16))
-    kv_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(kv_full.index(i), count=1)
-    mbarrier.init(q_bar, count=1)
-    args = (q_ptr, ks_ptr, o_ptr, lse_ptr, kv_desc, table_ptr, kv_full, q_bar, sK, sW, sQ, sP,
-            b, split, seqlen, start, end, n_tiles, sm_scale_log2, num_splits, stride_bt,
-            num_blocks)
-    gl.warp_specialize([(_pp_wg0, (args, S_Q, H, BN, NR, NCH, PAGE, CAUSAL)),
-                        (_pp_wg1, (args, S_Q, H, BN, NR, NCH, PAGE, CAUSAL))], [4], [240])
