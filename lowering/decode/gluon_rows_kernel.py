@@ -101,13 +101,15 @@ def _zero_tail(sK, s, key0, end, BN: gl.constexpr, NCH: gl.constexpr):
 @gluon.jit
 def _store_chunk(acc, inv, c: gl.constexpr, o_ptr, o_row0, ROWS: gl.constexpr,
                  NR: gl.constexpr, DIRECT: gl.constexpr):
-    """Value columns [64 c, 64 c + 64) of the rows: acc [64, NR] (O^T) times inv [NR]."""
-    st_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])     # [8, 64]
-    o = gl.convert_layout(gl.permute(acc * inv[None, :], [1, 0]), st_l)         # [NR, 64]
-    r = gl.arange(0, NR, layout=gl.SliceLayout(1, st_l))
-    col = gl.arange(0, 64, layout=gl.SliceLayout(0, st_l))
-    ptrs = o_ptr + (o_row0 + r)[:, None].to(gl.int64) * 512 + 64 * c + col[None, :]
-    mask = (r[:, None] < ROWS) & (col[None, :] < 64)
+    """Value columns [64 c, 64 c + 64) of the rows: acc [64, NR] (O^T) times inv [NR],
+    stored from the accumulator's own layout: a warp's stores are runs of 8 columns of a
+    row, and the transpose needs no trip through shared memory."""
+    acc_l: gl.constexpr = acc.type.layout
+    col = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+    r = gl.arange(0, NR, layout=gl.SliceLayout(0, acc_l))
+    ptrs = o_ptr + (o_row0 + r)[None, :].to(gl.int64) * 512 + 64 * c + col[:, None]
+    mask = (r[None, :] < ROWS) & (col[:, None] < 64)
+    o = acc * inv[None, :]
     if DIRECT:
         gl.store(ptrs, o.to(gl.bfloat16), mask=mask)
     else:
