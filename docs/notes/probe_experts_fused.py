@@ -23,8 +23,10 @@ order of the down sum (slices, then within them).
 
 --check runs the kernel under the interpreter on small shapes (ragged I, H; repeated and
 out-of-range experts; 1 and 5 tokens) against float64 and against the shipped kernels. On
-a GPU: µs of the two shipped kernels (with their sum) against the fused kernel (alone and
-with its sum), each captured in a CUDA graph, profiler span, L2 flushed.
+a GPU: µs of the two shipped kernels (alone, and with their sum) against the fused kernel
+(alone and with its sum), each captured in a CUDA graph, profiler span, L2 flushed.
+Measured on an H100 (BENCHMARKS.md, "16-head decode: the few-rows kernel's stores ..."):
+~2 µs under the two kernels at one V2-Lite row before its slices' sum; not adopted.
 """
 import argparse, os, sys
 
