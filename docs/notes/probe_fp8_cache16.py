@@ -85,11 +85,8 @@ def main():
             base = dict(gd.FP8_CACHE_CONFIGS[16])
             current = rk.mla_decode_rows_kernel
             kernels = [("", current)] + ([(" baseline", baseline)] if baseline else [])
-            pingpong = gd._pingpong
             for name, kernel in kernels:
                 rk.mla_decode_rows_kernel = kernel
-                if name:        # the baseline: the one-warpgroup kernel of its file
-                    gd._pingpong = lambda fp8, nr: False
                 for stages in (2, 3, 4):
                     gd.FP8_CACHE_CONFIGS[16] = dict(base, STAGES=stages)
                     run = lambda: gd.gluon_decode_fp8_cache(q, kv8, bt, lens, ks, SCALE, True)
@@ -102,14 +99,6 @@ def main():
                     except Exception as exc:
                         print(f"  {key} FAILED {type(exc).__name__}: {str(exc)[:300]}")
             rk.mla_decode_rows_kernel = current
-            gd._pingpong = pingpong
-            if B <= 4:      # the two-warpgroup kernel at half the splits (2 tiles a CTA)
-                n = gd.rows_splits(B, S, torch.cuda.get_device_properties(0).multi_processor_count)
-                if n >= 2:
-                    run = lambda: gd.gluon_decode_fp8_cache(q, kv8, bt, lens, ks, SCALE, True,
-                                                            n // 2)
-                    row[f"gluon fp8kv {n // 2} splits"] = t_graph(run)
-                    row[f"gluon fp8kv {n // 2} splits err"] = rel(run()[0], ref8)
             gd.FP8_CACHE_CONFIGS[16] = base
             qs = (q.float().abs().amax() / 448.0).reshape(1)
             q8 = (q.float() / qs).to(torch.float8_e4m3fn)

@@ -333,11 +333,6 @@ def rows_splits(B: int, capacity: int, sms: int) -> int:
     return choose_num_splits(B, 1, capacity, sms, min_split_keys=keys)
 
 
-def _pingpong(fp8: bool, nr: int) -> bool:
-    """Whether the few-rows call runs the two-warpgroup kernel (gluon_rows_pp_kernel.py)."""
-    return fp8 and nr == 16
-
-
 def _launch_rows(q, kv_cache, block_table, cache_seqlens, k_scale, softmax_scale, causal,
                  num_splits):
     """gluon_rows_kernel.py (one CTA per request and split; an fp8 cache where k_scale is
@@ -363,17 +358,6 @@ def _launch_rows(q, kv_cache, block_table, cache_seqlens, k_scale, softmax_scale
     el = gl.float8e4nv if fp8 else gl.bfloat16
     lay_k = gl.NVMMASharedLayout.get_default_for([BN, 64], el)
     kv_desc = TensorDescriptor.from_tensor(kv_cache.view(num_blocks * page, D), [BN, 64], lay_k)
-    if _pingpong(fp8, NR):
-        from lowering.decode.gluon_rows_pp_kernel import mla_decode_rows_pp_kernel
-        out, lse, o1, l1 = stage1_outputs(B, s_q, H, 512, 2 * splits, torch.bfloat16,
-                                          q.device)
-        mla_decode_rows_pp_kernel[(B, splits)](
-            q.contiguous(), kv_desc, block_table, cache_seqlens, k_scale, o1, l1,
-            softmax_scale * LOG2E, block_table.stride(0), block_table.shape[1], num_blocks,
-            splits, S_Q=s_q, H=H, PAGE=page, BN=BN, NR=NR, CAUSAL=causal,
-            num_warps=NUM_WARPS)
-        _merge(o1, l1, out, lse, 2 * splits)
-        return out, lse
     out, lse, o1, l1 = stage1_outputs(B, s_q, H, 512, splits, torch.bfloat16, q.device)
     mla_decode_rows_kernel[(B, splits)](
         q.contiguous(), kv_desc, block_table, cache_seqlens, k_scale if fp8 else cache_seqlens,
