@@ -6,8 +6,11 @@ timed by the profiler's kernel span (benchmarks/timing.py); the fp8 outputs chec
 against the dequantized cache's float64 attention. "gluon bf16" is the same kernel over
 the bf16 cache (our best bf16 decode at 16 heads). --baseline FILE times a saved copy of
 gluon_rows_kernel.py beside the current one (an A/B of a kernel change in one run).
+--pool N draws every block table entry from N pages, so the cache the calls read stays in
+the L2 and a kernel's per-tile chain, not DRAM, bounds it (a chain change shows on a GPU
+whose DRAM would otherwise hide it).
 
-    python docs/notes/probe_fp8_cache16.py [B:H:S,...] [--baseline FILE]
+    python docs/notes/probe_fp8_cache16.py [B:H:S,...] [--baseline FILE] [--pool N]
 """
 import importlib.util
 import sys
@@ -52,6 +55,11 @@ def main():
         i = args.index("--baseline")
         baseline = load_baseline(args[i + 1])
         del args[i:i + 2]
+    pool = None
+    if "--pool" in args:
+        i = args.index("--pool")
+        pool = int(args[i + 1])
+        del args[i:i + 2]
     shapes = args[0] if args else SHAPES
     import lowering.decode.gluon_rows_kernel as rk
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
@@ -61,7 +69,11 @@ def main():
         blocks = B * S // PAGE
         q = torch.randn(B, 1, H, L + R, device="cuda", dtype=torch.bfloat16, generator=g)
         kv = torch.randn(blocks, PAGE, L + R, device="cuda", dtype=torch.bfloat16, generator=g)
-        bt = torch.randperm(blocks, device="cuda", generator=g).int().reshape(B, S // PAGE)
+        if pool:
+            bt = torch.randint(0, min(pool, blocks), (B, S // PAGE), device="cuda",
+                               generator=g, dtype=torch.int32)
+        else:
+            bt = torch.randperm(blocks, device="cuda", generator=g).int().reshape(B, S // PAGE)
         lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
         ks = (kv.float().abs().amax() / 448.0).reshape(1)
         kv8 = (kv.float() / ks).to(torch.float8_e4m3fn)
