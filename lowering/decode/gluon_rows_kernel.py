@@ -44,11 +44,11 @@ from lowering.decode.gluon_common import load_ring
 
 
 @gluon.jit
-def _widen(sK, s, sW, w0, key0, end, BN: gl.constexpr):
-    """Ring slot s's eight value chunks [BN, 64] e4m3 -> sW chunks w0..w0+7 fp16; in a
-    split's last tile keys at or past end become 0 (unwritten rows may hold NaN, and 0 x NaN
-    is NaN). All eight are read before the first is written back, so the shared-memory
-    loads overlap. (The rope chunk feeds only QK, which reads the ring slot itself.)"""
+def _widen(sK, s, sW, key0, end, BN: gl.constexpr):
+    """Ring slot s's eight value chunks [BN, 64] e4m3 -> sW fp16; in a split's last tile
+    keys at or past end become 0 (unwritten rows may hold NaN, and 0 x NaN is NaN). All
+    eight are read before the first is written back, so the shared-memory loads overlap.
+    (The rope chunk feeds only QK, which reads the ring slot itself.)"""
     w_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])      # [32, 64]
     x0 = sK.index(s * 9 + 0).load(w_l)                                    # [BN, 64] each
     x1 = sK.index(s * 9 + 1).load(w_l)
@@ -60,26 +60,26 @@ def _widen(sK, s, sW, w0, key0, end, BN: gl.constexpr):
     x7 = sK.index(s * 9 + 7).load(w_l)
     keep = (key0 + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l)) < end)[:, None]
     if key0 + BN > end:
-        _put_all(sW, w0, x0, x1, x2, x3, x4, x5, x6, x7, keep, True)
+        _put_all(sW, x0, x1, x2, x3, x4, x5, x6, x7, keep, True)
     else:
-        _put_all(sW, w0, x0, x1, x2, x3, x4, x5, x6, x7, keep, False)
+        _put_all(sW, x0, x1, x2, x3, x4, x5, x6, x7, keep, False)
 
 
 @gluon.jit
-def _put_all(sW, w0, x0, x1, x2, x3, x4, x5, x6, x7, keep, MASKED: gl.constexpr):
-    _put(sW, w0 + 0, x0, keep, MASKED)
-    _put(sW, w0 + 1, x1, keep, MASKED)
-    _put(sW, w0 + 2, x2, keep, MASKED)
-    _put(sW, w0 + 3, x3, keep, MASKED)
-    _put(sW, w0 + 4, x4, keep, MASKED)
-    _put(sW, w0 + 5, x5, keep, MASKED)
-    _put(sW, w0 + 6, x6, keep, MASKED)
-    _put(sW, w0 + 7, x7, keep, MASKED)
+def _put_all(sW, x0, x1, x2, x3, x4, x5, x6, x7, keep, MASKED: gl.constexpr):
+    _put(sW, 0, x0, keep, MASKED)
+    _put(sW, 1, x1, keep, MASKED)
+    _put(sW, 2, x2, keep, MASKED)
+    _put(sW, 3, x3, keep, MASKED)
+    _put(sW, 4, x4, keep, MASKED)
+    _put(sW, 5, x5, keep, MASKED)
+    _put(sW, 6, x6, keep, MASKED)
+    _put(sW, 7, x7, keep, MASKED)
 
 
 @gluon.jit
-def _put(sW, c, x, keep, MASKED: gl.constexpr):
-    """Chunk c of the widened tiles: x [BN, 64] e4m3 as fp16, rows not kept 0 where MASKED."""
+def _put(sW, c: gl.constexpr, x, keep, MASKED: gl.constexpr):
+    """Chunk c of the widened tile: x [BN, 64] e4m3 as fp16, rows not kept 0 where MASKED."""
     y = x.to(gl.float16)
     if MASKED:
         y = gl.where(keep, y, gl.zeros_like(y))
@@ -171,123 +171,20 @@ def _put_terms(sQ, c: gl.constexpr, x, s, NR: gl.constexpr):
 
 
 @gluon.jit
-def _softmax(sc, key0, end, limit, scale_log2, m_i, l_acc, BN: gl.constexpr):
-    """One tile's online softmax along the keys (S^T's rows): sc [BN, NR] raw scores ->
-    (p, alpha, m_i, l_acc); a row with nothing visible yet keeps m = -inf."""
-    keys = key0 + gl.arange(0, BN, layout=gl.SliceLayout(1, sc.type.layout))
-    vis = (keys[:, None] < end) & (keys[:, None] < limit[None, :])
-    sc = gl.where(vis, sc * scale_log2[None, :], float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(sc, axis=0))
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(sc - m_use[None, :])
-    l_acc = l_acc * alpha[None, :] + p          # summed over keys once, at the end
-    return p, alpha, m_new, l_acc
-
-
-@gluon.jit
-def _pv(sA, a0, sP, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha):
-    """O^T = alpha O^T + V^T P^T, per 64 value columns: chunks a0..a0+7 of sA read MN-major
-    (V^T), P^T from sP; 8 MMAs left in flight."""
-    a = alpha[None, :]
-    pt = sP.permute((1, 0))
-    acc0 = warpgroup_mma(sA.index(a0 + 0).permute((1, 0)), pt, acc0 * a, is_async=True)
-    acc1 = warpgroup_mma(sA.index(a0 + 1).permute((1, 0)), pt, acc1 * a, is_async=True)
-    acc2 = warpgroup_mma(sA.index(a0 + 2).permute((1, 0)), pt, acc2 * a, is_async=True)
-    acc3 = warpgroup_mma(sA.index(a0 + 3).permute((1, 0)), pt, acc3 * a, is_async=True)
-    acc4 = warpgroup_mma(sA.index(a0 + 4).permute((1, 0)), pt, acc4 * a, is_async=True)
-    acc5 = warpgroup_mma(sA.index(a0 + 5).permute((1, 0)), pt, acc5 * a, is_async=True)
-    acc6 = warpgroup_mma(sA.index(a0 + 6).permute((1, 0)), pt, acc6 * a, is_async=True)
-    acc7 = warpgroup_mma(sA.index(a0 + 7).permute((1, 0)), pt, acc7 * a, is_async=True)
-    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
-
-
-@gluon.jit
-def _qk8(sK, s, sQ, z, s2_l: gl.constexpr, BN: gl.constexpr, NR: gl.constexpr,
-         NCH: gl.constexpr):
-    """S^T [BN, 2 NR] = K8 [hi; lo]^T: 9 chained fp8 MMAs over ring slot s, in flight."""
-    tok = warpgroup_mma(sK.index(s * NCH + z), sQ.index(z).permute((1, 0)),
-                        gl.zeros([BN, 2 * NR], gl.float32, s2_l), is_async=True)
-    for c in gl.static_range(1, NCH):
-        tok = warpgroup_mma(sK.index(s * NCH + z + c), sQ.index(c + z).permute((1, 0)), tok,
-                            is_async=True)
-    return tok
-
-
-@gluon.jit
-def _hi_lo(s2, s_l: gl.constexpr, BN: gl.constexpr, NR: gl.constexpr):
-    """The scores: S^T's hi and lo halves [BN, NR] summed."""
-    hi, lo = gl.split(gl.permute(gl.reshape(s2, [BN, 2, NR]), [0, 2, 1]))
-    return gl.convert_layout(hi + lo, s_l)
-
-
-@gluon.jit
-def _tiles_fp8(kv_full, kv_empty, sK, sW, sQ, sP, start, end, n_tiles, limit, scale_log2,
-               m_i, l_acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-               s_l: gl.constexpr, s2_l: gl.constexpr, BN: gl.constexpr, NR: gl.constexpr,
-               STAGES: gl.constexpr, NCH: gl.constexpr, WBUF: gl.constexpr):
-    """The tiles of an fp8 cache (n_tiles >= 1), software-pipelined: tile i's QK and
-    tile i - 1's P V are in flight together, and tile i's values are widened meanwhile
-    (into the other sW buffer with WBUF = 2; with one, once P V(i - 1) has read it, so
-    P V goes first). The ring slot is freed once QK has read it (P V reads sW); tile i's
-    softmax runs while P V(i - 1) may still run. Returns (m_i, l_acc, O^T chunks)."""
-    # tile 0: scores, softmax and P; its P V goes out beside tile 1's QK
-    mbarrier.wait(kv_full.index(0), 0)
-    z = gl.minimum(start, 0)    # a runtime 0 in the MMA operands' indices (above)
-    tok = _qk8(sK, 0, sQ, z, s2_l, BN, NR, NCH)
-    _widen(sK, 0, sW, z, start, end, BN)
-    s2 = warpgroup_mma_wait(num_outstanding=0, deps=[tok])
-    mbarrier.arrive(kv_empty.index(0), count=1)
-    p, alpha, m_i, l_acc = _softmax(_hi_lo(s2, s_l, BN, NR), start, end, limit, scale_log2,
-                                    m_i, l_acc, BN)
-    sP.store(gl.permute(p.to(gl.float16), [1, 0]))                          # P [NR, BN]
-    fence_async_shared()
-    a_prev = z                                  # tile 0's widened values: sW chunks 0..7
-    for i in range(1, n_tiles):
-        s = i % STAGES
-        key0 = start + i * BN
-        mbarrier.wait(kv_full.index(s), (i // STAGES) & 1)
-        z = gl.minimum(key0, 0)
-        a0 = (i % WBUF) * (NCH - 1) + z
-        if WBUF == 2:
-            tok = _qk8(sK, s, sQ, z, s2_l, BN, NR, NCH)
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _pv(
-                sW, a_prev, sP, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha)
-            _widen(sK, s, sW, a0, key0, end, BN)
-            s2 = warpgroup_mma_wait(num_outstanding=NCH - 1, deps=[tok])   # P V may run on
-        else:
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _pv(
-                sW, a_prev, sP, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha)
-            tok = _qk8(sK, s, sQ, z, s2_l, BN, NR, NCH)
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
-                num_outstanding=NCH, deps=[acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7])
-            _widen(sK, s, sW, a0, key0, end, BN)
-            s2 = warpgroup_mma_wait(num_outstanding=0, deps=[tok])
-        mbarrier.arrive(kv_empty.index(s), count=1)
-        p, alpha, m_i, l_acc = _softmax(_hi_lo(s2, s_l, BN, NR), key0, end, limit, scale_log2,
-                                        m_i, l_acc, BN)
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
-            num_outstanding=0, deps=[acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7])
-        sP.store(gl.permute(p.to(gl.float16), [1, 0]))                      # P V(i - 1) done
-        fence_async_shared()
-        a_prev = a0
-    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _pv(
-        sW, a_prev, sP, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha)
-    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
-        num_outstanding=0, deps=[acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7])
-    return m_i, l_acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
-
-
-@gluon.jit
 def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split,
               seqlen, start, end, n_tiles, sm_scale_log2, num_splits, S_Q: gl.constexpr,
               H: gl.constexpr, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
               NCH: gl.constexpr, DIRECT: gl.constexpr, CAUSAL: gl.constexpr,
-              FP8: gl.constexpr, WBUF: gl.constexpr):
+              FP8: gl.constexpr):
     ROWS: gl.constexpr = S_Q * H
+    if FP8:
+        f16: gl.constexpr = gl.float16
+    else:
+        f16: gl.constexpr = gl.bfloat16
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, NR, 16])
     row_l: gl.constexpr = gl.SliceLayout(0, s_l)             # [NR] query rows (S^T columns)
+    key_l: gl.constexpr = gl.SliceLayout(1, s_l)             # [BN] keys
 
     rows = gl.arange(0, NR, layout=row_l)
     if FP8:
@@ -324,36 +221,65 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
     acc5 = gl.zeros([64, NR], gl.float32, s_l)
     acc6 = gl.zeros([64, NR], gl.float32, s_l)
     acc7 = gl.zeros([64, NR], gl.float32, s_l)              # value columns 448-511
-    if FP8:
-        if n_tiles > 0:
-            m_i, l_acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tiles_fp8(
-                kv_full, kv_empty, sK, sW, sQ, sP, start, end, n_tiles, limit, scale_log2,
-                m_i, l_acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, s_l, s2_l, BN, NR,
-                STAGES, NCH, WBUF)
-    else:
-        for i in range(n_tiles):
-            s = i % STAGES
-            key0 = start + i * BN
-            mbarrier.wait(kv_full.index(s), (i // STAGES) & 1)
-            z = gl.minimum(key0, 0)     # a runtime 0 in the MMA operands' indices (above)
+    for i in range(n_tiles):
+        s = i % STAGES
+        key0 = start + i * BN
+        mbarrier.wait(kv_full.index(s), (i // STAGES) & 1)
+        z = gl.minimum(key0, 0)     # a runtime 0 in the MMA operands' indices (above)
+        if FP8:
+            # S^T [BN, 2 NR] = K8 [hi; lo]^T: 9 chained fp8 MMAs over the ring slot, while
+            # this warpgroup widens the slot's value chunks for P V; hi + lo once both end
+            tok = warpgroup_mma(sK.index(s * NCH + z), sQ.index(z).permute((1, 0)),
+                                gl.zeros([BN, 2 * NR], gl.float32, s2_l), is_async=True)
+            for c in gl.static_range(1, NCH):
+                tok = warpgroup_mma(sK.index(s * NCH + z + c), sQ.index(c + z).permute((1, 0)),
+                                    tok, is_async=True)
+            _widen(sK, s, sW, key0, end, BN)
+            s2 = warpgroup_mma_wait(num_outstanding=0, deps=[tok])
+            mbarrier.arrive(kv_empty.index(s), count=1)
+            hi, lo = gl.split(gl.permute(gl.reshape(s2, [BN, 2, NR]), [0, 2, 1]))
+            sc = gl.convert_layout(hi + lo, s_l)                               # [BN, NR]
+            sA = sW                                 # P V's tile: the widened values
+            a0 = z
+        else:
             if key0 + BN > end:
                 _zero_tail(sK, s, key0, end, BN, NCH)
             fence_async_shared()
-            a0 = s * NCH + z                        # the MMAs' tile: the ring slot itself
+            sA = sK                                 # the MMAs' tile: the ring slot itself
+            a0 = s * NCH + z
             # S^T = K q^T: 9 chained MMAs over the 576 columns
-            tok = warpgroup_mma(sK.index(a0), sQ.index(z).permute((1, 0)),
+            tok = warpgroup_mma(sA.index(a0), sQ.index(z).permute((1, 0)),
                                 gl.zeros([BN, NR], gl.float32, s_l), is_async=True)
             for c in gl.static_range(1, NCH):
-                tok = warpgroup_mma(sK.index(a0 + c), sQ.index(c + z).permute((1, 0)), tok,
+                tok = warpgroup_mma(sA.index(a0 + c), sQ.index(c + z).permute((1, 0)), tok,
                                     is_async=True)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=[tok])         # [BN, NR]
-            p, alpha, m_i, l_acc = _softmax(sc, key0, end, limit, scale_log2, m_i, l_acc, BN)
-            sP.store(gl.permute(p.to(gl.bfloat16), [1, 0]))                 # P [NR, BN]
-            fence_async_shared()
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _pv(
-                sK, a0, sP, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha)
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
-                num_outstanding=0, deps=[acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7])
+        keys = key0 + gl.arange(0, BN, layout=key_l)
+        vis = (keys[:, None] < end) & (keys[:, None] < limit[None, :])
+        sc = gl.where(vis, sc * scale_log2[None, :], float("-inf"))
+        # online softmax along the keys; a row with nothing visible yet keeps m = -inf
+        m_new = gl.maximum(m_i, gl.max(sc, axis=0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(sc - m_use[None, :])
+        l_acc = l_acc * alpha[None, :] + p          # summed over keys once, at the end
+        m_i = m_new
+        sP.store(gl.permute(p.to(f16), [1, 0]))                             # P [NR, BN]
+        fence_async_shared()
+        # O^T += V^T P^T, per 64 value columns (V^T: the tile read MN-major)
+        a = alpha[None, :]
+        pt = sP.permute((1, 0))
+        acc0 = warpgroup_mma(sA.index(a0 + 0).permute((1, 0)), pt, acc0 * a, is_async=True)
+        acc1 = warpgroup_mma(sA.index(a0 + 1).permute((1, 0)), pt, acc1 * a, is_async=True)
+        acc2 = warpgroup_mma(sA.index(a0 + 2).permute((1, 0)), pt, acc2 * a, is_async=True)
+        acc3 = warpgroup_mma(sA.index(a0 + 3).permute((1, 0)), pt, acc3 * a, is_async=True)
+        acc4 = warpgroup_mma(sA.index(a0 + 4).permute((1, 0)), pt, acc4 * a, is_async=True)
+        acc5 = warpgroup_mma(sA.index(a0 + 5).permute((1, 0)), pt, acc5 * a, is_async=True)
+        acc6 = warpgroup_mma(sA.index(a0 + 6).permute((1, 0)), pt, acc6 * a, is_async=True)
+        acc7 = warpgroup_mma(sA.index(a0 + 7).permute((1, 0)), pt, acc7 * a, is_async=True)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
+            num_outstanding=0, deps=[acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7])
+        if not FP8:
             mbarrier.arrive(kv_empty.index(s), count=1)
 
     # ---- epilogue ---------------------------------------------------------------------
@@ -382,12 +308,12 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
 @gluon.jit
 def _consume(cargs, pargs, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
              NCH: gl.constexpr, S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
-             DIRECT: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr, WBUF: gl.constexpr):
+             DIRECT: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
     (q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split, seqlen, start,
      end, n_tiles, sm_scale_log2, num_splits) = cargs
     _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split,
               seqlen, start, end, n_tiles, sm_scale_log2, num_splits, S_Q, H, BN, NR, STAGES,
-              NCH, DIRECT, CAUSAL, FP8, WBUF)
+              NCH, DIRECT, CAUSAL, FP8)
 
 
 @gluon.jit
@@ -407,10 +333,6 @@ def mla_decode_rows_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, l
     """grid (B, num_splits); 4 warps (the consumer) plus the producer warp. FP8: an e4m3
     cache (widened), else bf16 (the ring slots are the MMAs' tiles)."""
     NCH: gl.constexpr = 9                       # 576 = 8 value chunks of 64 + the rope chunk
-    # widened-value buffers (FP8): two where shared memory holds them beside the ring
-    # (16 rows: 220 KB), so tile i widens while P V(i - 1) reads the other
-    WBUF: gl.constexpr = 2 if NR == 16 else 1
-    gl.static_assert(STAGES >= 2)
     b = gl.program_id(0)
     split = gl.program_id(1)
     # lengths bounded here (CUDA-graph replays are not checked on the host)
@@ -423,7 +345,7 @@ def mla_decode_rows_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, l
     if FP8:
         kv: gl.constexpr = gl.float8e4nv
         KV_BYTES: gl.constexpr = 1
-        sW = gl.allocate_shared_memory(gl.float16, [WBUF * (NCH - 1), BN, 64],   # the values
+        sW = gl.allocate_shared_memory(gl.float16, [NCH - 1, BN, 64],            # the values
                                        gl.NVMMASharedLayout.get_default_for([BN, 64],
                                                                             gl.float16))
         sQ = gl.allocate_shared_memory(kv, [NCH, 2 * NR, 64],                    # [hi; lo]
@@ -452,6 +374,6 @@ def mla_decode_rows_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, l
     pargs = (kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
              num_blocks)
     gl.warp_specialize([(_consume, (cargs, pargs, BN, NR, STAGES, NCH, S_Q, H, PAGE, DIRECT,
-                                    CAUSAL, FP8, WBUF)),
+                                    CAUSAL, FP8)),
                         (_load, (pargs, BN, STAGES, NCH, PAGE, KV_BYTES))],
                        [1], [24])
