@@ -64,8 +64,9 @@ NUM_WARPS = 4           # the default partition: consumer warpgroup 0
 # The few-rows kernel (gluon_rows_kernel.py, bf16 q), by cache and query rows padded to NR
 # = 16 or 32: tiles of 64 keys (the M side of its MMAs) in a ring of STAGES. Over an fp8
 # cache a ring of 2 ran 1-7 % faster than 3 at 16 heads on an H200
-# (docs/notes/probe_fp8_cache16.py); over a bf16 cache a 64-key tile is 72 KB, so a ring
-# of 2 is what fits beside q.
+# (docs/notes/probe_fp8_cache16.py), and 2 is what fits beside the widened values' two
+# buffers (220 KB at 16 rows); over a bf16 cache a 64-key tile is 72 KB, so a ring of 2
+# is what fits beside q.
 FP8_CACHE_CONFIGS = {16: dict(BN=64, STAGES=2), 32: dict(BN=64, STAGES=2)}
 ROWS_CONFIGS = {16: dict(BN=64, STAGES=2), 32: dict(BN=64, STAGES=2)}
 ROWS_MAX = 32           # query rows (s_q x H) the few-rows kernel serves, either cache

@@ -17,12 +17,16 @@ busy (docs/notes/NOTES-decode-fp8.md); FlashMLA's bf16 kernel runs 64-row query 
   - bf16 cache: both MMAs read the ring slot, freed after the tile's P V; q and P in bf16;
   - FP8 cache: QK is an fp8 MMA over the ring slot itself, q held as two e4m3 terms per
     element (hi = e4m3(q s), lo = e4m3(q s - hi), s a power of two per row; B = [hi; lo],
-    N = 2 NR, the two halves of S^T summed in registers). While it runs, the warpgroup
-    widens the slot's eight value chunks to fp16 (exact for e4m3) for P V: V^T is
-    MN-major in the cache rows, which 16-bit MMAs read and fp8 ones do not. The slot is
-    freed once both are done. P is rounded to fp16. Hopper sums fp8 MMAs keeping ~14
-    bits per instruction, so a score carries ~0.2 % of the scores' spread in error
-    (~15x below what the cache's own e4m3 rounding moves it);
+    N = 2 NR, the two halves of S^T summed in registers). A widener partition (4 warps)
+    turns the slot's eight value chunks into fp16 (exact for e4m3) for P V, into one of
+    WBUF buffers (two at 16 rows): V^T is MN-major in the cache rows, which 16-bit MMAs
+    read and fp8 ones do not. The slot is freed once QK and the widener have read it.
+    The consumer is software-pipelined: tile i's QK, then tile i - 1's P V, and tile i's
+    softmax while that P V runs (1.18x the single-warpgroup schedule per tile with the
+    cache in the L2 on an H100, where the consumer's chain of ~700 instructions a tile,
+    half of them the widening, bound it; BENCHMARKS.md). P is rounded to fp16. Hopper
+    sums fp8 MMAs keeping ~14 bits per instruction, so a score carries ~0.2 % of the
+    scores' spread in error (~15x below what the cache's own e4m3 rounding moves it);
   - the online softmax reduces along S^T's rows (keys): one max across the warpgroup per
     tile; the sums stay per key slot and are reduced once at the end.
 The shared-memory indices of the MMA operands carry a runtime zero (z), as in
@@ -42,10 +46,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from lowering.decode.gluon_common import load_ring
 
+# A barrier over the calling partition's warps (renamed after triton 3.6).
+_partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+WIDEN_REGS = gl.constexpr(128)    # registers per thread of the FP8 widener partition
+
 
 @gluon.jit
-def _widen(sK, s, sW, key0, end, BN: gl.constexpr):
-    """Ring slot s's eight value chunks [BN, 64] e4m3 -> sW fp16; in a split's last tile
+def _widen(sK, s, sW, w0, key0, end, BN: gl.constexpr):
+    """Ring slot s's eight value chunks [BN, 64] e4m3 -> sW chunks w0..w0+7 fp16; in a split's last tile
     keys at or past end become 0 (unwritten rows may hold NaN, and 0 x NaN is NaN). All
     eight are read before the first is written back, so the shared-memory loads overlap.
     (The rope chunk feeds only QK, which reads the ring slot itself.)"""
@@ -60,25 +68,25 @@ def _widen(sK, s, sW, key0, end, BN: gl.constexpr):
     x7 = sK.index(s * 9 + 7).load(w_l)
     keep = (key0 + gl.arange(0, BN, layout=gl.SliceLayout(1, w_l)) < end)[:, None]
     if key0 + BN > end:
-        _put_all(sW, x0, x1, x2, x3, x4, x5, x6, x7, keep, True)
+        _put_all(sW, w0, x0, x1, x2, x3, x4, x5, x6, x7, keep, True)
     else:
-        _put_all(sW, x0, x1, x2, x3, x4, x5, x6, x7, keep, False)
+        _put_all(sW, w0, x0, x1, x2, x3, x4, x5, x6, x7, keep, False)
 
 
 @gluon.jit
-def _put_all(sW, x0, x1, x2, x3, x4, x5, x6, x7, keep, MASKED: gl.constexpr):
-    _put(sW, 0, x0, keep, MASKED)
-    _put(sW, 1, x1, keep, MASKED)
-    _put(sW, 2, x2, keep, MASKED)
-    _put(sW, 3, x3, keep, MASKED)
-    _put(sW, 4, x4, keep, MASKED)
-    _put(sW, 5, x5, keep, MASKED)
-    _put(sW, 6, x6, keep, MASKED)
-    _put(sW, 7, x7, keep, MASKED)
+def _put_all(sW, w0, x0, x1, x2, x3, x4, x5, x6, x7, keep, MASKED: gl.constexpr):
+    _put(sW, w0 + 0, x0, keep, MASKED)
+    _put(sW, w0 + 1, x1, keep, MASKED)
+    _put(sW, w0 + 2, x2, keep, MASKED)
+    _put(sW, w0 + 3, x3, keep, MASKED)
+    _put(sW, w0 + 4, x4, keep, MASKED)
+    _put(sW, w0 + 5, x5, keep, MASKED)
+    _put(sW, w0 + 6, x6, keep, MASKED)
+    _put(sW, w0 + 7, x7, keep, MASKED)
 
 
 @gluon.jit
-def _put(sW, c: gl.constexpr, x, keep, MASKED: gl.constexpr):
+def _put(sW, c, x, keep, MASKED: gl.constexpr):
     """Chunk c of the widened tile: x [BN, 64] e4m3 as fp16, rows not kept 0 where MASKED."""
     y = x.to(gl.float16)
     if MASKED:
@@ -171,20 +179,117 @@ def _put_terms(sQ, c: gl.constexpr, x, s, NR: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split,
+def _softmax(sc, key0, end, limit, scale_log2, m_i, l_acc, BN: gl.constexpr):
+    """One tile's online softmax along the keys (S^T's rows): raw scores sc [BN, NR] ->
+    (p, alpha, m_i, l_acc); a row with nothing visible yet keeps m = -inf, and the sums
+    stay per key slot (reduced once, at the end)."""
+    keys = key0 + gl.arange(0, BN, layout=gl.SliceLayout(1, sc.type.layout))
+    vis = (keys[:, None] < end) & (keys[:, None] < limit[None, :])
+    sc = gl.where(vis, sc * scale_log2[None, :], float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sc, axis=0))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(sc - m_use[None, :])
+    l_acc = l_acc * alpha[None, :] + p
+    return p, alpha, m_new, l_acc
+
+
+@gluon.jit
+def _pv(sA, a0, sP, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha):
+    """O^T = alpha O^T + V^T P^T per 64 value columns: chunks a0 .. a0 + 7 of sA read
+    MN-major (V^T), P^T from sP; the 8 MMAs are left in flight."""
+    a = alpha[None, :]
+    pt = sP.permute((1, 0))
+    acc0 = warpgroup_mma(sA.index(a0 + 0).permute((1, 0)), pt, acc0 * a, is_async=True)
+    acc1 = warpgroup_mma(sA.index(a0 + 1).permute((1, 0)), pt, acc1 * a, is_async=True)
+    acc2 = warpgroup_mma(sA.index(a0 + 2).permute((1, 0)), pt, acc2 * a, is_async=True)
+    acc3 = warpgroup_mma(sA.index(a0 + 3).permute((1, 0)), pt, acc3 * a, is_async=True)
+    acc4 = warpgroup_mma(sA.index(a0 + 4).permute((1, 0)), pt, acc4 * a, is_async=True)
+    acc5 = warpgroup_mma(sA.index(a0 + 5).permute((1, 0)), pt, acc5 * a, is_async=True)
+    acc6 = warpgroup_mma(sA.index(a0 + 6).permute((1, 0)), pt, acc6 * a, is_async=True)
+    acc7 = warpgroup_mma(sA.index(a0 + 7).permute((1, 0)), pt, acc7 * a, is_async=True)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@gluon.jit
+def _qk8(sK, s, sQ, z, s2_l: gl.constexpr, BN: gl.constexpr, NR: gl.constexpr,
+         NCH: gl.constexpr):
+    """S^T [BN, 2 NR] = K8 [hi; lo]^T: 9 chained fp8 MMAs over ring slot s, in flight."""
+    tok = warpgroup_mma(sK.index(s * NCH + z), sQ.index(z).permute((1, 0)),
+                        gl.zeros([BN, 2 * NR], gl.float32, s2_l), is_async=True)
+    for c in gl.static_range(1, NCH):
+        tok = warpgroup_mma(sK.index(s * NCH + z + c), sQ.index(c + z).permute((1, 0)), tok,
+                            is_async=True)
+    return tok
+
+
+@gluon.jit
+def _hi_lo(s2, s_l: gl.constexpr, BN: gl.constexpr, NR: gl.constexpr):
+    """The scores [BN, NR]: S^T's hi and lo halves summed."""
+    hi, lo = gl.split(gl.permute(gl.reshape(s2, [BN, 2, NR]), [0, 2, 1]))
+    return gl.convert_layout(hi + lo, s_l)
+
+
+@gluon.jit
+def _tiles_fp8(kv_full, kv_empty, w_full, w_empty, sK, sW, sQ, sP, start, end, n_tiles, limit,
+               scale_log2, m_i, l_acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+               s_l: gl.constexpr, s2_l: gl.constexpr, BN: gl.constexpr, NR: gl.constexpr,
+               STAGES: gl.constexpr, NCH: gl.constexpr, WBUF: gl.constexpr):
+    """The consumer's tiles over an fp8 cache (n_tiles >= 1), software-pipelined: tile i's
+    QK goes out first, then tile i - 1's P V (its values widened by the widener partition);
+    tile i's softmax runs while that P V may still run, and P(i) goes to sP once it has
+    ended. Returns (m_i, l_acc, the eight O^T chunks)."""
+    # tile 0: scores, softmax and P; its P V goes out after tile 1's QK
+    mbarrier.wait(kv_full.index(0), 0)
+    z = gl.minimum(start, 0)
+    tok = _qk8(sK, 0, sQ, z, s2_l, BN, NR, NCH)
+    s2 = warpgroup_mma_wait(num_outstanding=0, deps=[tok])
+    mbarrier.arrive(kv_empty.index(0), count=1)
+    p, alpha, m_i, l_acc = _softmax(_hi_lo(s2, s_l, BN, NR), start, end, limit, scale_log2,
+                                    m_i, l_acc, BN)
+    sP.store(gl.permute(p.to(gl.float16), [1, 0]))                          # P [NR, BN]
+    fence_async_shared()
+    for i in range(1, n_tiles):
+        s = i % STAGES
+        key0 = start + i * BN
+        mbarrier.wait(kv_full.index(s), (i // STAGES) & 1)
+        z = gl.minimum(key0, 0)
+        tok = _qk8(sK, s, sQ, z, s2_l, BN, NR, NCH)
+        j = i - 1                                   # the tile whose P V goes out now
+        mbarrier.wait(w_full.index(j % WBUF), (j // WBUF) & 1)     # tile j's values widened
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _pv(
+            sW, (j % WBUF) * (NCH - 1) + z, sP, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+            alpha)
+        # QK(i) done (the MMAs end in order; P V(j)'s 8 may still run)
+        s2 = warpgroup_mma_wait(num_outstanding=NCH - 1, deps=[tok])
+        mbarrier.arrive(kv_empty.index(s), count=1)
+        p, alpha, m_i, l_acc = _softmax(_hi_lo(s2, s_l, BN, NR), key0, end, limit, scale_log2,
+                                        m_i, l_acc, BN)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
+            num_outstanding=0, deps=[acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7])
+        mbarrier.arrive(w_empty.index(j % WBUF), count=1)           # its buffer, to the widener
+        sP.store(gl.permute(p.to(gl.float16), [1, 0]))                      # P V(j) has ended
+        fence_async_shared()
+    j = n_tiles - 1
+    mbarrier.wait(w_full.index(j % WBUF), (j // WBUF) & 1)
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _pv(
+        sW, (j % WBUF) * (NCH - 1) + z, sP, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha)
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
+        num_outstanding=0, deps=[acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7])
+    return m_i, l_acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@gluon.jit
+def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, w_full, w_empty, sK, sW, sQ,
+              sP, b, split,
               seqlen, start, end, n_tiles, sm_scale_log2, num_splits, S_Q: gl.constexpr,
               H: gl.constexpr, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
               NCH: gl.constexpr, DIRECT: gl.constexpr, CAUSAL: gl.constexpr,
-              FP8: gl.constexpr):
+              FP8: gl.constexpr, WBUF: gl.constexpr):
     ROWS: gl.constexpr = S_Q * H
-    if FP8:
-        f16: gl.constexpr = gl.float16
-    else:
-        f16: gl.constexpr = gl.bfloat16
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, NR, 16])
     row_l: gl.constexpr = gl.SliceLayout(0, s_l)             # [NR] query rows (S^T columns)
-    key_l: gl.constexpr = gl.SliceLayout(1, s_l)             # [BN] keys
 
     rows = gl.arange(0, NR, layout=row_l)
     if FP8:
@@ -221,65 +326,36 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
     acc5 = gl.zeros([64, NR], gl.float32, s_l)
     acc6 = gl.zeros([64, NR], gl.float32, s_l)
     acc7 = gl.zeros([64, NR], gl.float32, s_l)              # value columns 448-511
-    for i in range(n_tiles):
-        s = i % STAGES
-        key0 = start + i * BN
-        mbarrier.wait(kv_full.index(s), (i // STAGES) & 1)
-        z = gl.minimum(key0, 0)     # a runtime 0 in the MMA operands' indices (above)
-        if FP8:
-            # S^T [BN, 2 NR] = K8 [hi; lo]^T: 9 chained fp8 MMAs over the ring slot, while
-            # this warpgroup widens the slot's value chunks for P V; hi + lo once both end
-            tok = warpgroup_mma(sK.index(s * NCH + z), sQ.index(z).permute((1, 0)),
-                                gl.zeros([BN, 2 * NR], gl.float32, s2_l), is_async=True)
-            for c in gl.static_range(1, NCH):
-                tok = warpgroup_mma(sK.index(s * NCH + z + c), sQ.index(c + z).permute((1, 0)),
-                                    tok, is_async=True)
-            _widen(sK, s, sW, key0, end, BN)
-            s2 = warpgroup_mma_wait(num_outstanding=0, deps=[tok])
-            mbarrier.arrive(kv_empty.index(s), count=1)
-            hi, lo = gl.split(gl.permute(gl.reshape(s2, [BN, 2, NR]), [0, 2, 1]))
-            sc = gl.convert_layout(hi + lo, s_l)                               # [BN, NR]
-            sA = sW                                 # P V's tile: the widened values
-            a0 = z
-        else:
+    if FP8:
+        if n_tiles > 0:
+            m_i, l_acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _tiles_fp8(
+                kv_full, kv_empty, w_full, w_empty, sK, sW, sQ, sP, start, end, n_tiles, limit,
+                scale_log2, m_i, l_acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, s_l, s2_l,
+                BN, NR, STAGES, NCH, WBUF)
+    else:
+        for i in range(n_tiles):
+            s = i % STAGES
+            key0 = start + i * BN
+            mbarrier.wait(kv_full.index(s), (i // STAGES) & 1)
+            z = gl.minimum(key0, 0)     # a runtime 0 in the MMA operands' indices (above)
             if key0 + BN > end:
                 _zero_tail(sK, s, key0, end, BN, NCH)
             fence_async_shared()
-            sA = sK                                 # the MMAs' tile: the ring slot itself
-            a0 = s * NCH + z
+            a0 = s * NCH + z                        # the MMAs' tile: the ring slot itself
             # S^T = K q^T: 9 chained MMAs over the 576 columns
-            tok = warpgroup_mma(sA.index(a0), sQ.index(z).permute((1, 0)),
+            tok = warpgroup_mma(sK.index(a0), sQ.index(z).permute((1, 0)),
                                 gl.zeros([BN, NR], gl.float32, s_l), is_async=True)
             for c in gl.static_range(1, NCH):
-                tok = warpgroup_mma(sA.index(a0 + c), sQ.index(c + z).permute((1, 0)), tok,
+                tok = warpgroup_mma(sK.index(a0 + c), sQ.index(c + z).permute((1, 0)), tok,
                                     is_async=True)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=[tok])         # [BN, NR]
-        keys = key0 + gl.arange(0, BN, layout=key_l)
-        vis = (keys[:, None] < end) & (keys[:, None] < limit[None, :])
-        sc = gl.where(vis, sc * scale_log2[None, :], float("-inf"))
-        # online softmax along the keys; a row with nothing visible yet keeps m = -inf
-        m_new = gl.maximum(m_i, gl.max(sc, axis=0))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(sc - m_use[None, :])
-        l_acc = l_acc * alpha[None, :] + p          # summed over keys once, at the end
-        m_i = m_new
-        sP.store(gl.permute(p.to(f16), [1, 0]))                             # P [NR, BN]
-        fence_async_shared()
-        # O^T += V^T P^T, per 64 value columns (V^T: the tile read MN-major)
-        a = alpha[None, :]
-        pt = sP.permute((1, 0))
-        acc0 = warpgroup_mma(sA.index(a0 + 0).permute((1, 0)), pt, acc0 * a, is_async=True)
-        acc1 = warpgroup_mma(sA.index(a0 + 1).permute((1, 0)), pt, acc1 * a, is_async=True)
-        acc2 = warpgroup_mma(sA.index(a0 + 2).permute((1, 0)), pt, acc2 * a, is_async=True)
-        acc3 = warpgroup_mma(sA.index(a0 + 3).permute((1, 0)), pt, acc3 * a, is_async=True)
-        acc4 = warpgroup_mma(sA.index(a0 + 4).permute((1, 0)), pt, acc4 * a, is_async=True)
-        acc5 = warpgroup_mma(sA.index(a0 + 5).permute((1, 0)), pt, acc5 * a, is_async=True)
-        acc6 = warpgroup_mma(sA.index(a0 + 6).permute((1, 0)), pt, acc6 * a, is_async=True)
-        acc7 = warpgroup_mma(sA.index(a0 + 7).permute((1, 0)), pt, acc7 * a, is_async=True)
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
-            num_outstanding=0, deps=[acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7])
-        if not FP8:
+            p, alpha, m_i, l_acc = _softmax(sc, key0, end, limit, scale_log2, m_i, l_acc, BN)
+            sP.store(gl.permute(p.to(gl.bfloat16), [1, 0]))                 # P [NR, BN]
+            fence_async_shared()
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _pv(
+                sK, a0, sP, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha)
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
+                num_outstanding=0, deps=[acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7])
             mbarrier.arrive(kv_empty.index(s), count=1)
 
     # ---- epilogue ---------------------------------------------------------------------
@@ -308,12 +384,32 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, 
 @gluon.jit
 def _consume(cargs, pargs, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
              NCH: gl.constexpr, S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
-             DIRECT: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
-    (q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split, seqlen, start,
-     end, n_tiles, sm_scale_log2, num_splits) = cargs
-    _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split,
+             DIRECT: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr, WBUF: gl.constexpr):
+    (q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, w_full, w_empty, sK, sW, sQ, sP, b, split,
+     seqlen, start, end, n_tiles, sm_scale_log2, num_splits) = cargs
+    _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, w_full, w_empty, sK, sW, sQ, sP,
+              b, split,
               seqlen, start, end, n_tiles, sm_scale_log2, num_splits, S_Q, H, BN, NR, STAGES,
-              NCH, DIRECT, CAUSAL, FP8)
+              NCH, DIRECT, CAUSAL, FP8, WBUF)
+
+
+@gluon.jit
+def _widen_tiles(cargs, BN: gl.constexpr, STAGES: gl.constexpr, NCH: gl.constexpr,
+                 WBUF: gl.constexpr):
+    """FP8: the widener partition (4 warps). Tile i's values, once in ring slot i % STAGES,
+    become fp16 in sW half i % 2 once the consumer's P V of tile i - 2 has read it; the slot
+    is released here and by the consumer's QK (kv_empty counts both)."""
+    (q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, w_full, w_empty, sK, sW, sQ, sP, b, split,
+     seqlen, start, end, n_tiles, sm_scale_log2, num_splits) = cargs
+    for i in range(n_tiles):
+        s = i % STAGES
+        mbarrier.wait(kv_full.index(s), (i // STAGES) & 1)
+        mbarrier.wait(w_empty.index(i % WBUF), ((i // WBUF) & 1) ^ 1)
+        _widen(sK, s, sW, (i % WBUF) * (NCH - 1), start + i * BN, end, BN)
+        fence_async_shared()            # the generic stores, before the MMAs read them
+        _partition_barrier()            # every warp's, before one thread arrives
+        mbarrier.arrive(w_full.index(i % WBUF), count=1)
+        mbarrier.arrive(kv_empty.index(s), count=1)
 
 
 @gluon.jit
@@ -330,9 +426,11 @@ def mla_decode_rows_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, l
                            S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
                            BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
                            DIRECT: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
-    """grid (B, num_splits); 4 warps (the consumer) plus the producer warp. FP8: an e4m3
-    cache (widened), else bf16 (the ring slots are the MMAs' tiles)."""
+    """grid (B, num_splits); 4 warps (the consumer) plus the producer warp, and with FP8
+    (an e4m3 cache) the 4-warp widener; else bf16 (the ring slots are the MMAs' tiles)."""
     NCH: gl.constexpr = 9                       # 576 = 8 value chunks of 64 + the rope chunk
+    # FP8: widened-value buffers; two where shared memory holds them (16 rows: 220 KB)
+    WBUF: gl.constexpr = 2 if NR == 16 else 1
     b = gl.program_id(0)
     split = gl.program_id(1)
     # lengths bounded here (CUDA-graph replays are not checked on the host)
@@ -345,7 +443,7 @@ def mla_decode_rows_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, l
     if FP8:
         kv: gl.constexpr = gl.float8e4nv
         KV_BYTES: gl.constexpr = 1
-        sW = gl.allocate_shared_memory(gl.float16, [NCH - 1, BN, 64],            # the values
+        sW = gl.allocate_shared_memory(gl.float16, [WBUF * (NCH - 1), BN, 64],   # the values
                                        gl.NVMMASharedLayout.get_default_for([BN, 64],
                                                                             gl.float16))
         sQ = gl.allocate_shared_memory(kv, [NCH, 2 * NR, 64],                    # [hi; lo]
@@ -365,15 +463,27 @@ def mla_decode_rows_kernel(q_ptr, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, l
                                    gl.NVMMASharedLayout.get_default_for([BN, 64], kv))
     kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    w_full = gl.allocate_shared_memory(gl.int64, [WBUF, 1], mbarrier.MBarrierLayout())
+    w_empty = gl.allocate_shared_memory(gl.int64, [WBUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_full.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2 if FP8 else 1)   # FP8: QK and the widener
+    for i in gl.static_range(WBUF):
+        mbarrier.init(w_full.index(i), count=1)
+        mbarrier.init(w_empty.index(i), count=1)
 
-    cargs = (q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, sK, sW, sQ, sP, b, split, seqlen,
-             start, end, n_tiles, sm_scale_log2, num_splits)
+    cargs = (q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, w_full, w_empty, sK, sW, sQ, sP, b,
+             split, seqlen, start, end, n_tiles, sm_scale_log2, num_splits)
     pargs = (kv_desc, table_ptr, kv_full, kv_empty, sK, b, start, n_tiles, stride_bt,
              num_blocks)
-    gl.warp_specialize([(_consume, (cargs, pargs, BN, NR, STAGES, NCH, S_Q, H, PAGE, DIRECT,
-                                    CAUSAL, FP8)),
-                        (_load, (pargs, BN, STAGES, NCH, PAGE, KV_BYTES))],
-                       [1], [24])
+    if FP8:
+        gl.warp_specialize([(_consume, (cargs, pargs, BN, NR, STAGES, NCH, S_Q, H, PAGE, DIRECT,
+                                        CAUSAL, FP8, WBUF)),
+                            (_load, (pargs, BN, STAGES, NCH, PAGE, KV_BYTES)),
+                            (_widen_tiles, (cargs, BN, STAGES, NCH, WBUF))],
+                           [1, 4], [24, WIDEN_REGS])
+    else:
+        gl.warp_specialize([(_consume, (cargs, pargs, BN, NR, STAGES, NCH, S_Q, H, PAGE, DIRECT,
+                                        CAUSAL, FP8, WBUF)),
+                            (_load, (pargs, BN, STAGES, NCH, PAGE, KV_BYTES))],
+                           [1], [24])
