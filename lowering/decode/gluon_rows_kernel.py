@@ -195,44 +195,19 @@ def _softmax(sc, key0, end, limit, scale_log2, m_i, l_acc, BN: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_lazy(sc, key0, end, limit, scale_log2, m_i, l_acc, BN: gl.constexpr):
-    """_softmax with a lazy reference max: a row's moves only when the tile's max passes
-    it by more than 8 (base 2), so p <= 256 (exact enough in fp16, as p <= 1 is) and most
-    tiles leave O^T unscaled. Returns (p, alpha, m_ref, l_acc, moved): moved > 0 when some
-    row's reference moved, so O^T must be scaled by alpha."""
-    keys = key0 + gl.arange(0, BN, layout=gl.SliceLayout(1, sc.type.layout))
-    vis = (keys[:, None] < end) & (keys[:, None] < limit[None, :])
-    sc = gl.where(vis, sc * scale_log2[None, :], float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(sc, axis=0))
-    up = m_new > m_i + 8.0                      # (-inf -> finite moves; -inf stays -inf)
-    m_ref = gl.where(up, m_new, m_i)
-    m_use = gl.where(m_ref == float("-inf"), 0.0, m_ref)
-    alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(sc - m_use[None, :])
-    l_acc = l_acc * alpha[None, :] + p
-    return p, alpha, m_ref, l_acc, gl.max(up.to(gl.int32), axis=0)
-
-
-@gluon.jit
-def _rescale(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha):
-    """The eight O^T chunks scaled by alpha [NR] (per query row)."""
+def _pv(sA, a0, sP, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha):
+    """O^T = alpha O^T + V^T P^T per 64 value columns: chunks a0 .. a0 + 7 of sA read
+    MN-major (V^T), P^T from sP; the 8 MMAs are left in flight."""
     a = alpha[None, :]
-    return acc0 * a, acc1 * a, acc2 * a, acc3 * a, acc4 * a, acc5 * a, acc6 * a, acc7 * a
-
-
-@gluon.jit
-def _pv(sA, a0, sP, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7):
-    """O^T += V^T P^T per 64 value columns: chunks a0 .. a0 + 7 of sA read MN-major (V^T),
-    P^T from sP; the 8 MMAs are left in flight."""
     pt = sP.permute((1, 0))
-    acc0 = warpgroup_mma(sA.index(a0 + 0).permute((1, 0)), pt, acc0, is_async=True)
-    acc1 = warpgroup_mma(sA.index(a0 + 1).permute((1, 0)), pt, acc1, is_async=True)
-    acc2 = warpgroup_mma(sA.index(a0 + 2).permute((1, 0)), pt, acc2, is_async=True)
-    acc3 = warpgroup_mma(sA.index(a0 + 3).permute((1, 0)), pt, acc3, is_async=True)
-    acc4 = warpgroup_mma(sA.index(a0 + 4).permute((1, 0)), pt, acc4, is_async=True)
-    acc5 = warpgroup_mma(sA.index(a0 + 5).permute((1, 0)), pt, acc5, is_async=True)
-    acc6 = warpgroup_mma(sA.index(a0 + 6).permute((1, 0)), pt, acc6, is_async=True)
-    acc7 = warpgroup_mma(sA.index(a0 + 7).permute((1, 0)), pt, acc7, is_async=True)
+    acc0 = warpgroup_mma(sA.index(a0 + 0).permute((1, 0)), pt, acc0 * a, is_async=True)
+    acc1 = warpgroup_mma(sA.index(a0 + 1).permute((1, 0)), pt, acc1 * a, is_async=True)
+    acc2 = warpgroup_mma(sA.index(a0 + 2).permute((1, 0)), pt, acc2 * a, is_async=True)
+    acc3 = warpgroup_mma(sA.index(a0 + 3).permute((1, 0)), pt, acc3 * a, is_async=True)
+    acc4 = warpgroup_mma(sA.index(a0 + 4).permute((1, 0)), pt, acc4 * a, is_async=True)
+    acc5 = warpgroup_mma(sA.index(a0 + 5).permute((1, 0)), pt, acc5 * a, is_async=True)
+    acc6 = warpgroup_mma(sA.index(a0 + 6).permute((1, 0)), pt, acc6 * a, is_async=True)
+    acc7 = warpgroup_mma(sA.index(a0 + 7).permute((1, 0)), pt, acc7 * a, is_async=True)
     return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
@@ -270,8 +245,8 @@ def _tiles_fp8(kv_full, kv_empty, w_full, w_empty, sK, sW, sQ, sP, start, end, n
     tok = _qk8(sK, 0, sQ, z, s2_l, BN, NR, NCH)
     s2 = warpgroup_mma_wait(num_outstanding=0, deps=[tok])
     mbarrier.arrive(kv_empty.index(0), count=1)
-    p, alpha, m_i, l_acc, moved = _softmax_lazy(_hi_lo(s2, s_l, BN, NR), start, end, limit,
-                                                scale_log2, m_i, l_acc, BN)
+    p, alpha, m_i, l_acc = _softmax(_hi_lo(s2, s_l, BN, NR), start, end, limit, scale_log2,
+                                    m_i, l_acc, BN)
     sP.store(gl.permute(p.to(gl.float16), [1, 0]))                          # P [NR, BN]
     fence_async_shared()
     for i in range(1, n_tiles):
@@ -281,17 +256,15 @@ def _tiles_fp8(kv_full, kv_empty, w_full, w_empty, sK, sW, sQ, sP, start, end, n
         z = gl.minimum(key0, 0)
         tok = _qk8(sK, s, sQ, z, s2_l, BN, NR, NCH)
         j = i - 1                                   # the tile whose P V goes out now
-        if moved > 0:                               # tile j moved a reference max
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _rescale(
-                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha)
         mbarrier.wait(w_full.index(j % WBUF), (j // WBUF) & 1)     # tile j's values widened
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _pv(
-            sW, (j % WBUF) * (NCH - 1) + z, sP, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
+            sW, (j % WBUF) * (NCH - 1) + z, sP, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+            alpha)
         # QK(i) done (the MMAs end in order; P V(j)'s 8 may still run)
         s2 = warpgroup_mma_wait(num_outstanding=NCH - 1, deps=[tok])
         mbarrier.arrive(kv_empty.index(s), count=1)
-        p, alpha, m_i, l_acc, moved = _softmax_lazy(_hi_lo(s2, s_l, BN, NR), key0, end, limit,
-                                                    scale_log2, m_i, l_acc, BN)
+        p, alpha, m_i, l_acc = _softmax(_hi_lo(s2, s_l, BN, NR), key0, end, limit, scale_log2,
+                                        m_i, l_acc, BN)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
             num_outstanding=0, deps=[acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7])
         mbarrier.arrive(w_empty.index(j % WBUF), count=1)           # its buffer, to the widener
@@ -299,11 +272,8 @@ def _tiles_fp8(kv_full, kv_empty, w_full, w_empty, sK, sW, sQ, sP, start, end, n
         fence_async_shared()
     j = n_tiles - 1
     mbarrier.wait(w_full.index(j % WBUF), (j // WBUF) & 1)
-    if moved > 0:
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _rescale(
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha)
     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _pv(
-        sW, (j % WBUF) * (NCH - 1) + z, sP, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
+        sW, (j % WBUF) * (NCH - 1) + z, sP, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha)
     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
         num_outstanding=0, deps=[acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7])
     return m_i, l_acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
@@ -383,7 +353,7 @@ def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, w_full, w_empty,
             sP.store(gl.permute(p.to(gl.bfloat16), [1, 0]))                 # P [NR, BN]
             fence_async_shared()
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _pv(
-                sK, a0, sP, *_rescale(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha))
+                sK, a0, sP, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
                 num_outstanding=0, deps=[acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7])
             mbarrier.arrive(kv_empty.index(s), count=1)
