@@ -173,14 +173,17 @@ def test_kernel_compiles_for_sm90(kind, s_q, H, page, direct, causal):
     (1, 16, 64, False, True), (2, 16, 128, True, True), (1, 8, 64, True, False)])
 def test_fp8_cache_kernel_compiles_for_sm90(s_q, H, page, direct, causal):
     """The fp8-cache kernel at both row paddings: QK as 9 chunks of 2 fp8 MMAs (k = 32) over
-    the ring slot, P V as 8 chunks of 4 fp16 MMAs (k = 16), TMA tile copies, and
-    its ring within a Hopper CTA's shared memory."""
+    the ring slot, P V as 8 chunks of 4 fp16 MMAs (k = 16), each twice (tile 0 is peeled
+    from the pipelined loop, and the last P V follows it), the loop's wait for QK while
+    P V runs, TMA tile copies, and its ring and widened values within a Hopper CTA's
+    shared memory."""
     pytest.importorskip("triton")
     from lowering.decode.gluon_decode import rows_config
     nr, config = rows_config(s_q * H, True)
     cs = dict(S_Q=s_q, H=H, PAGE=page, NR=nr, DIRECT=direct, CAUSAL=causal, FP8=True, **config)
     facts = _compiled_facts(cs, "rows")
-    assert facts["wgmma"] == 9 * 2 + 8 * 4
+    assert facts["wgmma"] == 2 * (9 * 2 + 8 * 4)
+    assert 8 in facts["waits"], "the QK / P V overlap (wait until P V's 8 groups remain) is gone"
     # the query's lo term is built from hi read back from shared memory: widening the
     # registers the e4m3 cast packed made ptxas 12.8 (triton 3.6) widen the stack pointer
     if facts["sp_reads"] is not None:
