@@ -53,10 +53,10 @@ WIDEN_REGS = gl.constexpr(128)    # registers per thread of the FP8 widener part
 
 @gluon.jit
 def _widen(sK, s, sW, w0, key0, end, BN: gl.constexpr):
-    """Ring slot s's eight value chunks [BN, 64] e4m3 -> sW chunks w0..w0+7 fp16; in a split's last tile
-    keys at or past end become 0 (unwritten rows may hold NaN, and 0 x NaN is NaN). All
-    eight are read before the first is written back, so the shared-memory loads overlap.
-    (The rope chunk feeds only QK, which reads the ring slot itself.)"""
+    """Ring slot s's eight value chunks [BN, 64] e4m3 -> sW chunks w0 .. w0 + 7 fp16; in a
+    split's last tile keys at or past end become 0 (unwritten rows may hold NaN, and 0 x
+    NaN is NaN). All eight are read before the first is written back, so the shared-memory
+    loads overlap. (The rope chunk feeds only QK, which reads the ring slot itself.)"""
     w_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])      # [32, 64]
     x0 = sK.index(s * 9 + 0).load(w_l)                                    # [BN, 64] each
     x1 = sK.index(s * 9 + 1).load(w_l)
@@ -281,11 +281,10 @@ def _tiles_fp8(kv_full, kv_empty, w_full, w_empty, sK, sW, sQ, sP, start, end, n
 
 @gluon.jit
 def _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, w_full, w_empty, sK, sW, sQ,
-              sP, b, split,
-              seqlen, start, end, n_tiles, sm_scale_log2, num_splits, S_Q: gl.constexpr,
-              H: gl.constexpr, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.constexpr,
-              NCH: gl.constexpr, DIRECT: gl.constexpr, CAUSAL: gl.constexpr,
-              FP8: gl.constexpr, WBUF: gl.constexpr):
+              sP, b, split, seqlen, start, end, n_tiles, sm_scale_log2, num_splits,
+              S_Q: gl.constexpr, H: gl.constexpr, BN: gl.constexpr, NR: gl.constexpr,
+              STAGES: gl.constexpr, NCH: gl.constexpr, DIRECT: gl.constexpr,
+              CAUSAL: gl.constexpr, FP8: gl.constexpr, WBUF: gl.constexpr):
     ROWS: gl.constexpr = S_Q * H
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, NR, 16])
@@ -388,17 +387,16 @@ def _consume(cargs, pargs, BN: gl.constexpr, NR: gl.constexpr, STAGES: gl.conste
     (q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, w_full, w_empty, sK, sW, sQ, sP, b, split,
      seqlen, start, end, n_tiles, sm_scale_log2, num_splits) = cargs
     _consumer(q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, w_full, w_empty, sK, sW, sQ, sP,
-              b, split,
-              seqlen, start, end, n_tiles, sm_scale_log2, num_splits, S_Q, H, BN, NR, STAGES,
-              NCH, DIRECT, CAUSAL, FP8, WBUF)
+              b, split, seqlen, start, end, n_tiles, sm_scale_log2, num_splits, S_Q, H, BN, NR,
+              STAGES, NCH, DIRECT, CAUSAL, FP8, WBUF)
 
 
 @gluon.jit
 def _widen_tiles(cargs, BN: gl.constexpr, STAGES: gl.constexpr, NCH: gl.constexpr,
                  WBUF: gl.constexpr):
     """FP8: the widener partition (4 warps). Tile i's values, once in ring slot i % STAGES,
-    become fp16 in sW half i % 2 once the consumer's P V of tile i - 2 has read it; the slot
-    is released here and by the consumer's QK (kv_empty counts both)."""
+    become fp16 in sW buffer i % WBUF once the consumer's P V of tile i - WBUF has read it;
+    the slot is released here and by the consumer's QK (kv_empty counts both)."""
     (q_ptr, ks_ptr, o_ptr, lse_ptr, kv_full, kv_empty, w_full, w_empty, sK, sW, sQ, sP, b, split,
      seqlen, start, end, n_tiles, sm_scale_log2, num_splits) = cargs
     for i in range(n_tiles):
