@@ -8,9 +8,10 @@ the bf16 cache (our best bf16 decode at 16 heads). --baseline FILE times a saved
 gluon_rows_kernel.py beside the current one (an A/B of a kernel change in one run).
 --pool N draws every block table entry from N pages, so the cache the calls read stays in
 the L2 and a kernel's per-tile chain, not DRAM, bounds it (a chain change shows on a GPU
-whose DRAM would otherwise hide it).
+whose DRAM would otherwise hide it). --splits A,B,... also times the current kernel (ring of
+2) at each of those split counts (the launcher's own choice is the s2 row).
 
-    python docs/notes/probe_fp8_cache16.py [B:H:S,...] [--baseline FILE] [--pool N]
+    python docs/notes/probe_fp8_cache16.py [B:H:S,...] [--baseline FILE] [--pool N] [--splits A,B]
 """
 import importlib.util
 import sys
@@ -59,6 +60,11 @@ def main():
     if "--pool" in args:
         i = args.index("--pool")
         pool = int(args[i + 1])
+        del args[i:i + 2]
+    splits = []
+    if "--splits" in args:
+        i = args.index("--splits")
+        splits = [int(x) for x in args[i + 1].split(",")]
         del args[i:i + 2]
     shapes = args[0] if args else SHAPES
     import lowering.decode.gluon_rows_kernel as rk
@@ -112,6 +118,9 @@ def main():
                         print(f"  {key} FAILED {type(exc).__name__}: {str(exc)[:300]}")
             rk.mla_decode_rows_kernel = current
             gd.FP8_CACHE_CONFIGS[16] = base
+            for n in splits:
+                run = lambda: gd.gluon_decode_fp8_cache(q, kv8, bt, lens, ks, SCALE, True, n)
+                row[f"gluon fp8kv splits {n}"] = t_graph(run)
             qs = (q.float().abs().amax() / 448.0).reshape(1)
             q8 = (q.float() / qs).to(torch.float8_e4m3fn)
             if route_unmet("flashmla-fp8q", q8, kv8) is None:
