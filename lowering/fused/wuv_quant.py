@@ -15,6 +15,13 @@ import triton.language as tl
 
 from lowering.fused.fp8_rounding import FP8_MAX, div_rn, round16, to_e4m3
 
+# rows <= 16 -> (BLOCK_L, num_warps, num_stages) of the launch (BLOCK_L falls back to the
+# largest of 64, 32, 16 dividing L where it does not divide L). The fastest at V3's 128
+# heads on an H100 (docs/notes/probe_wuv_quant.py --sweep, group 128): 11.6 µs at 1 row
+# and 11.8 at 4 (4 warps, 3 stages: 12.7 / 12.8), 13.2 at 32 (13.4); the head GEMM and
+# the act-quant launch it replaces take 11.2 / 11.8 / 15.8.
+CONFIGS = {True: (64, 8, 4), False: (64, 8, 3)}
+
 
 @triton.jit
 def wuv_quant_kernel(a_ptr, w_ptr, y_ptr, s_ptr, scale_ptr, T, N,
@@ -77,11 +84,12 @@ def wuv_quant_unmet(a: torch.Tensor, W_UV: torch.Tensor, group_size) -> str | No
 
 
 def wuv_quant(a: torch.Tensor, W_UV: torch.Tensor, *, scale=None, group_size=None,
-              out=None, block_scale=None):
+              out=None, block_scale=None, config=None):
     """a [t, N, L] (any strides, unit last), W_UV [N, L, V] -> fp8 [t, N*V] (+ [t, N*V/g]).
 
     static (scale given): fp8(o / scale); per-group: scales amax/448 of each group of
     the 16-bit output o = a @ W_UV, written with the fp8 values from the GEMM's epilogue.
+    config: (BLOCK_L, num_warps, num_stages), by default CONFIGS' for t.
     """
     t, N, L = a.shape
     V = W_UV.shape[-1]
@@ -98,11 +106,14 @@ def wuv_quant(a: torch.Tensor, W_UV: torch.Tensor, *, scale=None, group_size=Non
             (t, N * V // g), dtype=torch.float32, device=a.device)
     if t:
         BLOCK_T = 16 if t <= 16 else 32
-        BLOCK_L = 64 if L % 64 == 0 else (32 if L % 32 == 0 else 16)
+        BLOCK_L, warps, stages = config or CONFIGS[t <= 16]
+        if L % BLOCK_L:
+            BLOCK_L = 64 if L % 64 == 0 else (32 if L % 32 == 0 else 16)
         dummy = y
         wuv_quant_kernel[(triton.cdiv(t, BLOCK_T), N)](
             a, W, y, s if s is not None else dummy, scale.reshape(1) if static else dummy,
             t, N, a.stride(0), a.stride(1), W.stride(0), W.stride(1), L=L, V=V, GROUP=g,
             STATIC=static, BLOCK_T=BLOCK_T, BLOCK_L=BLOCK_L,
-            F32_DOT=os.environ.get("TRITON_INTERPRET") == "1")
+            F32_DOT=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps,
+            num_stages=stages)
     return y, s
