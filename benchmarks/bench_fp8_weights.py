@@ -103,7 +103,7 @@ def time_prefill(model, cfg, B, S, dev, rounds) -> float:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.no_grad():
             a.record()
-            model(input_ids=ids, past_key_values=cache)
+            model(input_ids=ids, **mla_ops.hf.cache_kwargs(model, cache))
             b.record()
         b.synchronize()
         if i:

@@ -35,7 +35,7 @@ def test_glm_moe_dsa_shared_layer_reuses_the_selection():
         return attend(*a, **k)
     with mock.patch.object(v32, "select_slots", counted_select), \
             mock.patch.object(v32, "sparse_attention", counted_attend):
-        out = generate(model, ids, mask, past_key_values=paged(model))
+        out = generate(model, ids, mask, **H.cache_kwargs(model, paged(model)))
     exp = generate(ref, ids, mask)
     assert_matches(out, exp)
     assert len(calls) == 2 * NEW and len(attn_calls) == 3 * NEW      # layers 0, 2 select
@@ -59,7 +59,7 @@ def test_glm_moe_dsa_shared_layer_needs_the_previous_selection():
     model.model.layers[1].self_attn.register_forward_pre_hook(drop, with_kwargs=True)
     ids, mask = left_padded([20, 12])
     with torch.no_grad(), pytest.raises(ValueError, match="reuses the previous layer"):
-        model(input_ids=ids, attention_mask=mask, past_key_values=paged(model))
+        model(input_ids=ids, attention_mask=mask, **H.cache_kwargs(model, paged(model)))
 
 
 def test_mistral_large4_refused_with_the_differences():

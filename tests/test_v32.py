@@ -44,7 +44,7 @@ def test_generate_matches_hf(yarn):
                             dtype=torch.float32)
     wrapped, calls = counting(v32.sparse_attention)
     with mock.patch.object(v32, "sparse_attention", wrapped):
-        out = generate(model, ids, mask, past_key_values=cache)
+        out = generate(model, ids, mask, **H.cache_kwargs(model, cache))
     exp = generate(ref, ids, mask)
     errs = [logit_err(a, b) for a, b in zip(out.logits, exp.logits)]
     assert max(errs) <= TOL, f"max logit error {max(errs):.2e}"
@@ -101,15 +101,15 @@ def test_forward_dense_prefill_then_sparse_chunks_match_hf(attn):
     real = mask.bool()
     wrapped, calls = counting(v32.sparse_attention)
     with torch.no_grad(), mock.patch.object(v32, "sparse_attention", wrapped):
-        got = model(ids, attention_mask=mask, past_key_values=cache).logits
-        exp = ref(ids, attention_mask=mask, past_key_values=rcache).logits
+        got = model(ids, attention_mask=mask, **H.cache_kwargs(model, cache)).logits
+        exp = ref(ids, attention_mask=mask, **H.cache_kwargs(ref, rcache)).logits
         assert logit_err(got[real], exp[real]) <= TOL
         assert not calls                                  # 11 keys <= top-k 12: dense
         for n in (5, 1, 1, 7, 1):
             more = torch.randint(3, 256, (3, n))
             mask = torch.cat([mask, torch.ones(3, n, dtype=mask.dtype)], 1)
-            got = model(more, attention_mask=mask, past_key_values=cache).logits
-            exp = ref(more, attention_mask=mask, past_key_values=rcache).logits
+            got = model(more, attention_mask=mask, **H.cache_kwargs(model, cache)).logits
+            exp = ref(more, attention_mask=mask, **H.cache_kwargs(ref, rcache)).logits
             assert logit_err(got, exp) <= TOL
     assert len(calls) == 2 * 5
     assert cache.seq_lens() == [3 + 15, 11 + 15, 8 + 15]
@@ -124,7 +124,7 @@ def test_cache_within_top_k_runs_dense():
     cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=64, block_size=16)
     wrapped, calls = counting(v32.sparse_attention)
     with mock.patch.object(v32, "sparse_attention", wrapped):
-        out = generate(model, ids, mask, past_key_values=cache)
+        out = generate(model, ids, mask, **H.cache_kwargs(model, cache))
     exp = generate(ref, ids, mask)
     assert not calls
     assert torch.equal(out.sequences, exp.sequences)
@@ -140,7 +140,7 @@ def test_cache_holds_the_indexer_keys_beside_the_latent():
     assert cache.index_keys[0].shape == (cache.num_blocks, 8, cfg.index_head_dim)
     ids, mask = left_padded([4, 13], seed=2)
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=cache)
+        model(ids, attention_mask=mask, **H.cache_kwargs(model, cache))
     # every real token's slot holds a key (LayerNorm'd: never all zeros), no other slot does
     table, lens = cache.block_table, cache.seq_lens()
     for b, n in enumerate(lens):
@@ -284,7 +284,7 @@ def test_convert_refusals():
     H.convert(model)
     cache = H.PagedMLACache(tiny_config("v3"), max_batch_size=1, max_cache_len=16)
     with pytest.raises(ValueError, match="indexer"), torch.no_grad():
-        model(torch.tensor([[5, 6, 7]]), past_key_values=cache)
+        model(torch.tensor([[5, 6, 7]]), **H.cache_kwargs(model, cache))
 
 
 # ------------------------------------------------------------------ torch.compile
@@ -310,7 +310,7 @@ def test_compiled_decode_fullgraph_one_graph_no_breaks():
               return_dict_in_generate=True)
     try:
         with torch.no_grad():
-            out = model.generate(ids, past_key_values=cache, compile_config=cc, **kw)
+            out = model.generate(ids, compile_config=cc, **H.cache_kwargs(model, cache), **kw)
             exp = ref.generate(ids, **kw)
         assert len(graphs) == 1, f"{len(graphs)} graphs: the decode step recompiled"
         assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
@@ -342,7 +342,7 @@ def test_decode_graph_matches_hf_generate():
     try:
         with torch.no_grad():
             first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                          past_key_values=cache).logits[:, -1].argmax(-1)       # [B]
+                          **H.cache_kwargs(model, cache)).logits[:, -1].argmax(-1)  # [B]
             exp = ref.generate(ids, attention_mask=mask, max_new_tokens=25, do_sample=False)
         runner = H.DecodeGraph(model, cache, backend=BACKEND)
         got = runner.greedy(first, 24)                                          # [B, 24]
