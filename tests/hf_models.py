@@ -11,6 +11,17 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "beta_fast": 32.0, "beta_slow": 1.0}
 
 
+def cache_kw(cache) -> dict:
+    """{name: cache} for an HF model's forward / generate: `cache` where the installed
+    transformers names it so (>= 5.24, which deprecates past_key_values), else
+    past_key_values (mla_ops.hf.cache_kwargs decides per model; the tests' families all
+    follow the installed version's name)."""
+    import inspect
+    from transformers import DeepseekV3ForCausalLM
+    params = inspect.signature(DeepseekV3ForCausalLM.forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
+
+
 def tiny_config(family="v3", q_lora_rank=192, rope_interleave=True, yarn=False, layers=2):
     from transformers import DeepseekV2Config, DeepseekV3Config
     kw = dict(vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
@@ -67,12 +78,12 @@ def graph_and_generate_tokens(model, ids, mask, cache, new_tokens, backend="indu
     kw = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
     cc = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
     with torch.no_grad():
-        exp = model.generate(ids, past_key_values=cache, compile_config=cc, **kw)
+        exp = model.generate(ids, **cache_kw(cache), compile_config=cc, **kw)
     cache.reset()
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                      past_key_values=cache).logits[:, -1].argmax(-1)
+                      **cache_kw(cache)).logits[:, -1].argmax(-1)
     runner = H.DecodeGraph(model, cache, backend=backend)
     got = torch.cat([first[:, None], runner.greedy(first, new_tokens - 1)], 1)
     return runner, got, exp[:, ids.shape[1]:]

@@ -9,7 +9,7 @@ import torch
 import torch._dynamo
 
 import mla_ops.hf as H
-from hf_models import left_padded, logit_err
+from hf_models import cache_kw, left_padded, logit_err
 
 TOL = 1e-4
 LENGTHS = [5, 17, 30]          # left-padded, none a multiple of the block size
@@ -79,7 +79,7 @@ def test_generate_matches_hf(family):
     bs = 16
     cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=bs,
                             dtype=torch.float32)
-    out = generate(model, ids, mask, past_key_values=cache)
+    out = generate(model, ids, mask, **cache_kw(cache))
     exp = generate(ref, ids, mask)
     errs = [logit_err(a, b) for a, b in zip(out.logits, exp.logits)]
     assert max(errs) <= TOL, f"max logit error {max(errs):.2e}"
@@ -100,7 +100,7 @@ def test_mistral4_query_scale_matters():
                                 block_size=16, dtype=torch.float32)
         with torch.no_grad():
             return model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         past_key_values=cache).logits[mask.bool()]
+                         **cache_kw(cache)).logits[mask.bool()]
     with torch.no_grad():
         exp = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits[mask.bool()]
     assert logit_err(logits(), exp) <= TOL
@@ -136,17 +136,17 @@ def test_compiled_decode_fullgraph(family):
     try:
         with torch.no_grad():
             got = fwd(input_ids=ids, attention_mask=mask, position_ids=pos,
-                      past_key_values=cache).logits
+                      **cache_kw(cache)).logits
             exp = ref(input_ids=ids, attention_mask=mask, position_ids=pos,
-                      past_key_values=rcache).logits
+                      **cache_kw(rcache)).logits
             assert logit_err(got[mask.bool()], exp[mask.bool()]) <= TOL
             tok, p = exp[:, -1:].argmax(-1), pos[:, -1:]
             for step in range(6):
                 p = p + 1
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-                got = fwd(input_ids=tok, position_ids=p, past_key_values=cache).logits
+                got = fwd(input_ids=tok, position_ids=p, **cache_kw(cache)).logits
                 exp = ref(input_ids=tok, attention_mask=mask, position_ids=p,
-                          past_key_values=rcache).logits
+                          **cache_kw(rcache)).logits
                 assert logit_err(got, exp) <= TOL, f"step {step}"
                 tok = exp[:, -1:].argmax(-1)
         assert len(graphs) == 2, f"{len(graphs)} graphs: decode recompiled"
@@ -179,7 +179,7 @@ def test_generate_matches_hf_cuda(family):
     ids, mask = (t.cuda() for t in left_padded(LENGTHS))
     cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=16,
                             dtype=torch.float32, device="cuda")
-    out = generate(model, ids, mask, past_key_values=cache)
+    out = generate(model, ids, mask, **cache_kw(cache))
     exp = generate(ref, ids, mask)
     errs = [logit_err(a, b) for a, b in zip(out.logits, exp.logits)]
     assert max(errs) <= TOL, f"max logit error {max(errs):.2e}"

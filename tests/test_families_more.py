@@ -16,7 +16,7 @@ import torch._dynamo
 import mla_ops.hf as H
 from family_models import (FAMILIES, LENGTHS, NEW, TOL, assert_matches, build,  # noqa: F401
                            flushed_denormals, generate, mla_modules, paged)
-from hf_models import left_padded, logit_err
+from hf_models import cache_kw, left_padded, logit_err
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -27,7 +27,7 @@ def test_generate_matches_hf(family):
     assert {m.mla_family for m in mla_modules(model)} == {tag}
     ids, mask = left_padded(LENGTHS)
     cache = paged(model)
-    out, exp = generate(model, ids, mask, past_key_values=cache), generate(ref, ids, mask)
+    out, exp = generate(model, ids, mask, **cache_kw(cache)), generate(ref, ids, mask)
     assert_matches(out, exp)
     assert cache.seq_lens() == [n + NEW - 1 for n in LENGTHS]            # the paged path ran
 
@@ -44,7 +44,7 @@ def test_longcat_two_blocks_per_layer_own_cache_layers():
     assert cache.mla_layers == (0, 1, 2, 3) and len(cache.pool.kv) == 4
     ids, mask = left_padded([7, 11], seed=4)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        model(input_ids=ids, attention_mask=mask, **cache_kw(cache))
     rows = [cache.kv(i).flatten(0, 1) for i in range(4)]                  # [slots, L+R]
     written = [int((r.abs().sum(-1) > 0).sum()) for r in rows]
     assert written == [18] * 4                                           # 7 + 11 real tokens
@@ -79,7 +79,7 @@ def test_longcat_latent_scales_matter():
     def logits(m):
         with torch.no_grad():
             return m(input_ids=ids, attention_mask=mask, position_ids=pos,
-                     past_key_values=paged(m)).logits[mask.bool()]
+                     **cache_kw(paged(m))).logits[mask.bool()]
     with torch.no_grad():
         exp = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits[mask.bool()]
     assert logit_err(logits(model), exp) <= TOL
@@ -104,15 +104,15 @@ def test_kimi_linear_hybrid_cache():
     ids, mask = left_padded([7, 12], seed=4)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+        model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kw(cache))
     states = cache.linear_states()
     assert len(states) == 4 and all(s.abs().sum() > 0 for s in states)   # 2 layers x conv, rec
     saved = cache.snapshot()
     step = dict(input_ids=torch.tensor([[5], [9]]), position_ids=pos[:, -1:] + 1)
     with torch.no_grad():
-        first = model(**step, past_key_values=cache).logits
+        first = model(**step, **cache_kw(cache)).logits
         cache.restore(saved)                      # the KDA state goes back too
-        again = model(**step, past_key_values=cache).logits
+        again = model(**step, **cache_kw(cache)).logits
     assert torch.equal(first, again)
     cache.reset()
     assert all(s.abs().sum() == 0 for s in cache.linear_states())
@@ -132,7 +132,7 @@ def test_output_gate_matters(family, first):
     def logits():
         with torch.no_grad():
             return model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         past_key_values=paged(model)).logits[mask.bool()]
+                         **cache_kw(paged(model))).logits[mask.bool()]
     with torch.no_grad():
         exp = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits[mask.bool()]
     assert logit_err(logits(), exp) <= TOL
@@ -152,7 +152,7 @@ def test_kimi_linear_default_cache_and_hf_cache():
     ids, mask = left_padded([12, 25], seed=6)
     exp = generate(ref, ids, mask)
     assert_matches(generate(model, ids, mask), exp)
-    out = generate(model, ids, mask, past_key_values=DynamicCache(config=model.config))
+    out = generate(model, ids, mask, **cache_kw(DynamicCache(config=model.config)))
     assert torch.equal(out.sequences, exp.sequences)
 
 
@@ -204,21 +204,21 @@ def test_compiled_decode_fullgraph(family):
     try:
         with torch.no_grad():             # HF's reference first, outside the patch
             exp = ref(input_ids=ids, attention_mask=mask, position_ids=pos,
-                      past_key_values=rcache).logits
+                      **cache_kw(rcache)).logits
             exps, toks, p, m = [exp], [exp[:, -1:].argmax(-1)], pos[:, -1:], mask
             for _ in range(6):
                 p, m = p + 1, torch.cat([m, torch.ones_like(m[:, :1])], 1)
                 exps.append(ref(input_ids=toks[-1], attention_mask=m, position_ids=p,
-                                past_key_values=rcache).logits)
+                                **cache_kw(rcache)).logits)
                 toks.append(exps[-1][:, -1:].argmax(-1))
             with patch:
                 got = fwd(input_ids=ids, attention_mask=mask, position_ids=pos,
-                          past_key_values=cache).logits
+                          **cache_kw(cache)).logits
                 assert logit_err(got[mask.bool()], exp[mask.bool()]) <= TOL
                 p = pos[:, -1:]
                 for step in range(6):
                     p = p + 1
-                    got = fwd(input_ids=toks[step], position_ids=p, past_key_values=cache).logits
+                    got = fwd(input_ids=toks[step], position_ids=p, **cache_kw(cache)).logits
                     assert logit_err(got, exps[step + 1]) <= TOL, f"step {step}"
         assert len(graphs) == 2, f"{len(graphs)} graphs: decode recompiled"
         assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
@@ -237,7 +237,7 @@ def test_generate_matches_hf_cuda(family):
     ref, model = build(family)
     ref, model = ref.cuda(), H.convert(model).cuda()
     ids, mask = (t.cuda() for t in left_padded(LENGTHS))
-    out = generate(model, ids, mask, past_key_values=paged(model, device="cuda"))
+    out = generate(model, ids, mask, **cache_kw(paged(model, device="cuda")))
     exp = generate(ref, ids, mask)
     assert_matches(out, exp)
 
@@ -288,7 +288,7 @@ def test_hybrid_decode_graph_matches_hf():
     try:
         with torch.no_grad():
             first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                          past_key_values=cache).logits[:, -1].argmax(-1)      # [B]
+                          **cache_kw(cache)).logits[:, -1].argmax(-1)      # [B]
             runner = H.DecodeGraph(model, cache, warmup=2,
                                    backend="inductor" if dev == "cuda" else "aot_eager")
             got = torch.cat([first[:, None], runner.greedy(first, 7)], 1)

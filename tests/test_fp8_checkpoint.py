@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 fg = pytest.importorskip("transformers.integrations.finegrained_fp8")
 
 import mla_ops.hf as H  # noqa: E402
-from hf_models import build_pair, left_padded, logit_err, tiny_config  # noqa: E402
+from hf_models import cache_kw, build_pair, left_padded, logit_err, tiny_config  # noqa: E402
 from lowering import config as mla_config  # noqa: E402
 from lowering.gemm import fp8_linear  # noqa: E402
 from mla_ops.hf import fp8_linear as hf_fp8  # noqa: E402
@@ -231,7 +231,7 @@ def test_tiny_fp8_model_converts_and_matches_hf_on_cpu():
     ids, mask = left_padded([5, 17, 30])
     cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=16,
                             dtype=torch.float32)
-    out = generate(model, ids, mask, 12, past_key_values=cache)
+    out = generate(model, ids, mask, 12, **cache_kw(cache))
     exp = generate(ref, ids, mask, 12)
     errs = [logit_err(a, b) for a, b in zip(out.logits, exp.logits)]
     assert max(errs) <= 1e-4, f"max logit error {max(errs):.2e}"
@@ -251,7 +251,7 @@ def test_fully_quantized_moe_model_with_fused_experts_matches_hf_on_cpu():
     ids, mask = left_padded([5, 17, 30])
     cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=16,
                             dtype=torch.float32)
-    out = generate(model, ids, mask, 12, past_key_values=cache)
+    out = generate(model, ids, mask, 12, **cache_kw(cache))
     exp = generate(ref, ids, mask, 12)
     errs = [logit_err(a, b) for a, b in zip(out.logits, exp.logits)]
     assert max(errs) <= 1e-4, f"max logit error {max(errs):.2e}"
@@ -279,7 +279,7 @@ def test_fp8_model_compiles_fullgraph_once_for_every_decode_step():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     try:
-        out = generate(model, ids, mask, 10, past_key_values=cache, compile_config=cc)
+        out = generate(model, ids, mask, 10, **cache_kw(cache), compile_config=cc)
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     finally:
         torch._dynamo.reset()
@@ -375,7 +375,7 @@ def test_every_fp8_gemm_of_a_gpu_decode_step_vs_fp64(monkeypatch, dtype=torch.bf
     ids, mask = (t.to(device) for t in left_padded([5, 17, 30]))
     cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=64,
                             device=device, dtype=dtype)
-    generate(model, ids, mask, 3, past_key_values=cache, disable_compile=True)   # each call seen
+    generate(model, ids, mask, 3, **cache_kw(cache), disable_compile=True)   # each call seen
     cast = (lambda t: t.to(dtype).double())
     checked = set()
     for name, args, out in calls:
@@ -458,12 +458,12 @@ def test_fp8_model_generate_replays_the_eager_step_graph():
     cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=64,
                             device="cuda", dtype=torch.bfloat16)
     model.mla_generate_graph = False
-    exp = generate(model, ids, mask, 8, past_key_values=cache, disable_compile=True)
+    exp = generate(model, ids, mask, 8, **cache_kw(cache), disable_compile=True)
     model.mla_generate_graph = True
     cache.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)               # captured, not eager
-        got = generate(model, ids, mask, 8, past_key_values=cache, disable_compile=True)
+        got = generate(model, ids, mask, 8, **cache_kw(cache), disable_compile=True)
     kept = getattr(cache, GG.KEPT)
     assert kept is not None and all(r._graph is not None for r in kept.runners.values())
     assert torch.equal(got.sequences, exp.sequences)

@@ -17,6 +17,7 @@ pytest.importorskip("transformers.integrations.finegrained_fp8")
 from lowering.gemm import fp8_act_quant, fp8_linear  # noqa: E402
 from lowering.gemm import fp8_linear_configs  # noqa: E402
 from test_fp8_checkpoint import quant_act_ref, rand_fp8, rel, w8a8_ref  # noqa: E402
+from hf_models import cache_kw  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 CUDA = torch.cuda.is_available()
@@ -163,7 +164,7 @@ def test_converted_fp8_model_quantizes_in_the_producers(monkeypatch, absorbed):
     cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=16)
     torch._dynamo.reset()
     try:
-        out = generate(model, ids, mask, 6, past_key_values=cache, compile_config=cc)
+        out = generate(model, ids, mask, 6, **cache_kw(cache), compile_config=cc)
     finally:
         torch._dynamo.reset()
     exp = generate(ref, ids, mask, 6)
@@ -269,7 +270,7 @@ def test_gpu_decode_steps_with_and_without_producer_quant_are_bit_for_bit(monkey
     def runs():
         cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64,
                                 block_size=64, device="cuda", dtype=torch.bfloat16)
-        return generate(model, ids, mask, 6, past_key_values=cache, disable_compile=True)
+        return generate(model, ids, mask, 6, **cache_kw(cache), disable_compile=True)
 
     def watched(attn, x, pe, *rest):
         out = prologue(attn, x, pe, *rest)
@@ -318,7 +319,7 @@ def test_gpu_absorbed_w8a8_query_of_a_decode_step_vs_fp64(monkeypatch):
     ids, mask = (t.cuda() for t in left_padded([5, 17, 30]))
     cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=64,
                             device="cuda", dtype=torch.bfloat16)
-    generate(model, ids, mask, 3, past_key_values=cache, disable_compile=True)
+    generate(model, ids, mask, 3, **cache_kw(cache), disable_compile=True)
     assert len(calls) >= 2 * model.config.num_hidden_layers
     for attn, q_a, (cos, sin, rope), out in calls:
         lin = attn.q_b_proj

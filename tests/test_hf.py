@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import mla_ops.hf as H
-from hf_models import build_pair, left_padded, logit_err, tiny_config
+from hf_models import cache_kw, build_pair, left_padded, logit_err, tiny_config
 from mla_ops import mla_softmax_scale
 
 TOL = 1e-4
@@ -39,7 +39,7 @@ def test_generate_matches_hf(family, q_lora, interleave, yarn):
     bs = 16
     cache = H.PagedMLACache(model.config, max_batch_size=4, max_cache_len=64, block_size=bs,
                             dtype=torch.float32)
-    out = generate(model, ids, mask, past_key_values=cache)
+    out = generate(model, ids, mask, **cache_kw(cache))
     exp = generate(ref, ids, mask)
     errs = [logit_err(a, b) for a, b in zip(out.logits, exp.logits)]
     assert max(errs) <= TOL, f"max logit error {max(errs):.2e}"
@@ -64,14 +64,14 @@ def test_forward_prefill_chunk_and_decode_match_hf(attn):
     rcache = DynamicCache(config=cfg)
     real = mask.bool()
     with torch.no_grad():
-        got = model(ids, attention_mask=mask, past_key_values=cache).logits
-        exp = ref(ids, attention_mask=mask, past_key_values=rcache).logits
+        got = model(ids, attention_mask=mask, **cache_kw(cache)).logits
+        exp = ref(ids, attention_mask=mask, **cache_kw(rcache)).logits
         assert logit_err(got[real], exp[real]) <= TOL
         for n in (5, 1, 1, 3):   # a chunk with cached context, two decode steps, another chunk
             more = torch.randint(3, 256, (3, n))
             mask = torch.cat([mask, torch.ones(3, n, dtype=mask.dtype)], 1)
-            got = model(more, attention_mask=mask, past_key_values=cache).logits
-            exp = ref(more, attention_mask=mask, past_key_values=rcache).logits
+            got = model(more, attention_mask=mask, **cache_kw(cache)).logits
+            exp = ref(more, attention_mask=mask, **cache_kw(rcache)).logits
             assert logit_err(got, exp) <= TOL
     assert cache.seq_lens() == [3 + 10, 11 + 10, 8 + 10]
 
@@ -88,11 +88,11 @@ def test_fp8_cache_logit_error():
     # teacher-forced on the reference's tokens, so every decode step reads the fp8 cache
     S = ids.shape[1]
     with torch.no_grad():
-        got = [model(ids, attention_mask=mask, past_key_values=cache).logits[:, -1]]
+        got = [model(ids, attention_mask=mask, **cache_kw(cache)).logits[:, -1]]
         for t in range(NEW - 1):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
             tok = exp.sequences[:, S + t:S + t + 1]
-            got.append(model(tok, attention_mask=mask, past_key_values=cache).logits[:, -1])
+            got.append(model(tok, attention_mask=mask, **cache_kw(cache)).logits[:, -1])
     errs = [logit_err(a, b) for a, b in zip(got, exp.logits)]
     agree = torch.stack([a.argmax(-1) == b.argmax(-1) for a, b in zip(got, exp.logits)])
     print(f"fp8 KV cache: decode logit error max {max(errs[1:]):.3e} mean "
@@ -127,8 +127,8 @@ def test_fp8_cache_matches_hf_on_fp8_rounded_latents():
     errs = []
     with torch.no_grad():
         for t in range(ids.shape[1]):
-            a = model(ids[:, t:t + 1], past_key_values=cache).logits
-            b = ref(ids[:, t:t + 1], past_key_values=rcache).logits
+            a = model(ids[:, t:t + 1], **cache_kw(cache)).logits
+            b = ref(ids[:, t:t + 1], **cache_kw(rcache)).logits
             errs.append(logit_err(a, b))
     # A latent computed from fp32-different hidden states (layer >= 1) can sit on an fp8
     # rounding tie and round one e4m3 step apart (seen at 3e-4 on one CPU); without the
@@ -240,11 +240,11 @@ def test_prompt_and_generation_longer_than_cache():
     ids, mask = left_padded([12, 6])
     cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=8, block_size=4)
     with torch.no_grad(), pytest.raises(ValueError, match="max_cache_len=8"):
-        model(ids, attention_mask=mask, past_key_values=cache)
+        model(ids, attention_mask=mask, **cache_kw(cache))
     assert cache.seq_lens() == [0, 0] and cache.blocks_in_use() == 0   # nothing written
     ids, mask = left_padded([6, 4])
     with torch.no_grad(), pytest.raises(ValueError, match="max_cache_len=8"):
-        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5,
+        model.generate(ids, attention_mask=mask, **cache_kw(cache), max_new_tokens=5,
                        do_sample=False)
 
 
@@ -255,7 +255,7 @@ def test_batch_larger_than_cache():
     ids, mask = left_padded([3, 4, 5])
     cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=16)
     with torch.no_grad(), pytest.raises(ValueError, match="max_batch_size=2"):
-        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2)
+        model.generate(ids, attention_mask=mask, **cache_kw(cache), max_new_tokens=2)
     assert cache.seq_lens() == [0, 0]
 
 
@@ -267,7 +267,7 @@ def test_cache_dtype_must_match_model():
     cache = H.PagedMLACache(model.config, max_batch_size=1, max_cache_len=16,
                             dtype=torch.bfloat16)
     with torch.no_grad(), pytest.raises(TypeError, match="dtype="):
-        model(ids, attention_mask=mask, past_key_values=cache)
+        model(ids, attention_mask=mask, **cache_kw(cache))
 
 
 def test_unconverted_model_with_paged_cache_says_convert():
@@ -276,7 +276,7 @@ def test_unconverted_model_with_paged_cache_says_convert():
     ids, mask = left_padded([3])
     cache = H.PagedMLACache(cfg, max_batch_size=1, max_cache_len=16)
     with torch.no_grad(), pytest.raises(RuntimeError, match="convert"):
-        ref(ids, attention_mask=mask, past_key_values=cache)
+        ref(ids, attention_mask=mask, **cache_kw(cache))
 
 
 def test_cache_full_is_reported_before_writing():
@@ -287,5 +287,5 @@ def test_cache_full_is_reported_before_writing():
     cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=16, block_size=4,
                             num_blocks=4)
     with torch.no_grad(), pytest.raises(H.CacheFullError, match="num_blocks"):
-        model(ids, attention_mask=mask, past_key_values=cache)
+        model(ids, attention_mask=mask, **cache_kw(cache))
     assert cache.blocks_in_use() == 0

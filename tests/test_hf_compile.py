@@ -14,7 +14,7 @@ import torch._dynamo
 from torch._dynamo.backends.registry import lookup_backend
 
 import mla_ops.hf as H
-from hf_models import build_pair, left_padded, logit_err, tiny_config
+from hf_models import cache_kw, build_pair, left_padded, logit_err, tiny_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKEND = os.environ.get("MLA_HF_COMPILE_BACKEND", "inductor" if DEVICE == "cuda" else "aot_eager")
@@ -54,7 +54,7 @@ def test_generate_with_compile_config():
     kw = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, output_logits=True,
               return_dict_in_generate=True)
     with torch.no_grad():
-        out = model.generate(ids, past_key_values=cache, compile_config=cc, **kw)
+        out = model.generate(ids, **cache_kw(cache), compile_config=cc, **kw)
         exp = ref.generate(ids, **kw)
     # prefill runs eagerly inside generate; the 23 decode steps share one graph
     assert len(_graphs) == 1, f"{len(_graphs)} graphs compiled"
@@ -65,7 +65,7 @@ def test_generate_with_compile_config():
     cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=16,
                             device=DEVICE)
     with torch.no_grad():
-        again = model.generate(ids, past_key_values=cache, compile_config=cc, **kw)
+        again = model.generate(ids, **cache_kw(cache), compile_config=cc, **kw)
     assert len(_graphs) == 1, f"{len(_graphs)} graphs: a new cache recompiled"
     assert torch.equal(again.sequences, exp.sequences)
 
@@ -82,8 +82,8 @@ def test_compiled_forward_fullgraph_decode_loop():
     fwd = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=counting_backend)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        got = fwd(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits
-        exp = ref(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=rcache).logits
+        got = fwd(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kw(cache)).logits
+        exp = ref(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kw(rcache)).logits
         assert logit_err(got[mask.bool()], exp[mask.bool()]) <= TOL
         assert len(_graphs) == 1
         tok, p = exp[:, -1:].argmax(-1), pos[:, -1:]
@@ -91,8 +91,8 @@ def test_compiled_forward_fullgraph_decode_loop():
             p = p + 1
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
             # the paged cache knows each row's padding: decode needs no mask (fixed shapes)
-            got = fwd(input_ids=tok, position_ids=p, past_key_values=cache).logits
-            exp = ref(input_ids=tok, attention_mask=mask, position_ids=p, past_key_values=rcache).logits
+            got = fwd(input_ids=tok, position_ids=p, **cache_kw(cache)).logits
+            exp = ref(input_ids=tok, attention_mask=mask, position_ids=p, **cache_kw(rcache)).logits
             assert logit_err(got, exp) <= TOL, f"step {step}"
             tok = exp[:, -1:].argmax(-1)
     assert len(_graphs) == 2, f"{len(_graphs)} graphs: decode recompiled"
@@ -114,7 +114,7 @@ def test_generate_cuda_graphs_long():
     kw = dict(attention_mask=mask, max_new_tokens=64, do_sample=False, output_logits=True,
               return_dict_in_generate=True)
     with torch.no_grad():
-        out = model.generate(ids, past_key_values=cache,
+        out = model.generate(ids, **cache_kw(cache),
                              compile_config=CompileConfig(fullgraph=True, dynamic=False), **kw)
         exp = ref.generate(ids, **kw)
     errs = [logit_err(a, b) for a, b in zip(out.logits, exp.logits)]
@@ -146,7 +146,7 @@ def test_generate_bf16_cuda_graphs_flashmla_first_call_compiled(flashmla_at_ever
     with torch.no_grad():
         cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=128,
                                 block_size=64, device=DEVICE, dtype=torch.bfloat16)
-        out = model.generate(ids, past_key_values=cache,
+        out = model.generate(ids, **cache_kw(cache),
                              compile_config=CompileConfig(fullgraph=True, dynamic=False), **kw)
     if lowering.select_backend(torch.empty(1, 1, 4, 576, device=DEVICE, dtype=torch.bfloat16),
                                torch.empty(1, 64, 576, device=DEVICE, dtype=torch.bfloat16)) == "flashmla":
@@ -175,7 +175,7 @@ def test_compiled_forward_with_grad_enabled():
     cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=32, block_size=8,
                             device=DEVICE)
     fwd = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=counting_backend)
-    got = fwd(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
+    got = fwd(input_ids=ids, attention_mask=mask, **cache_kw(cache)).logits
     assert got.requires_grad
     with torch.no_grad():
         exp = ref(input_ids=ids, attention_mask=mask).logits
@@ -219,9 +219,9 @@ def test_inductor_computes_the_step_plan_once():
     cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=16, block_size=8,
                             device=DEVICE)
     with torch.no_grad():
-        tok = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
+        tok = model(input_ids=ids, attention_mask=mask, **cache_kw(cache)).logits[:, -1:].argmax(-1)
         fwd = torch.compile(model.forward, fullgraph=True, dynamic=False, backend="inductor")
-        _, codes = run_and_get_code(fwd, input_ids=tok, past_key_values=cache)
+        _, codes = run_and_get_code(fwd, input_ids=tok, **cache_kw(cache))
     calls = _op_args("\n".join(codes), "torch.ops.mla.attention_with_output.default")
     assert len(calls) == 3
     meta = {tuple(c[6:9]) for c in calls}      # block_table, seq_lens, query_start_loc

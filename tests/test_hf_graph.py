@@ -7,8 +7,8 @@ import torch
 import torch._dynamo
 
 import mla_ops.hf as H
-from hf_models import (build_pair, graph_and_generate_tokens, left_padded, logit_err,
-                       tiny_config)
+from hf_models import (build_pair, cache_kw, graph_and_generate_tokens, left_padded,
+                       logit_err, tiny_config)
 from mla_ops.cache import CacheFullError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -36,7 +36,7 @@ def prefilled(lengths, max_cache_len, block_size=16, seed=4, num_blocks=None, mo
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                      past_key_values=cache).logits[:, -1].argmax(-1)          # [B]
+                      **cache_kw(cache)).logits[:, -1].argmax(-1)          # [B]
     return ref, model, cache, ids, mask, first
 
 
@@ -62,12 +62,12 @@ def test_call_logits_match_hf_forward():
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     runner = H.DecodeGraph(model, cache, backend=BACKEND)
     with torch.no_grad():
-        ref(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=rcache)
+        ref(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kw(rcache))
         tok, p = first[:, None], pos[:, -1:]
         for step in range(6):
             p = p + 1
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-            exp = ref(input_ids=tok, attention_mask=mask, position_ids=p, past_key_values=rcache).logits
+            exp = ref(input_ids=tok, attention_mask=mask, position_ids=p, **cache_kw(rcache)).logits
             got = runner(tok).clone()
             assert logit_err(got, exp) <= TOL, f"step {step}"
             tok = exp[:, -1:].argmax(-1)
@@ -97,7 +97,7 @@ def test_eager_steps_between_calls_are_seen():
     assert runner.steps_left == 7
     with torch.no_grad():                               # an eager step on the same cache
         model(input_ids=tok[:, None], position_ids=torch.tensor([[9], [5]], device=DEVICE),
-              past_key_values=cache)
+              **cache_kw(cache))
     assert cache.seq_lens() == [10, 6] and runner.steps_left == 6
 
 
@@ -237,7 +237,7 @@ def _flashmla_prefilled():
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         nxt = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                    past_key_values=cache).logits[:, -1:].argmax(-1)          # [B, 1]
+                    **cache_kw(cache)).logits[:, -1:].argmax(-1)          # [B, 1]
     return cfg, model, cache, pos, nxt
 
 
@@ -254,7 +254,7 @@ def test_flashmla_schedule_computed_once_per_step(flashmla_at_every_size):
     def step():
         with torch.no_grad():
             return model(input_ids=nxt, position_ids=pos[:, -1:] + 1,
-                         past_key_values=cache).logits
+                         **cache_kw(cache)).logits
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         once = step()
         torch.cuda.synchronize()
@@ -366,7 +366,7 @@ def test_captured_flashmla_step_launches_no_clamp_kernels(flashmla_at_every_size
     saved = cache.snapshot()
     with torch.no_grad():
         eager = model(input_ids=first, position_ids=pos[:, -1:] + 1,
-                      past_key_values=cache).logits
+                      **cache_kw(cache)).logits
     cache.restore(saved)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         got = runner(first).clone()
@@ -413,13 +413,13 @@ def test_fp8_query_steps_take_flashmla_fp8_schedule_once_per_step():
             cache._flashmla_fp8q_backends = frozenset()     # every layer schedules itself
         with torch.no_grad():
             first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                          past_key_values=cache).logits[:, -1:].argmax(-1)    # [B, 1]
+                          **cache_kw(cache)).logits[:, -1:].argmax(-1)    # [B, 1]
         return cache, first
 
     def step(cache, first):
         with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
             out = model(input_ids=first, position_ids=pos[:, -1:] + 1,
-                        past_key_values=cache).logits
+                        **cache_kw(cache)).logits
             torch.cuda.synchronize()
         return out, Counter(e.name for e in prof.events() if e.device_type.name == "CUDA")
     before = lowering.backend_choices["flashmla-fp8q"]
@@ -457,7 +457,7 @@ def test_batch_smaller_than_the_cache():
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                      past_key_values=cache).logits[:, -1].argmax(-1)
+                      **cache_kw(cache)).logits[:, -1].argmax(-1)
         exp = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     runner = H.DecodeGraph(model, cache, batch_size=2, backend=BACKEND)
     assert runner.steps_left == 32 - 7
@@ -473,7 +473,7 @@ def test_snapshot_restore_undoes_steps():
     saved, used = cache.snapshot(), cache.blocks_in_use()
     with torch.no_grad():
         for p in range(3):          # row 1 crosses into a new block
-            model(input_ids=first[:, None], past_key_values=cache,
+            model(input_ids=first[:, None], **cache_kw(cache),
                   position_ids=torch.tensor([[6 + p], [2 + p]], device=DEVICE))
     assert cache.seq_lens() == [9, 5] and cache.blocks_in_use() > used
     v = cache.version

@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("triton")
 
 from lowering.fused import norm  # noqa: E402
+from hf_models import cache_kw  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -106,7 +107,7 @@ def _compiled_matches_hf(model, ref_model, ids) -> set:
     cache = H.PagedMLACache(model.config, max_batch_size=2, max_cache_len=16, block_size=4)
     with torch.no_grad():
         out = torch.compile(model.forward, backend=backend, fullgraph=True)(
-            ids, past_key_values=cache).logits
+            ids, **cache_kw(cache)).logits
         ref = ref_model(ids).logits
     assert (out - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
     return targets

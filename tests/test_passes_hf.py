@@ -9,6 +9,7 @@ from torch._inductor import config as inductor_config
 
 import passes
 from passes.fp8_linear import Fp8BlockLinear
+from hf_models import cache_kw
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("mla_ops.hf")
@@ -42,7 +43,7 @@ def greedy(model, step_fn, ids):
         t.zero_()
     toks, logits = [], []
     with torch.no_grad():
-        lg = model(input_ids=ids, past_key_values=cache, attention_mask=torch.ones_like(ids)).logits
+        lg = model(input_ids=ids, **cache_kw(cache), attention_mask=torch.ones_like(ids)).logits
         tok = lg[:, -1:].argmax(-1)
         for i in range(NEW):
             toks.append(tok)
@@ -54,7 +55,7 @@ def greedy(model, step_fn, ids):
 
 def decode_step(model):
     def step(tok, cache, pos):
-        return model(input_ids=tok, past_key_values=cache, cache_position=pos).logits
+        return model(input_ids=tok, **cache_kw(cache), cache_position=pos).logits
     return step
 
 
@@ -114,4 +115,4 @@ def test_fp8_decode_query_needs_fp8_cache():
     cache = hf.PagedMLACache(model.config, max_batch_size=1, max_cache_len=16, block_size=16,
                              dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="fp8 KV cache"):
-        model(input_ids=torch.tensor([[3, 4]]), past_key_values=cache)
+        model(input_ids=torch.tensor([[3, 4]]), **cache_kw(cache))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mla_ops.hf as H
-from hf_models import build_pair, left_padded, logit_err, tiny_config
+from hf_models import cache_kw, build_pair, left_padded, logit_err, tiny_config
 from lowering.prefill import PrefillShape, mla_prefill, prefill_shape
 from mla_ops.attention import check_prefill_shape
 from mla_ops.cache import CacheFullError
@@ -41,7 +41,7 @@ def setup(family="v3", moe=True, lengths=(5, 21, 12), max_cache_len=96, seed=4,
                               dtype=dtype)
               for _ in range(2)]
     with torch.no_grad():
-        ref(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=hf_cache)
+        ref(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kw(hf_cache))
         for c in caches:
             model(input_ids=ids, attention_mask=mask, position_ids=pos,
                   **H.cache_kwargs(model, c))
@@ -57,7 +57,7 @@ def turn(ref, model, hf_cache, plain, mask, new_ids, new_mask=None):
     pos = ((full.cumsum(-1) - 1).clamp(min=0))[:, -S:]
     with torch.no_grad():
         exp = ref(input_ids=new_ids, attention_mask=full, position_ids=pos,
-                  past_key_values=hf_cache).logits[:, -1]
+                  **cache_kw(hf_cache)).logits[:, -1]
         got = model(input_ids=new_ids, attention_mask=full, position_ids=pos,
                     **H.cache_kwargs(model, plain)).logits[:, -1]
     return exp, got, full

@@ -15,7 +15,7 @@ import torch
 
 import mla_ops.attention as attention_mod
 import mla_ops.hf as H
-from hf_models import build_pair, left_padded, logit_err, tiny_config
+from hf_models import cache_kw, build_pair, left_padded, logit_err, tiny_config
 from lowering.prefill import mla_prefill, prefill_shape
 
 pytest.importorskip("triton")
@@ -31,14 +31,14 @@ def forward_chunks(model, ref, cfg, device, tol, block_size=4):
     real = mask.bool()
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():
-        got = model(ids, attention_mask=mask, past_key_values=cache).logits
-        exp = ref(ids, attention_mask=mask, past_key_values=rcache).logits
+        got = model(ids, attention_mask=mask, **cache_kw(cache)).logits
+        exp = ref(ids, attention_mask=mask, **cache_kw(rcache)).logits
         assert logit_err(got[real], exp[real]) <= tol
         for n in (5, 1, 7, 1, 3):   # chunks over cached context, decode steps between
             more = torch.randint(3, 256, (3, n), generator=g).to(device)
             mask = torch.cat([mask, torch.ones(3, n, dtype=mask.dtype, device=device)], 1)
-            got = model(more, attention_mask=mask, past_key_values=cache).logits
-            exp = ref(more, attention_mask=mask, past_key_values=rcache).logits
+            got = model(more, attention_mask=mask, **cache_kw(cache)).logits
+            exp = ref(more, attention_mask=mask, **cache_kw(rcache)).logits
             assert logit_err(got, exp) <= tol
 
 
@@ -103,9 +103,9 @@ def test_prefill_steps_compile_fullgraph():
     more = torch.randint(3, 200, (3, 5), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         for step_ids, step_mask in ((ids, mask), (more, torch.cat([mask, torch.ones_like(more)], 1))):
-            want = model(step_ids, attention_mask=step_mask, past_key_values=eager_cache).logits
+            want = model(step_ids, attention_mask=step_mask, **cache_kw(eager_cache)).logits
             got = compiled(step_ids, attention_mask=step_mask,
-                           past_key_values=compiled_cache).logits
+                           **cache_kw(compiled_cache)).logits
             real = step_mask[:, -step_ids.shape[1]:].bool()
             assert logit_err(got[real], want[real]) <= 1e-5
     assert counter.frame_count >= 1

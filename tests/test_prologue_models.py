@@ -7,6 +7,8 @@ import torch
 pytest.importorskip("triton")
 pytest.importorskip("transformers")
 
+from hf_models import cache_kw  # noqa: E402
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -197,14 +199,14 @@ def test_v3_shaped_decode_graph_logits_match_hf(family):
     rcache = DynamicCache(config=ref.config)
     with torch.no_grad():
         # no position ids: HF's rotary rows then have batch 1, expanded for the fused ops
-        first = model(input_ids=ids, past_key_values=cache).logits
-        exp = ref(input_ids=ids, past_key_values=rcache).logits
+        first = model(input_ids=ids, **cache_kw(cache)).logits
+        exp = ref(input_ids=ids, **cache_kw(rcache)).logits
         assert logit_err(first[:, -1], exp[:, -1]) < 3e-2
         runner = H.DecodeGraph(model, cache)
         tok, p = exp[:, -1:].argmax(-1), pos[:, -1:]
         for step in range(4):
             p = p + 1
-            exp = ref(input_ids=tok, position_ids=p, past_key_values=rcache).logits
+            exp = ref(input_ids=tok, position_ids=p, **cache_kw(rcache)).logits
             got = runner(tok).clone()
             assert logit_err(got, exp) < 3e-2, f"step {step}"
             tok = exp[:, -1:].argmax(-1)

@@ -110,9 +110,10 @@ def decode_logits(model, cache, ids, mask, fed):
     """Prefill ids into cache, then DecodeGraph steps fed the tokens fed [B, steps]:
     logits [steps, B, vocab] in fp32."""
     import mla_ops.hf as H
+    from hf_models import cache_kw
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+        model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kw(cache))
     runner = H.DecodeGraph(model, cache, backend="inductor")
     out = [runner(fed[:, i:i + 1]).float().reshape(fed.shape[0], -1).clone()
            for i in range(fed.shape[1])]
