@@ -147,8 +147,10 @@ def _run(args, cfg, model, fusion, hf, lowering, dyn_utils, inductor_config,
             t.zero_()
         return c
 
+    cache_name = next(iter(hf.cache_kwargs(model, None)))   # "cache" (>= 5.24) or the old name
+
     def step(tok, cache, pos):
-        return model(input_ids=tok, past_key_values=cache, cache_position=pos).logits
+        return model(input_ids=tok, cache_position=pos, **{cache_name: cache}).logits
 
     compiled = compile_with_passes(step, fusion=fusion)
     codes, first_calls = [], 0
@@ -157,10 +159,10 @@ def _run(args, cfg, model, fusion, hf, lowering, dyn_utils, inductor_config,
         for i in range(2):
             cache = new_cache()
             if args.phase == "decode":
-                model(input_ids=ids, past_key_values=cache, attention_mask=torch.ones_like(ids))
+                model(input_ids=ids, attention_mask=torch.ones_like(ids), **{cache_name: cache})
                 tok, pos = ids[:, -1:], torch.tensor([PROMPT], device=dev)
                 if i:
-                    model(input_ids=tok, past_key_values=cache, cache_position=pos)
+                    model(input_ids=tok, cache_position=pos, **{cache_name: cache})
                     pos = pos + 1
             else:
                 tok, pos = ids, torch.arange(PROMPT, device=dev)
