@@ -12,14 +12,11 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
 
 
 def cache_kw(cache) -> dict:
-    """{name: cache} for an HF model's forward / generate: `cache` where the installed
-    transformers names it so (>= 5.24, which deprecates past_key_values), else
-    past_key_values (mla_ops.hf.cache_kwargs decides per model; the tests' families all
-    follow the installed version's name)."""
-    import inspect
+    """{name: cache} for an HF model's forward / generate, by mla_ops.hf.cache_kwargs (the
+    tests' families all follow the installed transformers' name)."""
     from transformers import DeepseekV3ForCausalLM
-    params = inspect.signature(DeepseekV3ForCausalLM.forward).parameters
-    return {"cache" if "cache" in params else "past_key_values": cache}
+    from mla_ops.hf import cache_kwargs
+    return cache_kwargs(DeepseekV3ForCausalLM, cache)
 
 
 def tiny_config(family="v3", q_lora_rank=192, rope_interleave=True, yarn=False, layers=2):

@@ -71,8 +71,9 @@ CALL = "_mla_default_call"         # the default cache of the call under way, if
 def cache_kwargs(model, cache) -> dict:
     """{name: cache} for model(...) / model.generate(...): `cache` where the installed
     transformers takes it (>= 5.24; past_key_values is deprecated there), else
-    past_key_values."""
-    params = inspect.signature(type(model).forward).parameters
+    past_key_values. model: an HF model or its class."""
+    cls = model if isinstance(model, type) else type(model)
+    params = inspect.signature(cls.forward).parameters
     return {"cache" if "cache" in params else "past_key_values": cache}
 
 
