@@ -15,6 +15,11 @@ replays):
     prefetch    the same, each program loading its next phase's weight rows into
                 registers before it waits at the barrier (the weights do not depend on
                 the phase before), so the bytes are in flight during the wait
+    pdl         L launches of gemv_pdl_kernel with programmatic dependent launch: each
+                program lets the next launch start (gdc_launch_dependents), then waits
+                for the one before (gdc_wait), then loads its rows
+    pdl-preload the same, each program loading its weight rows before the wait, so a
+                launch's weights stream while the launch before it runs
 
 The barrier alone: a chain_kernel launch of L phases with N = 0 rows.
 
@@ -25,6 +30,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from probe_router_configs import graph_us        # same folder (docs/notes)
 
 
@@ -55,6 +61,20 @@ def _finish(x_ptr, y_ptr, w, rb, N, K: tl.constexpr, BLOCK_N: tl.constexpr):
 def gemv_kernel(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr):
     rb = tl.program_id(0)
     w = _rows(x_ptr, w_ptr, rb, N, K, BLOCK_N)
+    _finish(x_ptr, y_ptr, w, rb, N, K, BLOCK_N)
+
+
+@triton.jit
+def gemv_pdl_kernel(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PRELOAD: tl.constexpr):
+    rb = tl.program_id(0)
+    gdc_launch_dependents()
+    if PRELOAD:
+        w = _rows(x_ptr, w_ptr, rb, N, K, BLOCK_N)
+        gdc_wait()
+    else:
+        gdc_wait()
+        w = _rows(x_ptr, w_ptr, rb, N, K, BLOCK_N)
     _finish(x_ptr, y_ptr, w, rb, N, K, BLOCK_N)
 
 
@@ -120,6 +140,13 @@ def main(L, sizes):
                 gemv_kernel[(nblk,)](y[i], w[i], y[i + 1], N, K=K, BLOCK_N=BLOCK_N,
                                      num_warps=8)
 
+        def pdl(preload):
+            def run():
+                for i in range(L):
+                    gemv_pdl_kernel[(nblk,)](y[i], w[i], y[i + 1], N, K=K, BLOCK_N=BLOCK_N,
+                                             PRELOAD=preload, num_warps=8, launch_pdl=True)
+            return run
+
         def cublas():
             src = x[None]
             for i in range(L):
@@ -133,6 +160,7 @@ def main(L, sizes):
 
         out = [f"L={L} N=K={N}: floor {floor:.1f} µs ({L} x {N * K * 2 / 2**20:.0f} MiB)"]
         for name, fn in (("launches", launches), ("cublas", cublas),
+                         ("pdl", pdl(False)), ("pdl-preload", pdl(True)),
                          (f"persistent {sms}", persistent(sms, False)),
                          (f"persistent {nblk}", persistent(nblk, False)),
                          (f"prefetch {nblk}", persistent(nblk, True))):
