@@ -24,11 +24,6 @@ Settings
         per-head GEMMs (q_nope @ W_UK_T, o_latent @ W_UV).
     quant_impl (MLA_QUANT_IMPL): "auto" (Triton quant kernels on CUDA), "torch" (the
         reference everywhere) or "triton" (the kernels on CPU too, under the interpreter).
-    pdl (MLA_PDL=1): compile the decode GEMMs and norms of lowering/pdl.py for
-        programmatic dependent launch on Hopper and newer: each program loads its first
-        weight tiles, then waits for the kernel before (a no-op unless that launch is
-        programmatic). DecodeGraph(programmatic=True) turns it on for its own compile and
-        makes the captured graph's edges programmatic; alone it changes no result.
 """
 from __future__ import annotations
 
@@ -57,11 +52,10 @@ batch_invariant: bool = _env_flag("MLA_BATCH_INVARIANT")
 linear_impl: str = _env_choice("MLA_LINEAR_IMPL", _IMPLS)
 head_gemm_impl: str = _env_choice("MLA_HEAD_GEMM_IMPL", _IMPLS)
 quant_impl: str = _env_choice("MLA_QUANT_IMPL", _IMPLS + ("triton",))
-pdl: bool = _env_flag("MLA_PDL")
 
 _CHOICES = {"validate": (False, True), "batch_invariant": (False, True),
             "linear_impl": _IMPLS, "head_gemm_impl": _IMPLS,
-            "quant_impl": _IMPLS + ("triton",), "pdl": (False, True)}
+            "quant_impl": _IMPLS + ("triton",)}
 
 
 def _check(name: str, value) -> None:

@@ -1,5 +1,8 @@
 """Programmatic dependent launch set on the captured graph instead of at launch (GPU probe,
-not maintained).
+not maintained). It runs against the library of commit 3ba2a17 (lowering/pdl.py,
+mla_ops/hf/pdl_edges.py, DecodeGraph(programmatic=...), the PRE_K kernels), reverted after
+it: `git checkout 3ba2a17 -- lowering mla_ops tests` first. NOTES-v2lite-one-row.md has
+what it measured ("Programmatic edges set on the captured graph").
 
 torch.compile launches the decode ops' kernels itself and cannot ask for PDL
 (NOTES-v2lite-one-row.md). A CUDA graph captured with keep_graph=True can be edited before
@@ -24,6 +27,11 @@ turn). Variants:
 
     python docs/notes/probe_graph_pdl.py [--shapes v2-lite:1:4096,v2-lite:32:4096,v3-moe:1:4096]
         [--variants plain,off,on,on1] [--chain 1024,2048,4096] [--rounds 5] [--iters 50]
+        [--diagnose]
+
+--diagnose: a tiny V3 (dense layers), the edges into one kernel kind at a time, each
+variant's logits and tokens against programmatic=False, and the edges the capture itself
+made programmatic.
 """
 from __future__ import annotations
 

@@ -26,13 +26,6 @@ drops tokens that have no room (never writing outside a row's own blocks).
 
 Without CUDA (or with graph=False) the runner calls the compiled step directly.
 
-programmatic=True (a Hopper GPU or newer) lets the step's weight-streaming kernels start
-before the kernel they follow has finished: after the capture, the graph's edges into
-the kernels of lowering.pdl.PDL_KERNELS become programmatic (mla_ops.hf.pdl_edges), and
-each such kernel loads its first weight tile, then waits for its predecessor before it
-reads anything the step wrote. The results are those of programmatic=False, bit for bit;
-runner.programmatic_edges counts the edges changed.
-
 A step that cannot be captured raises a RuntimeError. Where the cause is a host read of a
 device value (HF code that reads expert counts, `.item()`, `.tolist()`), the error names
 the line: after the failed capture the step runs once more eagerly under torch's sync
@@ -47,12 +40,10 @@ import traceback
 
 import torch
 
-from lowering import config as mla_config
 from mla_ops.cache import CacheFullError
 from mla_ops.hf.convert import is_converted
 from mla_ops.hf.cache import PagedMLACache
 from mla_ops.hf.generate import cache_kwargs
-from mla_ops.hf.pdl_edges import programmatic_edges
 from mla_ops.hf.step import decode_room
 
 
@@ -103,8 +94,7 @@ class DecodeGraph:
 
     def __init__(self, model, cache: PagedMLACache, batch_size: int | None = None, *,
                  compile: bool = True, backend: str = "inductor", mode: str | None = None,
-                 options: dict | None = None, graph: bool | None = None, warmup: int = 2,
-                 programmatic: bool = False):
+                 options: dict | None = None, graph: bool | None = None, warmup: int = 2):
         if not isinstance(model, torch.nn.Module) or not is_converted(model):
             raise TypeError("DecodeGraph needs a model converted with mla_ops.hf.convert(model)")
         if not isinstance(cache, PagedMLACache):
@@ -125,18 +115,11 @@ class DecodeGraph:
                              f"options={options!r}, mode={mode!r}")
         if warmup < 1:
             raise ValueError(f"warmup must be >= 1, got {warmup}")
-        if not isinstance(programmatic, bool):
-            raise TypeError(f"programmatic must be a bool, got {type(programmatic).__name__}")
         self.model, self.cache, self.batch_size = model, cache, B
         self.device = cache.device
         self.graph_enabled = (self.device.type == "cuda") if graph is None else bool(graph)
         if self.graph_enabled and self.device.type != "cuda":
             raise ValueError(f"graph=True needs a CUDA cache, this one is on {self.device}")
-        if programmatic and not self.graph_enabled:
-            raise ValueError("programmatic=True sets dependencies in the captured CUDA graph: "
-                             "it needs graph=True (a CUDA cache)")
-        self.programmatic = programmatic
-        self.programmatic_edges = 0      # edges the capture made programmatic
         dev = self.device
         self.input_ids = torch.zeros(B, 1, dtype=torch.long, device=dev)      # [B, 1] graph input
         # one compiled function for the whole step: positions, forward and argmax
@@ -176,16 +159,13 @@ class DecodeGraph:
         saved = c.snapshot()
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
-        # the kernels are compiled (the first warm-up step) with their PDL waits
-        pdl = ((lambda: mla_config.patch(pdl=True)) if self.programmatic
-               else contextlib.nullcontext)
-        with pdl(), torch.cuda.stream(s):
+        with torch.cuda.stream(s):
             for _ in range(warmup):
                 self._step()
         torch.cuda.current_stream(self.device).wait_stream(s)
-        g = torch.cuda.CUDAGraph(keep_graph=self.programmatic)
+        g = torch.cuda.CUDAGraph()
         try:
-            with pdl(), capturing(g):
+            with capturing(g):
                 self.logits, self.next_tokens = self._step()
         except RuntimeError as exc:
             c.restore(saved)
@@ -199,9 +179,6 @@ class DecodeGraph:
                 f"DecodeGraph(..., graph=False) or compile with mode='reduce-overhead', "
                 f"which skips such graphs)") from exc
         c.restore(saved)        # warm-up tokens were written past the lengths: unseen
-        if self.programmatic:
-            self.programmatic_edges = programmatic_edges(g)
-            g.instantiate()
         self._graph = g
 
     def _host_read(self, warmup: int) -> str | None:
