@@ -53,6 +53,7 @@ from mla_ops.hf.pdl_edges import programmatic_edges  # noqa: E402
 def chain(sizes, L=8):
     import triton
     from probe_persistent_chain import block_n, gemv_kernel, gemv_pdl_kernel
+    from probe_router_configs import replay_us
     dev = torch.device("cuda")
     for N in sizes:
         K, BLOCK_N = N, block_n(N)
@@ -91,15 +92,7 @@ def chain(sizes, L=8):
             g.replay()
             torch.cuda.synchronize()
             err = (y[-1].float() - ref.float()).abs().max().item()
-            times = []
-            for _ in range(5):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                g.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3 / 20)
-            out.append(f"{kind} {statistics.median(times):.1f} us (edges {n}, err {err:.2g})")
+            out.append(f"{kind} {replay_us(g, 20):.1f} us (edges {n}, err {err:.2g})")
         print("; ".join(out), flush=True)
 
 

@@ -32,6 +32,11 @@ def graph_us(fn, reps=20):
     g = capture(lambda: [fn() for _ in range(reps)])
     g.replay()
     torch.cuda.synchronize()
+    return replay_us(g, reps)
+
+
+def replay_us(g, reps):
+    """µs a call of a graph g holding reps calls: the median of 5 replays."""
     times = []
     for _ in range(5):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
