@@ -161,39 +161,10 @@ def steps(shapes, variants, rounds, iters):
         torch.cuda.empty_cache()
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="v2-lite:1:4096,v2-lite:32:4096,v3-moe:1:4096")
-    ap.add_argument("--variants", default="plain,off,on,on1")
-    ap.add_argument("--chain", default="1024,2048,4096")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--diagnose", action="store_true")
-    args = ap.parse_args()
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    import traceback
-    if args.diagnose:
-        diagnose()
-    if args.chain:
-        try:
-            chain([int(n) for n in args.chain.split(",")])
-        except Exception:
-            traceback.print_exc()
-    for shape in args.shapes.split(",") if args.shapes else []:
-        try:
-            steps([shape], args.variants.split(","), args.rounds, args.iters)
-        except Exception:
-            traceback.print_exc()
-
-
-
-
 def diagnose(B=3, S=300):
     """Which kernels' programmatic edges change the step: a tiny V3 (dense layers, bf16),
     DecodeGraph with the edges into one kernel kind at a time; the first step's logits and
     10 greedy tokens against programmatic=False, and the edges each variant changed."""
-    import functools
-
     import lowering.config as mla_config
     import mla_ops.hf.graph as graph_mod
     from lowering.pdl import PDL_KERNELS, is_pdl_kernel
@@ -208,9 +179,8 @@ def diagnose(B=3, S=300):
     ids = torch.randint(3, cfg.vocab_size, (B, 1), device=dev,
                         generator=torch.Generator(device=dev).manual_seed(2))
     variants = {"off": None, "none": lambda name: False, "all": is_pdl_kernel}
-    for k in sorted(PDL_KERNELS):
-        variants[k] = functools.partial(lambda name, k: is_pdl_kernel(name) and
-                                        name.rstrip("_0123456789") == k, k=k)
+    for k in sorted(PDL_KERNELS):      # one kind: its name, or with a variant's suffix
+        variants[k] = lambda name, k=k: name.rstrip("_0123456789") == k
     ref = None
     orig = graph_mod.programmatic_edges
     for name, accept in variants.items():
@@ -245,6 +215,31 @@ def diagnose(B=3, S=300):
               f"{bool((toks == ref[1]).all())}; edges {sorted(set(log))}; programmatic as "
               f"captured {sorted(set(already))}", flush=True)
         del r, cache
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="v2-lite:1:4096,v2-lite:32:4096,v3-moe:1:4096")
+    ap.add_argument("--variants", default="plain,off,on,on1")
+    ap.add_argument("--chain", default="1024,2048,4096")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--diagnose", action="store_true")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    import traceback
+    if args.diagnose:
+        diagnose()
+    if args.chain:
+        try:
+            chain([int(n) for n in args.chain.split(",")])
+        except Exception:
+            traceback.print_exc()
+    for shape in args.shapes.split(",") if args.shapes else []:
+        try:
+            steps([shape], args.variants.split(","), args.rounds, args.iters)
+        except Exception:
+            traceback.print_exc()
 
 
 if __name__ == "__main__":
