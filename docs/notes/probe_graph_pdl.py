@@ -2,7 +2,7 @@
 not maintained). It runs against the library of commit 3ba2a17 (lowering/pdl.py,
 mla_ops/hf/pdl_edges.py, DecodeGraph(programmatic=...), the PRE_K kernels), reverted after
 it: `git checkout 3ba2a17 -- lowering mla_ops tests` first. NOTES-v2lite-one-row.md has
-what it measured ("Programmatic edges set on the captured graph").
+what it measured ("Programmatic edges set on the captured graph", "The PDL checks run").
 
 torch.compile launches the decode ops' kernels itself and cannot ask for PDL
 (NOTES-v2lite-one-row.md). A CUDA graph captured with keep_graph=True can be edited before
@@ -14,7 +14,8 @@ loaded before the wait), as separate launches, with launch_pdl=True, and launche
 with the edges set on the graph afterwards. µs a chain, median of 5 replays of 20 chains.
 
 Part 2, the model step: DecodeGraphs (compiled step) of one model, each on its own cache
-filled alike; their first step's logits and 16 greedy tokens compared with the first
+filled alike, Dynamo reset before each (else a runner reuses the compiled step of the one
+before it); their first step's logits and 16 greedy tokens compared with the first
 variant's, then ms a step (median of --rounds loops of --iters replays, the runners in
 turn). Variants:
 
@@ -24,18 +25,24 @@ turn). Variants:
             programmatic=False: the waits do nothing
     on      the same, programmatic=True
     on1     programmatic=True with one BLOCK_K tile preloaded (PRELOAD_ELEMS = 0)
+    launch  lowering.config.pdl on, programmatic=False, and Inductor compiles the kernels
+            of lowering.pdl.PDL_KERNELS with launch_pdl=True (a patch of its private
+            CachingAutotuner._create_compile_meta, in-process compiles, no caches): the
+            stream capture itself records their programmatic edges, no graph editing
 
     python docs/notes/probe_graph_pdl.py [--shapes v2-lite:1:4096,v2-lite:32:4096,v3-moe:1:4096]
         [--variants plain,off,on,on1] [--chain 1024,2048,4096] [--rounds 5] [--iters 50]
-        [--diagnose]
+        [--diagnose [--moe | --diagnose-shape v2-lite:1:4096]]
 
 --diagnose: a tiny V3 (dense layers), the edges into one kernel kind at a time, each
 variant's logits and tokens against programmatic=False, and the edges the capture itself
-made programmatic.
+made programmatic; "launch" is the launch variant above (no edge rewritten). --moe keeps
+the tiny model's MoE layer; --diagnose-shape runs it on a real shape (name:B:S).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 from types import SimpleNamespace
@@ -48,6 +55,19 @@ import mla_ops.hf  # noqa: E402
 from bench_hf_decode import fill_paged_cache  # noqa: E402
 from mla_ops.hf.models import build_model, make_config  # noqa: E402
 from mla_ops.hf.pdl_edges import programmatic_edges  # noqa: E402
+
+
+def _edge_kinds(g):
+    """{(from_port, to_port, type): count} over the edges of a kept graph."""
+    from mla_ops.hf import pdl_edges
+    lib = pdl_edges._driver()
+    h = pdl_edges.ctypes.c_void_p(g.raw_cuda_graph())
+    kinds = {}
+    for node in pdl_edges._nodes(lib, h):
+        for e in pdl_edges._dependencies(lib, node)[1]:
+            k = (e.from_port, e.to_port, e.type)
+            kinds[k] = kinds.get(k, 0) + 1
+    return kinds
 
 
 def chain(sizes, L=8):
@@ -87,13 +107,48 @@ def chain(sizes, L=8):
                         run(kind)
             n = programmatic_edges(g, lambda name: name == "gemv_pdl_kernel") \
                 if kind == "graph edges" else 0
+            kinds = _edge_kinds(g)
             g.instantiate()
             y[1:].zero_()
             g.replay()
             torch.cuda.synchronize()
             err = (y[-1].float() - ref.float()).abs().max().item()
-            out.append(f"{kind} {replay_us(g, 20):.1f} us (edges {n}, err {err:.2g})")
+            out.append(f"{kind} {replay_us(g, 20):.1f} us (edges {n}, err {err:.2g}, "
+                       f"(from_port, to_port, type): count {kinds})")
         print("; ".join(out), flush=True)
+
+
+@contextlib.contextmanager
+def inductor_launch_pdl():
+    """Inductor compiles the kernels lowering.pdl names with launch_pdl=True, so Triton's
+    launcher sets programmatic stream serialization on their launches (torch has no public
+    switch for user kernels; this patches a private method, probe only)."""
+    from lowering.pdl import is_pdl_kernel
+    from torch._inductor import config as ind_config
+    from torch._inductor.runtime import triton_heuristics as th
+    orig = th.CachingAutotuner._create_compile_meta
+    seen = []
+
+    def create(self, cfg):
+        meta = orig(self, cfg)
+        name = getattr(self.fn, "__name__", "")
+        if is_pdl_kernel(name):
+            meta["launch_pdl"] = True
+            seen.append(name)
+        return meta
+    def forget():       # compiled modules of the same source would keep their kernels
+        from torch._inductor.codecache import PyCodeCache
+        PyCodeCache.cache_clear()
+    forget()
+    th.CachingAutotuner._create_compile_meta = create
+    try:
+        with ind_config.patch(compile_threads=1, fx_graph_cache=False,
+                              fx_graph_remote_cache=False, autotune_local_cache=False):
+            yield seen
+    finally:
+        th.CachingAutotuner._create_compile_meta = orig
+        forget()
+        print(f"  launch_pdl compiles: {sorted(set(seen))} ({len(seen)})", flush=True)
 
 
 def _runner(variant, model, cache, B):
@@ -104,7 +159,8 @@ def _runner(variant, model, cache, B):
     if variant == "on1":
         pdl.PRELOAD_ELEMS = 0
     try:
-        with mla_config.patch(pdl=variant != "plain"):
+        launch = inductor_launch_pdl() if variant == "launch" else contextlib.nullcontext()
+        with mla_config.patch(pdl=variant != "plain"), launch:
             return mla_ops.hf.DecodeGraph(model, cache, batch_size=B,
                                           programmatic=variant in ("on", "on1"))
     finally:
@@ -126,6 +182,7 @@ def steps(shapes, variants, rounds, iters):
         mla_ops.hf.convert(model)
         runners = {}
         for v in variants:
+            torch._dynamo.reset()      # else a runner may reuse the last one's compiled step
             torch.manual_seed(1)
             cache = fill_paged_cache(cfg, B, S, rounds * iters * len(variants) + 64, dev,
                                      torch.bfloat16, opts)
@@ -161,7 +218,7 @@ def steps(shapes, variants, rounds, iters):
         torch.cuda.empty_cache()
 
 
-def diagnose(B=3, S=300):
+def diagnose(B=3, S=300, moe=False, name="tiny"):
     """Which kernels' programmatic edges change the step: a tiny V3 (dense layers, bf16),
     DecodeGraph with the edges into one kernel kind at a time; the first step's logits and
     10 greedy tokens against programmatic=False, and the edges each variant changed."""
@@ -170,15 +227,20 @@ def diagnose(B=3, S=300):
     from lowering.pdl import PDL_KERNELS, is_pdl_kernel
     from mla_ops.hf import pdl_edges
     dev = torch.device("cuda")
-    cfg = make_config("tiny", None)
-    cfg.first_k_dense_replace = cfg.num_hidden_layers
+    cfg = make_config(name, None)
+    if not moe and name == "tiny":
+        cfg.first_k_dense_replace = cfg.num_hidden_layers
     cfg._attn_implementation = "sdpa"
+    cfg._experts_implementation = "grouped_mm"
+    print(f"diagnose: {name} B {B} S {S}, layers {cfg.num_hidden_layers}, dense {cfg.first_k_dense_replace}",
+          flush=True)
     model = build_model(cfg, dev, torch.bfloat16)
     mla_ops.hf.convert(model)
     opts = SimpleNamespace(kv_cache_dtype="auto", k_scale=1.0, per_layer_schedule=False)
     ids = torch.randint(3, cfg.vocab_size, (B, 1), device=dev,
                         generator=torch.Generator(device=dev).manual_seed(2))
-    variants = {"off": None, "none": lambda name: False, "all": is_pdl_kernel}
+    variants = {"off": None, "none": lambda name: False, "all": is_pdl_kernel,
+                "launch": lambda name: False}
     for k in sorted(PDL_KERNELS):      # one kind: its name, or with a variant's suffix
         variants[k] = lambda name, k=k: name.rstrip("_0123456789") == k
     ref = None
@@ -187,6 +249,7 @@ def diagnose(B=3, S=300):
         torch._dynamo.reset()
         torch.manual_seed(1)
         cache = fill_paged_cache(cfg, B, S, 64, dev, torch.bfloat16, opts)
+        torch.cuda.synchronize()
         log, already = [], []
 
         def rewrite(g, accept=accept, log=log, already=already):
@@ -201,7 +264,8 @@ def diagnose(B=3, S=300):
             return orig(g, accept=accept, log=log)
         graph_mod.programmatic_edges = rewrite
         try:
-            with mla_config.patch(pdl=True):
+            launch = inductor_launch_pdl() if name == "launch" else contextlib.nullcontext()
+            with mla_config.patch(pdl=True), launch:
                 r = mla_ops.hf.DecodeGraph(model, cache, batch_size=B,
                                            programmatic=accept is not None)
         finally:
@@ -225,11 +289,20 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--diagnose", action="store_true")
+    ap.add_argument("--moe", action="store_true", help="--diagnose with the MoE layers kept")
+    ap.add_argument("--diagnose-shape", default="", help="name:B:S instead of the tiny model")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     import traceback
     if args.diagnose:
-        diagnose()
+        try:
+            if args.diagnose_shape:
+                n, b, t = args.diagnose_shape.split(":")
+                diagnose(int(b), int(t), name=n)
+            else:
+                diagnose(moe=args.moe)
+        except Exception:
+            traceback.print_exc()
     if args.chain:
         try:
             chain([int(n) for n in args.chain.split(",")])
