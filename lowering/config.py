@@ -4,6 +4,14 @@ In the style of ``torch._inductor.config``: module attributes, read where they a
 (so torch.compile guards on them and a change recompiles rather than silently keeping
 the old choice). Each has a documented environment variable as its default.
 
+A choice that changes a compiled graph is made in code Dynamo traces (the converted
+modules' forwards), or at run time in an opaque op. The implementation of a triton op
+(torch.library.triton_op) may read a setting only on a path such code has already
+chosen: AOTAutograd traces those implementations, so Dynamo sets no guard on what they
+read, and the compile caches (AOTAutograd's, Inductor's FX graph cache) do not key on it:
+a setting decided there alone would be served from the cache of the other choice, across
+processes too.
+
     import lowering.config as mla_config
     mla_config.validate = True                  # or MLA_VALIDATE=1
     with mla_config.patch(batch_invariant=True):

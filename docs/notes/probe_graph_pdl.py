@@ -34,6 +34,12 @@ turn). Variants:
         [--variants plain,off,on,on1] [--chain 1024,2048,4096] [--rounds 5] [--iters 50]
         [--diagnose [--moe | --diagnose-shape v2-lite:1:4096]]
 
+Compile caches are off for the whole run (Inductor's FX graph cache and the AOTAutograd
+cache). lowering.config.pdl is read inside the triton ops' implementations, where AOT
+traces them, and the caches key on the Dynamo graph and the kernels' sources, not on
+what those implementations read: with the caches on, a runner compiled with pdl on after
+one compiled with it off got the first one's kernels (no waits) from the cache.
+
 --diagnose: a tiny V3 (dense layers), the edges into one kernel kind at a time, each
 variant's logits and tokens against programmatic=False, and the edges the capture itself
 made programmatic; "launch" is the launch variant above (no edge rewritten). --moe keeps
@@ -218,10 +224,13 @@ def steps(shapes, variants, rounds, iters):
         torch.cuda.empty_cache()
 
 
-def diagnose(B=3, S=300, moe=False, name="tiny"):
+def diagnose(B=3, S=300, moe=False, name="tiny", only=None):
     """Which kernels' programmatic edges change the step: a tiny V3 (dense layers, bf16),
     DecodeGraph with the edges into one kernel kind at a time; the first step's logits and
-    10 greedy tokens against programmatic=False, and the edges each variant changed."""
+    10 greedy tokens against programmatic=False, and the edges each variant changed.
+    Every variant but `launch` captures the same compiled step (Dynamo is reset only
+    around `launch`, which compiles its own); `only` keeps the named variants ("off"
+    always first, the reference)."""
     import lowering.config as mla_config
     import mla_ops.hf.graph as graph_mod
     from lowering.pdl import PDL_KERNELS, is_pdl_kernel
@@ -243,10 +252,16 @@ def diagnose(B=3, S=300, moe=False, name="tiny"):
                 "launch": lambda name: False}
     for k in sorted(PDL_KERNELS):      # one kind: its name, or with a variant's suffix
         variants[k] = lambda name, k=k: name.rstrip("_0123456789") == k
+    if only:
+        variants = {k: v for k, v in variants.items() if k == "off" or k in only}
+    if "launch" in variants:
+        variants["launch"] = variants.pop("launch")      # last
     ref = None
     orig = graph_mod.programmatic_edges
+    torch._dynamo.reset()
     for name, accept in variants.items():
-        torch._dynamo.reset()
+        if name == "launch":       # compiles its own kernels: a fresh Dynamo, last
+            torch._dynamo.reset()
         torch.manual_seed(1)
         cache = fill_paged_cache(cfg, B, S, 64, dev, torch.bfloat16, opts)
         torch.cuda.synchronize()
@@ -291,16 +306,23 @@ def main():
     ap.add_argument("--diagnose", action="store_true")
     ap.add_argument("--moe", action="store_true", help="--diagnose with the MoE layers kept")
     ap.add_argument("--diagnose-shape", default="", help="name:B:S instead of the tiny model")
+    ap.add_argument("--diagnose-variants", default="",
+                    help="comma list of diagnose variants (off always runs); default all")
     args = ap.parse_args()
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    functorch_config.enable_autograd_cache = False     # see the docstring: the caches do
+    inductor_config.fx_graph_cache = False             # not key on lowering.config.pdl
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     import traceback
     if args.diagnose:
+        only = set(args.diagnose_variants.split(",")) if args.diagnose_variants else None
         try:
             if args.diagnose_shape:
                 n, b, t = args.diagnose_shape.split(":")
-                diagnose(int(b), int(t), name=n)
+                diagnose(int(b), int(t), name=n, only=only)
             else:
-                diagnose(moe=args.moe)
+                diagnose(moe=args.moe, only=only)
         except Exception:
             traceback.print_exc()
     if args.chain:
