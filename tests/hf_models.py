@@ -66,11 +66,10 @@ def logit_err(a, b):
     return ((a.float() - b.float()).abs().max() / max(1.0, b.float().abs().max().item())).item()
 
 
-def graph_and_generate_tokens(model, ids, mask, cache, new_tokens, backend="inductor",
-                              **runner_kw):
+def graph_and_generate_tokens(model, ids, mask, cache, new_tokens, backend="inductor"):
     """(runner, DecodeGraph's greedy tokens, compiled generate()'s new tokens) after the
     same prefill into `cache`: generate() first, then the cache is reset, prefilled by
-    one forward and replayed new_tokens - 1 times (runner_kw: DecodeGraph's arguments)."""
+    one forward and replayed new_tokens - 1 times."""
     from transformers.generation.configuration_utils import CompileConfig
     import mla_ops.hf as H
     kw = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
@@ -82,6 +81,6 @@ def graph_and_generate_tokens(model, ids, mask, cache, new_tokens, backend="indu
     with torch.no_grad():
         first = model(input_ids=ids, attention_mask=mask, position_ids=pos,
                       **cache_kw(cache)).logits[:, -1].argmax(-1)
-    runner = H.DecodeGraph(model, cache, backend=backend, **runner_kw)
+    runner = H.DecodeGraph(model, cache, backend=backend)
     got = torch.cat([first[:, None], runner.greedy(first, new_tokens - 1)], 1)
     return runner, got, exp[:, ids.shape[1]:]

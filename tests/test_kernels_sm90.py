@@ -27,11 +27,11 @@ KERNELS = [
      dict(p_ptr="*fp32", r_ptr="*bf16", w_ptr="*bf16", h_ptr="*bf16", y_ptr="*bf16",
           yq_ptr="*fp8e4nv", ys_ptr="*fp32", T="i32", N="i32", G="i32", stride_r="i32",
           eps="fp32"),
-     dict(S=4, BLOCK=8192, QUANT_K=128, NATIVE_CAST=True, GDC=True), 8),
+     dict(S=4, BLOCK=8192, QUANT_K=128, NATIVE_CAST=True), 8),
     ("lowering.fused.rms_norm_kernel", "rms_norm_kernel",
      dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", N="i32", stride_x="i32", eps="fp32",
           yq_ptr="*fp8e4nv", ys_ptr="*fp32", G="i32"),
-     dict(BLOCK=8192, QUANT_K=128, NATIVE_CAST=True, GDC=True), 8),
+     dict(BLOCK=8192, QUANT_K=128, NATIVE_CAST=True), 8),
     ("lowering.fused.prologue_kernel", "qkv_prologue_kernel",
      dict(part_ptr="*fp32", wq_ptr="*bf16", wkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16",
           q_out_ptr="*bf16", kv_out_ptr="*bf16", qq_ptr="*fp8e4nv", qs_ptr="*fp32",
@@ -57,47 +57,6 @@ KERNELS = [
           BLOCK_H=32, ROPE=2, DOT_F32=False, L_SPLIT=QKV_SPLIT),
      dict(num_warps=QKV_WARPS, num_stages=QKV_STAGES)),
 ]
-def _pdl_kernels():
-    """The weight-streaming decode GEMMs with their PDL wait (lowering/pdl.py): V2-Lite's
-    q_proj + kv_a (split-K), o_proj with the residual, shared gate + up; V3's W_UV."""
-    from lowering.gemm.linear import CONFIGS
-    from lowering.pdl import preload_k
-    sig = dict(x_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16", y1_ptr="*fp32", y2_ptr="*bf16",
-               M="i32", N1="i32", N2="i32", K="i32", stride_xm="i32", stride_w1="i32",
-               stride_w2="i32", stride_y1="i32", stride_y2="i32", stride_ys="i32",
-               N1_BLOCKS="i32", r_ptr="*bf16", stride_r="i32")
-    out = []
-    for mode, n, k, res in ((1, 3648, 2048, False), (0, 2048, 2048, True), (2, 2816, 2048, False)):
-        bn, bk, warps, stages, *split = CONFIGS[(mode, n, k, True)]
-        split_k = 1 if res else (split[0] if split else 1)
-        out.append(("lowering.gemm.linear_kernel", "decode_linear_kernel",
-                    {**sig, "y1_ptr": "*bf16" if split_k == 1 else "*fp32"},
-                    dict(MODE=mode, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True,
-                         DOT_F32=False, SPLIT_K=split_k, Y2_COL0=0, HAS_RES=res,
-                         PRE_K=preload_k(bn, bk, -(-k // split_k), 2 if mode == 2 else 1),
-                         GDC=True),
-                    dict(num_warps=warps, num_stages=stages)))
-    out.append(("lowering.gemm.head_gemm_kernel", "head_gemm_kernel",
-                dict(a_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", T="i32", stride_at="i32",
-                     stride_an="i32", stride_wn="i32", stride_wk="i32", stride_yt="i32",
-                     stride_yn="i32"),
-                dict(K=512, J=128, COPY=0, BLOCK_T=16, BLOCK_J=64, BLOCK_K=128, DOT_F32=False,
-                     PRE_K=preload_k(64, 128, 512), GDC=True), dict(num_warps=4, num_stages=4)))
-    fp8_sig = dict(x_ptr="*bf16", w1_ptr="*fp8e4nv", s1_ptr="*fp32", w2_ptr="*fp8e4nv",
-                   s2_ptr="*fp32", y1_ptr="*fp32", y2_ptr="*bf16", r_ptr="*bf16", M="i32",
-                   N1="i32", N2="i32", K="i32", stride_xm="i32", stride_w1="i32",
-                   stride_s1="i32", stride_w2="i32", stride_s2="i32", stride_y1="i32",
-                   stride_y2="i32", stride_r="i32", N1_BLOCKS="i32", stride_ys="i32",
-                   SPLIT_K="i32", xs_ptr="*fp32", stride_xs="i32")
-    for mode, bn, pre_q, y1 in ((1, 64, False, "*fp32"), (2, 64, True, "*bf16")):
-        out.append(("lowering.gemm.fp8_linear_kernel", "fp8_linear_kernel",
-                    {**fp8_sig, "y1_ptr": y1, "x_ptr": "*fp8e4nv" if pre_q else "*bf16"}, dict(MODE=mode, BLOCK_M=16, BLOCK_N=bn,
-                    BLOCK_K=128, GROUP_N=128, EVEN_K=True, DOT_F32=False, HAS_RES=False,
-                    Y2_COL0=0, PRE_Q=pre_q, PEEL=True, GDC=True),
-                    dict(num_warps=4, num_stages=3)))
-    return out
-
-
 def _grouped_kernels():
     """The prefill experts' grouped GEMM with the configs it ships: W8A8
     (fp8_prefill.CONFIGS, grouped.CONFIG) and 16-bit (prefill.STREAM_CONFIGS at every tile
@@ -134,13 +93,11 @@ def _grouped_kernels():
     return out
 
 
-KERNELS += _pdl_kernels() + _grouped_kernels()
+KERNELS += _grouped_kernels()
 SMEM = 227 * 1024                       # the most shared memory a CTA may take on SM90
 
 
 def _label(name: str, consts: dict) -> str:
-    if name in ("decode_linear_kernel", "fp8_linear_kernel"):
-        return f"{name}[mode {consts['MODE']}]"
     if name != "grouped_kernel":
         return name + ("_w8a8" if consts.get("W8A8") else "")
     kind = ("linear" if consts["ONE_GROUP"] else "gate_up" if consts["GATED"] else "down")
@@ -150,7 +107,7 @@ def _label(name: str, consts: dict) -> str:
 
 def _compile_all() -> dict:
     """{kernel label: what is wrong with its SM90 build (spills to local memory, more
-    shared memory than a CTA may take, a GDC=True build without its PDL wait), or None}."""
+    shared memory than a CTA may take), or None}."""
     import importlib
     import triton
     from triton.backends.compiler import GPUTarget
@@ -166,12 +123,9 @@ def _compile_all() -> dict:
         sig = {**sig, **{k: "constexpr" for k in consts}}
         k = triton.compile(ASTSource(kernel, signature=sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options=options)
-        ptx = k.asm["ptx"]
         out[_label(name, consts)] = (
-            "spills" if ".local" in ptx else
-            f"{k.metadata.shared} bytes of shared memory" if k.metadata.shared > SMEM else
-            "no griddepcontrol.wait" if consts.get("GDC") and "griddepcontrol.wait" not in ptx
-            else None)
+            "spills" if ".local" in k.asm["ptx"] else
+            f"{k.metadata.shared} bytes of shared memory" if k.metadata.shared > SMEM else None)
     return out
 
 

@@ -28,7 +28,6 @@ import triton
 from lowering.fused.residual_norm_kernel import residual_rms_norm_kernel
 from lowering.fused.rms_norm_kernel import rms_norm_kernel
 from lowering.gemm.fp8_act_quant import check_producer_group, quantize_rows_torch
-from lowering.pdl import gdc_enabled
 
 MAX_N = 16384          # a row in registers: 16384 fp32 over 8 warps is 64 per thread
 
@@ -77,7 +76,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, eps: float, y: torch.Tensor, 
     kernel = torch.library.wrap_triton(rms_norm_kernel)
     kernel[(T,)](x2, weight, y, N, x2.stride(0), float(eps), yq, ys, ys.shape[-1], BLOCK=block,
                  QUANT_K=group_k if quant is not None else 0, NATIVE_CAST=y.is_cuda,
-                 GDC=gdc_enabled(y), num_warps=8 if block >= 4096 else 4)
+                 num_warps=8 if block >= 4096 else 4)
 
 
 def _rms_norm(x, weight, eps, group_k: int = 0):
@@ -132,7 +131,7 @@ def launch_residual(parts: torch.Tensor, r2: torch.Tensor, weight: torch.Tensor,
     kernel = torch.library.wrap_triton(residual_rms_norm_kernel)
     kernel[(T,)](parts, r2, weight, h, y, yq, ys, T, N, ys.shape[-1], r2.stride(0), float(eps),
                  S=S, BLOCK=block, QUANT_K=group_k if quant is not None else 0,
-                 NATIVE_CAST=h.is_cuda, GDC=gdc_enabled(h), num_warps=8 if block >= 4096 else 4)
+                 NATIVE_CAST=h.is_cuda, num_warps=8 if block >= 4096 else 4)
 
 
 def _check_parts(parts: torch.Tensor, residual: torch.Tensor) -> None:

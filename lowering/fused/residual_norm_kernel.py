@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from lowering.fused.rms_norm_kernel import normalized_row
 from lowering.gemm.fp8_linear_kernel import quantize_row
@@ -34,20 +33,13 @@ def residual_rms_norm_kernel(
     T, N, G, stride_r, eps,
     S: tl.constexpr, BLOCK: tl.constexpr,
     QUANT_K: tl.constexpr, NATIVE_CAST: tl.constexpr,
-    GDC: tl.constexpr,   # lowering/pdl.py: only the weight is read before the wait
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     dt = h_ptr.dtype.element_ty
-    if GDC:      # the weight before the wait for the kernel before, the rest after it
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)               # [BLOCK]
-        gdc_launch_dependents()
-        gdc_wait()
-        r = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        r = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)     # [BLOCK]
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)                   # [BLOCK]
+    r = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)     # [BLOCK]
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)                   # [BLOCK]
     acc = tl.load(p_ptr + t * N + offs, mask=mask, other=0.0)                        # split 0
     for s in tl.static_range(1, S):
         acc += tl.load(p_ptr + (s * T + t) * N + offs, mask=mask, other=0.0)

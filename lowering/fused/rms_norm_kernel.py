@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from lowering.gemm.fp8_linear_kernel import quantize_row
 
@@ -35,21 +34,14 @@ def rms_norm_kernel(
     N, stride_x, eps,
     yq_ptr, ys_ptr, G,   # QUANT_K > 0: [T, N] e4m3, [T, G] fp32, contiguous (else unread)
     BLOCK: tl.constexpr, QUANT_K: tl.constexpr, NATIVE_CAST: tl.constexpr,
-    GDC: tl.constexpr,   # lowering/pdl.py: only the weight is read before the wait
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     dt = y_ptr.dtype.element_ty
     # both loads issued before the reduction: one memory latency, not two
-    if GDC:      # the weight before the wait for the kernel before, x after it
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)              # [BLOCK]
-        gdc_launch_dependents()
-        gdc_wait()
-        x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0).to(tl.float32)   # [BLOCK]
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)                  # [BLOCK]
+    x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0).to(tl.float32)   # [BLOCK]
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)                  # [BLOCK]
     y = normalized_row(x, w, N, eps, dt).to(dt)                                     # [BLOCK]
     tl.store(y_ptr + t * N + offs, y, mask=mask)
     if QUANT_K > 0:

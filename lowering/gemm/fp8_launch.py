@@ -21,14 +21,12 @@ from lowering.gemm.fp8_act_quant import quant_buffers, quantized
 from lowering.gemm.fp8_linear_configs import pre_quant_of, split_k_for
 from lowering.gemm.fp8_linear_kernel import fp8_linear_kernel, fp8_split_reduce_kernel
 from lowering.gemm.linear import max_shared_bytes
-from lowering.pdl import gdc_enabled
 
 
 def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
            y2: Optional[torch.Tensor], group_n: int, group_k: int, config: tuple, *,
            residual: Optional[torch.Tensor] = None, y2_col0: int = 0,
-           pre_quant: bool = True, x_quant=None, quant_out=None,
-           peel: Optional[bool] = None) -> None:
+           pre_quant: bool = True, x_quant=None, quant_out=None) -> None:
     """Run fp8_linear_kernel with config (BLOCK_N, num_warps, num_stages[, SPLIT_K]) (with
     pre_quant, act_quant_kernel first: x quantized once, as every program would): x2
     [M, K] (K contiguous), w1/w2 [N, K] fp8 contiguous with their scale_inv; y1/y2 [M, N],
@@ -38,8 +36,7 @@ def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
     x @ W2.T into y1 from column y2_col0 on. x_quant: x already quantized by its producer
     ((e4m3 [M, K], fp32 scales [M, cdiv(K, group_k)]), contiguous): no quant launch.
     quant_out: the quant launch's output buffers (fp8_act_quant.quant_buffers), if made
-    beforehand. peel: the first weight tile loaded before x (None: where lowering.pdl
-    compiles the wait between them, a Hopper GPU); the result is the same either way."""
+    beforehand."""
     split_k = config[3] if len(config) > 3 else 1
     if not isinstance(split_k, int) or split_k < 1:
         raise ValueError(f"config's SPLIT_K must be a positive int, got {split_k!r}")
@@ -66,7 +63,6 @@ def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
         stages = max(1, min(stages, max_shared_bytes(x2.device.index) // per_stage))
     n1_blocks = triton.cdiv(N1, block_n)
     grid = (n1_blocks + (triton.cdiv(N2, block_n) if mode == 1 else 0), split_k)
-    gdc = gdc_enabled(x2)
     w2_, s2_ = (w2, s2) if w2 is not None else (w1, s1)
     y2_ = y2 if y2 is not None else y1
     r_ = residual if residual is not None else x2
@@ -78,8 +74,7 @@ def launch(x2: torch.Tensor, w1, s1, w2, s2, mode: int, y1: torch.Tensor,
         MODE=mode, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=group_k, GROUP_N=group_n,
         EVEN_K=K % group_k == 0, DOT_F32=not x2.is_cuda, HAS_RES=residual is not None,
         Y2_COL0=y2_col0 if (mode == 1 and y2 is None) else 0, SPLIT_K=split_k,
-        xs_ptr=xs, stride_xs=stride_xs, PRE_Q=pre_quant, PEEL=gdc if peel is None else peel,
-        GDC=gdc, num_warps=warps, num_stages=stages)
+        xs_ptr=xs, stride_xs=stride_xs, PRE_Q=pre_quant, num_warps=warps, num_stages=stages)
 
 
 REDUCE_BLOCK = 256

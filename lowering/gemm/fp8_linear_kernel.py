@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from lowering.fused.fp8_rounding import FP8_MAX, div_rn, to_e4m3
 
@@ -97,39 +96,13 @@ def act_quant_kernel(x_ptr, xq_ptr, xs_ptr, K, stride_x, GROUPS,
 
 
 @triton.jit
-def _group_part(w, ws, w_ptr, x_ptrs, xs_ptr, offs_m, m_ok, k_ok, stride_xs, k,
-                EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRE_Q: tl.constexpr):
-    """One scale group's term [BLOCK_N, BLOCK_M]: the weight tile w (its scales ws)
-    times the group's x tile (k_ok: its columns within K, unless EVEN_K), quantized here
-    unless PRE_Q, both scales applied."""
-    if EVEN_K:
-        x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)                # [BLOCK_K, BLOCK_M]
-    else:
-        x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-    if PRE_Q:
-        xq = x                                                   # [BLOCK_K, BLOCK_M] e4m3
-        xs = tl.load(xs_ptr + offs_m * stride_xs + k, mask=m_ok, other=0.0)  # [BLOCK_M]
-    else:
-        xq, xs = quant_act_tile(x.to(tl.float32), w_ptr, not DOT_F32)
-    if DOT_F32:
-        part = tl.dot(w.to(tl.float32), xq.to(tl.float32))
-    else:
-        part = tl.dot(w, xq)                                                   # fp8 x fp8 -> fp32
-    return part * ws[:, None] * xs[None, :]
-
-
-@triton.jit
 def _stream_fp8_rows(x_ptr, w_ptr, s_ptr, n0, M, N, K, stride_xm, stride_wn, stride_sn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_N: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-                     SPLIT_K=1, xs_ptr=None, stride_xs=0, PRE_Q: tl.constexpr = False,
-                     PEEL: tl.constexpr = False, GDC: tl.constexpr = False):
+                     SPLIT_K=1, xs_ptr=None, stride_xs=0, PRE_Q: tl.constexpr = False):
     """acc [BLOCK_N, BLOCK_M] = dequant(w[n0 : n0 + BLOCK_N]) @ quant(x).T in fp32, over
     this program's range of scale groups (all of K when SPLIT_K is 1). PRE_Q: x is
-    already quantized (act_quant_kernel: e4m3 [M, K] and its scales xs [M, groups]).
-    PEEL: the first group's weight tile and scales are loaded before anything of x, and
-    with GDC (lowering/pdl.py) the program waits for the kernel before it in between; the
-    sum's order is unchanged."""
+    already quantized (act_quant_kernel: e4m3 [M, K] and its scales xs [M, groups])."""
     groups = tl.cdiv(K, BLOCK_K)
     split = tl.program_id(1)
     g0 = split * groups // SPLIT_K
@@ -144,29 +117,25 @@ def _stream_fp8_rows(x_ptr, w_ptr, s_ptr, n0, M, N, K, stride_xm, stride_wn, str
     x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None]              # [BK, BM]
     s_ptrs = s_ptr + (offs_n // GROUP_N) * stride_sn                             # [BLOCK_N]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    first = g0
-    if PEEL:     # group g0 peeled: its weight tile and scales across the wait
-        some = g0 < g1                      # an empty split's peeled group reads nothing
-        k_ok = offs_k < tl.where(some, K - k0, 0)
-        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        ws = tl.load(s_ptrs + g0, mask=offs_n < tl.where(some, N, 0), other=0.0)  # [BLOCK_N]
-        if GDC:
-            gdc_launch_dependents()
-            gdc_wait()
-        acc += _group_part(w, ws, w_ptr, x_ptrs, xs_ptr, offs_m, offs_m < tl.where(some, M, 0),
-                           k_ok, stride_xs, g0, False, DOT_F32, PRE_Q)
-        first = g0 + 1
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    for k in range(first, g1):                                  # k: the scale group
-        k_ok = offs_k < K - k * BLOCK_K
+    for k in range(g0, g1):                                     # k: the scale group
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
         else:
+            k_ok = offs_k < K - k * BLOCK_K
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
         ws = tl.load(s_ptrs + k, mask=n_ok, other=0.0)                        # [BLOCK_N]
-        acc += _group_part(w, ws, w_ptr, x_ptrs, xs_ptr, offs_m, m_ok, k_ok, stride_xs, k,
-                           EVEN_K, DOT_F32, PRE_Q)
+        if PRE_Q:
+            xq = x                                                   # [BLOCK_K, BLOCK_M] e4m3
+            xs = tl.load(xs_ptr + offs_m * stride_xs + k, mask=m_ok, other=0.0)  # [BLOCK_M]
+        else:
+            xq, xs = quant_act_tile(x.to(tl.float32), w_ptr, not DOT_F32)
+        if DOT_F32:
+            part = tl.dot(w.to(tl.float32), xq.to(tl.float32))
+        else:
+            part = tl.dot(w, xq)                                               # fp8 x fp8 -> fp32
+        acc += part * ws[:, None] * xs[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     return acc
@@ -208,16 +177,13 @@ def fp8_linear_kernel(
     SPLIT_K,                                 # grid axis 1 (MODE 0 / 1; > 1: fp32 partials)
     xs_ptr, stride_xs,                       # PRE_Q: x's scales [M, cdiv(K, BLOCK_K)]
     PRE_Q: tl.constexpr,                     # x is e4m3, quantized by act_quant_kernel
-    PEEL: tl.constexpr,                      # the first weight tile loaded before x
-    GDC: tl.constexpr,                       # PDL (lowering/pdl.py): with PEEL, the wait
-                                             # for the kernel before after that tile
 ):
     pid = tl.program_id(0)
     if MODE == 0:
         n0 = pid * BLOCK_N
         acc = _stream_fp8_rows(x_ptr, w1_ptr, s1_ptr, n0, M, N1, K, stride_xm, stride_w1,
                                stride_s1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, EVEN_K, DOT_F32,
-                               SPLIT_K, xs_ptr, stride_xs, PRE_Q, PEEL, GDC)
+                               SPLIT_K, xs_ptr, stride_xs, PRE_Q)
         _store_rows(y1_ptr, acc, n0, M, N1, stride_y1, BLOCK_M, BLOCK_N, r_ptr, stride_r,
                     HAS_RES, stride_ys)
     elif MODE == 1:
@@ -225,13 +191,13 @@ def fp8_linear_kernel(
             n0 = pid * BLOCK_N
             acc = _stream_fp8_rows(x_ptr, w1_ptr, s1_ptr, n0, M, N1, K, stride_xm, stride_w1,
                                    stride_s1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, EVEN_K,
-                                   DOT_F32, SPLIT_K, xs_ptr, stride_xs, PRE_Q, PEEL, GDC)
+                                   DOT_F32, SPLIT_K, xs_ptr, stride_xs, PRE_Q)
             _store_rows(y1_ptr, acc, n0, M, N1, stride_y1, BLOCK_M, BLOCK_N, stride_ys=stride_ys)
         else:
             n0 = (pid - N1_BLOCKS) * BLOCK_N
             acc = _stream_fp8_rows(x_ptr, w2_ptr, s2_ptr, n0, M, N2, K, stride_xm, stride_w2,
                                    stride_s2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, EVEN_K,
-                                   DOT_F32, SPLIT_K, xs_ptr, stride_xs, PRE_Q, PEEL, GDC)
+                                   DOT_F32, SPLIT_K, xs_ptr, stride_xs, PRE_Q)
             if Y2_COL0 > 0:
                 _store_rows(y1_ptr + Y2_COL0, acc, n0, M, N2, stride_y1, BLOCK_M, BLOCK_N,
                             stride_ys=stride_ys)
@@ -242,7 +208,7 @@ def fp8_linear_kernel(
         n0 = pid * BLOCK_N
         acc_g = _stream_fp8_rows(x_ptr, w1_ptr, s1_ptr, n0, M, N1, K, stride_xm, stride_w1,
                                  stride_s1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, EVEN_K, DOT_F32,
-                                 1, xs_ptr, stride_xs, PRE_Q, PEEL, GDC)
+                                 1, xs_ptr, stride_xs, PRE_Q)
         acc_u = _stream_fp8_rows(x_ptr, w2_ptr, s2_ptr, n0, M, N1, K, stride_xm, stride_w2,
                                  stride_s2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, EVEN_K, DOT_F32,
                                  1, xs_ptr, stride_xs, PRE_Q)

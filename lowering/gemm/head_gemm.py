@@ -65,27 +65,20 @@ def head_gemm_unmet(a: torch.Tensor, w: torch.Tensor, copy: int = 0) -> Optional
 
 
 def launch(a: torch.Tensor, w: torch.Tensor, y: torch.Tensor, copy: int,
-           config: Optional[tuple[int, int, int, int]] = None,
-           pre_k: Optional[int] = None) -> None:
+           config: Optional[tuple[int, int, int, int]] = None) -> None:
     """y[t, n, :J] = a[t, n, :K] @ w[n] (and y[..., J:J+copy] = a[..., K:K+copy]);
-    a, y are [t, N, *] with unit last stride, w [N, K, J] with unit last stride. pre_k: the
-    rows of K loaded first as one tile (None: lowering.pdl.preload_k where PDL is on, else 0)."""
+    a, y are [t, N, *] with unit last stride, w [N, K, J] with unit last stride."""
     import triton
     from lowering.gemm.head_gemm_kernel import head_gemm_kernel
-    from lowering.pdl import gdc_enabled, preload_k
     t, N = a.shape[:2]
     K, J = w.shape[1:]
     block_j, block_k, warps, stages = config or pick_config(K, J, t)
     block_t = max(16, triton.next_power_of_2(min(t, MAX_ROWS)))
     grid = (N, J // block_j, triton.cdiv(t, block_t))
-    gdc = gdc_enabled(a)
-    if pre_k is None:
-        pre_k = preload_k(block_j, block_k, K) if gdc else 0
     head_gemm_kernel[grid](
         a, w, y, t, a.stride(0), a.stride(1), w.stride(0), w.stride(1), y.stride(0),
         y.stride(1), K=K, J=J, COPY=copy, BLOCK_T=block_t, BLOCK_J=block_j, BLOCK_K=block_k,
-        DOT_F32=not a.is_cuda, PRE_K=pre_k, GDC=gdc and pre_k > 0,
-        num_warps=warps, num_stages=stages)
+        DOT_F32=not a.is_cuda, num_warps=warps, num_stages=stages)
 
 
 def absorb_query(q: torch.Tensor, W_UK_T: torch.Tensor) -> torch.Tensor:

@@ -18,14 +18,6 @@ programs): the absorbed MQA query is [q_nope @ W_UK_T | q_pe], built by one laun
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-
-@triton.jit
-def _dot(w, a, acc, DOT_F32: tl.constexpr):
-    if DOT_F32:      # the CPU interpreter mis-multiplies 16-bit dots
-        return tl.dot(w.to(tl.float32), a.to(tl.float32), acc)
-    return tl.dot(w, a, acc)                                                 # [BLOCK_J, BLOCK_T]
 
 
 @triton.jit
@@ -35,9 +27,6 @@ def head_gemm_kernel(
     K: tl.constexpr, J: tl.constexpr, COPY: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
-    PRE_K: tl.constexpr,   # > 0: w's first PRE_K rows of K loaded first, as one tile
-    GDC: tl.constexpr,     # PDL (lowering/pdl.py): those loads before the wait for the kernel
-                           # before, a after it (needs PRE_K > 0)
 ):
     n = tl.program_id(0)
     j0 = tl.program_id(1) * BLOCK_J
@@ -50,23 +39,13 @@ def head_gemm_kernel(
     w_ptrs = (w_ptr + n.to(tl.int64) * stride_wn
               + offs_k[None, :] * stride_wk + cols[:, None])                # [BLOCK_J, BLOCK_K]
     acc = tl.zeros((BLOCK_J, BLOCK_T), dtype=tl.float32)
-    first = 0
-    if PRE_K > 0:        # the first PRE_K of K as one tile, its weight across the wait
-        offs_p = tl.arange(0, PRE_K)                                         # [PRE_K]
-        w_pre = tl.load(w_ptr + n.to(tl.int64) * stride_wn + offs_p[None, :] * stride_wk
-                        + cols[:, None])                                     # [BLOCK_J, PRE_K]
-        if GDC:
-            gdc_launch_dependents()
-            gdc_wait()
-        a_pre = tl.load(a_row[None, :] + offs_p[:, None], mask=r_ok[None, :], other=0.0)
-        acc = _dot(w_pre, a_pre, acc, DOT_F32)
-        first = PRE_K // BLOCK_K
-        w_ptrs += PRE_K * stride_wk
-        a_ptrs += PRE_K
-    for _ in range(first, K // BLOCK_K):
+    for _ in range(0, K // BLOCK_K):
         w = tl.load(w_ptrs)
         a = tl.load(a_ptrs, mask=r_ok[None, :], other=0.0)
-        acc = _dot(w, a, acc, DOT_F32)
+        if DOT_F32:      # the CPU interpreter mis-multiplies 16-bit dots
+            acc = tl.dot(w.to(tl.float32), a.to(tl.float32), acc)
+        else:
+            acc = tl.dot(w, a, acc)                                          # [BLOCK_J, BLOCK_T]
         w_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K
     y_row = y_ptr + rows.to(tl.int64) * stride_yt + n * stride_yn           # [BLOCK_T]

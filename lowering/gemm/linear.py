@@ -31,7 +31,6 @@ import triton
 from lowering import config as mla_config
 from lowering.fused.silu_mul import silu_mul
 from lowering.gemm.linear_kernel import decode_linear_kernel
-from lowering.pdl import gdc_enabled, preload_k
 
 MAX_ROWS = 64
 
@@ -157,16 +156,13 @@ def split_k_of(config) -> int:
 
 def launch(x2: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor], mode: int,
            y1: torch.Tensor, y2: Optional[torch.Tensor], config: tuple, *,
-           y2_col0: int = 0, residual: Optional[torch.Tensor] = None,
-           pre_k: Optional[int] = None) -> None:
+           y2_col0: int = 0, residual: Optional[torch.Tensor] = None) -> None:
     """Run decode_linear_kernel with config (BLOCK_N, BLOCK_K, num_warps, num_stages[,
     SPLIT_K]): x2 [M, K] (K contiguous), w1/w2 [N, K] contiguous; y1/y2 [M, N], or with
     SPLIT_K > 1 fp32 partials [SPLIT_K, M, N]. Mode 1 with y2=None and y2_col0 > 0
     writes x @ w2.T into y1 from column y2_col0 on: one output tensor (Inductor would copy
     views of one buffer passed as two outputs, or lose one of them). Mode 0 without
-    split-K may add residual [M, N] (last dim contiguous) in the epilogue. pre_k: the
-    columns loaded first as one tile (None: lowering.pdl.preload_k where PDL is on, else
-    0), a multiple of block_k."""
+    split-K may add residual [M, N] (last dim contiguous) in the epilogue."""
     M, K = x2.shape
     N1 = w1.shape[0]
     N2 = w2.shape[0] if w2 is not None else 0
@@ -185,10 +181,6 @@ def launch(x2: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor], mode:
     if x2.is_cuda:
         stages = fit_stages(stages, mode, block_m, block_n, block_k, x2.element_size(),
                             max_shared_bytes(x2.device.index))
-    gdc = gdc_enabled(x2)
-    if pre_k is None:
-        pre_k = preload_k(block_n, block_k, triton.cdiv(K, split_k), 2 if mode == 2 else 1) \
-            if gdc else 0
     n1_blocks = triton.cdiv(N1, block_n)
     grid = (n1_blocks + (triton.cdiv(N2, block_n) if mode == 1 else 0), split_k)
     kernel = torch.library.wrap_triton(decode_linear_kernel)
@@ -202,8 +194,7 @@ def launch(x2: torch.Tensor, w1: torch.Tensor, w2: Optional[torch.Tensor], mode:
         MODE=mode, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=K % (block_k * split_k) == 0, DOT_F32=not x2.is_cuda,
         SPLIT_K=split_k, Y2_COL0=y2_col0 if (mode == 1 and y2 is None) else 0,
-        HAS_RES=residual is not None, PRE_K=pre_k, GDC=gdc and pre_k > 0,
-        num_warps=warps, num_stages=stages)
+        HAS_RES=residual is not None, num_warps=warps, num_stages=stages)
 
 
 def _check(x: torch.Tensor, *ws: torch.Tensor) -> int:

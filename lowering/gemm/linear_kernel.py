@@ -27,41 +27,14 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-
-@triton.jit
-def _load_w(w_ptrs, n_ok, offs_k, k_left, EVEN_K: tl.constexpr):
-    """A [BLOCK_N, BLOCK_K] weight tile, masked past K's end (k_left columns remain)."""
-    if EVEN_K:
-        return tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-    return tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < k_left)[None, :], other=0.0)
-
-
-@triton.jit
-def _load_x(x_ptrs, m_ok, offs_k, k_left, EVEN_K: tl.constexpr):
-    """x's [BLOCK_K, BLOCK_M] tile, masked likewise."""
-    if EVEN_K:
-        return tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
-    return tl.load(x_ptrs, mask=m_ok[None, :] & (offs_k < k_left)[:, None], other=0.0)
-
-
-@triton.jit
-def _dot(w, x, acc, DOT_F32: tl.constexpr):
-    if DOT_F32:      # the CPU interpreter mis-multiplies 16-bit dots
-        return tl.dot(w.to(tl.float32), x.to(tl.float32), acc)
-    return tl.dot(w, x, acc)                                                   # [BLOCK_N, BLOCK_M]
 
 
 @triton.jit
 def _stream_rows(x_ptr, w_ptr, n0, M, N, K, stride_xm, stride_wn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-                 PRE_K: tl.constexpr = 0, GDC: tl.constexpr = False):
+                 EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, SPLIT_K: tl.constexpr = 1):
     """acc [BLOCK_N, BLOCK_M] = w[n0 : n0 + BLOCK_N] @ x.T (fp32), over this program's
-    range of K (all of it unless SPLIT_K > 1). With PRE_K > 0 (lowering/pdl.py) the first
-    PRE_K columns (whole BLOCK_K tiles) of the weight rows are loaded first, x after them
-    and (with GDC) after the wait for the kernel before."""
+    range of K (all of it unless SPLIT_K > 1)."""
     k_tiles = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K)             # K tiles per split
     k0 = tl.program_id(1) * k_tiles * BLOCK_K if SPLIT_K > 1 else 0
     offs_n = n0 + tl.arange(0, BLOCK_N)                                        # [BLOCK_N]
@@ -69,31 +42,21 @@ def _stream_rows(x_ptr, w_ptr, n0, M, N, K, stride_xm, stride_wn,
     offs_k = tl.arange(0, BLOCK_K)                                             # [BLOCK_K]
     n_ok = offs_n < N
     m_ok = offs_m < M
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    FIRST: tl.constexpr = PRE_K // BLOCK_K                       # tiles preloaded as one
-    if PRE_K > 0:        # the first PRE_K columns as one tile, its weight across the wait
-        offs_p = tl.arange(0, PRE_K)                                           # [PRE_K]
-        p_ok = offs_p < tl.minimum(k_tiles * BLOCK_K, K - k0)                  # this split's own
-        w_pre = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k0 + offs_p)[None, :],
-                        mask=n_ok[:, None] & p_ok[None, :], other=0.0)         # [BLOCK_N, PRE_K]
-        if GDC:
-            gdc_launch_dependents()
-            gdc_wait()
-        x_pre = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_p)[:, None],
-                        mask=m_ok[None, :] & p_ok[:, None], other=0.0)         # [PRE_K, BLOCK_M]
-        acc = _dot(w_pre, x_pre, acc, DOT_F32)                                 # [BLOCK_N, BLOCK_M]
-        k0 += PRE_K
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k0 + offs_k)[None, :]   # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None]               # [BLOCK_K, BLOCK_M]
-    for k in range(FIRST, k_tiles):
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(0, k_tiles):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
         else:
-            k_ok = offs_k < K - k0 - (k - FIRST) * BLOCK_K
+            k_ok = offs_k < K - k0 - k * BLOCK_K
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = _dot(w, x, acc, DOT_F32)
+        if DOT_F32:      # the CPU interpreter mis-multiplies 16-bit dots
+            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc)
+        else:
+            acc = tl.dot(w, x, acc)                                            # [BLOCK_N, BLOCK_M]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     return acc
@@ -133,28 +96,24 @@ def decode_linear_kernel(
     Y2_COL0: tl.constexpr,                    # > 0: MODE 1 writes x @ w2.T into y1 from this
                                               # column on (y2_ptr unused: one output tensor)
     HAS_RES: tl.constexpr,                    # MODE 0 without split-K: y1 = r + x @ w1.T
-    PRE_K: tl.constexpr,                      # > 0: the first PRE_K columns of the weights
-                                              # loaded first, as one tile
-    GDC: tl.constexpr,                        # PDL (lowering/pdl.py): those loads before the
-                                              # wait for the kernel before (needs PRE_K > 0)
 ):
     pid = tl.program_id(0)
     if MODE == 0:
         n0 = pid * BLOCK_N
         acc = _stream_rows(x_ptr, w1_ptr, n0, M, N1, K, stride_xm, stride_w1,
-                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, SPLIT_K, PRE_K, GDC)
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, SPLIT_K)
         _store_rows(y1_ptr, acc, n0, M, N1, stride_y1, BLOCK_M, BLOCK_N, stride_ys,
                     r_ptr, stride_r, HAS_RES)
     elif MODE == 1:
         if pid < N1_BLOCKS:
             n0 = pid * BLOCK_N
             acc = _stream_rows(x_ptr, w1_ptr, n0, M, N1, K, stride_xm, stride_w1,
-                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, SPLIT_K, PRE_K, GDC)
+                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, SPLIT_K)
             _store_rows(y1_ptr, acc, n0, M, N1, stride_y1, BLOCK_M, BLOCK_N, stride_ys)
         else:
             n0 = (pid - N1_BLOCKS) * BLOCK_N
             acc = _stream_rows(x_ptr, w2_ptr, n0, M, N2, K, stride_xm, stride_w2,
-                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, SPLIT_K, PRE_K, GDC)
+                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, SPLIT_K)
             if Y2_COL0 > 0:
                 _store_rows(y1_ptr + Y2_COL0, acc, n0, M, N2, stride_y1, BLOCK_M, BLOCK_N,
                             stride_ys)
@@ -174,31 +133,22 @@ def decode_linear_kernel(
         u_ptrs = w2_ptr + w_off
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        first = 0
-        if PRE_K > 0:    # the first PRE_K columns, their gate and up rows across the wait
-            offs_p = tl.arange(0, PRE_K)                                       # [PRE_K]
-            p_ok = offs_p < K
-            w_pre = offs_n.to(tl.int64)[:, None] * stride_w1 + offs_p[None, :]  # [BLOCK_N, PRE_K]
-            g_pre = tl.load(w1_ptr + w_pre, mask=n_ok[:, None] & p_ok[None, :], other=0.0)
-            u_pre = tl.load(w2_ptr + w_pre, mask=n_ok[:, None] & p_ok[None, :], other=0.0)
-            if GDC:
-                gdc_launch_dependents()
-                gdc_wait()
-            x_pre = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_p[:, None],
-                            mask=m_ok[None, :] & p_ok[:, None], other=0.0)      # [PRE_K, BLOCK_M]
-            acc_g = _dot(g_pre, x_pre, acc_g, DOT_F32)
-            acc_u = _dot(u_pre, x_pre, acc_u, DOT_F32)
-            first = PRE_K // BLOCK_K
-            g_ptrs += PRE_K
-            u_ptrs += PRE_K
-            x_ptrs += PRE_K
-        for k in range(first, tl.cdiv(K, BLOCK_K)):
-            k_left = K - k * BLOCK_K
-            wg = _load_w(g_ptrs, n_ok, offs_k, k_left, EVEN_K)
-            wu = _load_w(u_ptrs, n_ok, offs_k, k_left, EVEN_K)
-            x = _load_x(x_ptrs, m_ok, offs_k, k_left, EVEN_K)
-            acc_g = _dot(wg, x, acc_g, DOT_F32)
-            acc_u = _dot(wu, x, acc_u, DOT_F32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                wg = tl.load(g_ptrs, mask=n_ok[:, None], other=0.0)
+                wu = tl.load(u_ptrs, mask=n_ok[:, None], other=0.0)
+                x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < K - k * BLOCK_K
+                wg = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                wu = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+            if DOT_F32:
+                acc_g = tl.dot(wg.to(tl.float32), x.to(tl.float32), acc_g)
+                acc_u = tl.dot(wu.to(tl.float32), x.to(tl.float32), acc_u)
+            else:
+                acc_g = tl.dot(wg, x, acc_g)
+                acc_u = tl.dot(wu, x, acc_u)
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
             x_ptrs += BLOCK_K

@@ -26,15 +26,6 @@ drops tokens that have no room (never writing outside a row's own blocks).
 
 Without CUDA (or with graph=False) the runner calls the compiled step directly.
 
-Programmatic dependent launch (programmatic=None, the default: wherever it can be, a
-Hopper GPU or newer with a CUDA 12.3+ driver; True asks for it and raises where it
-cannot be): the step's weight-streaming kernels start before the kernel they follow has
-finished. After the capture, the graph's edges into the kernels of
-lowering.pdl.PDL_KERNELS become programmatic (mla_ops.hf.pdl_edges), and each such
-kernel loads its first weight tile, then waits for its predecessor before it reads
-anything the step wrote. The results are those of programmatic=False, bit for bit;
-runner.programmatic_edges counts the edges changed.
-
 A step that cannot be captured raises a RuntimeError. Where the cause is a host read of a
 device value (HF code that reads expert counts, `.item()`, `.tolist()`), the error names
 the line: after the failed capture the step runs once more eagerly under torch's sync
@@ -53,7 +44,6 @@ from mla_ops.cache import CacheFullError
 from mla_ops.hf.convert import is_converted
 from mla_ops.hf.cache import PagedMLACache
 from mla_ops.hf.generate import cache_kwargs
-from mla_ops.hf.pdl_edges import programmatic_edges, programmatic_unmet
 from mla_ops.hf.step import decode_room
 
 
@@ -104,8 +94,7 @@ class DecodeGraph:
 
     def __init__(self, model, cache: PagedMLACache, batch_size: int | None = None, *,
                  compile: bool = True, backend: str = "inductor", mode: str | None = None,
-                 options: dict | None = None, graph: bool | None = None, warmup: int = 2,
-                 programmatic: bool | None = None):
+                 options: dict | None = None, graph: bool | None = None, warmup: int = 2):
         if not isinstance(model, torch.nn.Module) or not is_converted(model):
             raise TypeError("DecodeGraph needs a model converted with mla_ops.hf.convert(model)")
         if not isinstance(cache, PagedMLACache):
@@ -126,23 +115,11 @@ class DecodeGraph:
                              f"options={options!r}, mode={mode!r}")
         if warmup < 1:
             raise ValueError(f"warmup must be >= 1, got {warmup}")
-        if programmatic is not None and not isinstance(programmatic, bool):
-            raise TypeError(f"programmatic must be None or a bool, got "
-                            f"{type(programmatic).__name__}")
         self.model, self.cache, self.batch_size = model, cache, B
         self.device = cache.device
         self.graph_enabled = (self.device.type == "cuda") if graph is None else bool(graph)
         if self.graph_enabled and self.device.type != "cuda":
             raise ValueError(f"graph=True needs a CUDA cache, this one is on {self.device}")
-        if programmatic and not self.graph_enabled:
-            raise ValueError("programmatic=True sets dependencies in the captured CUDA graph: "
-                             "it needs graph=True (a CUDA cache)")
-        unmet = programmatic_unmet(self.device) if self.graph_enabled else "no CUDA graph"
-        if programmatic and unmet:
-            raise ValueError(f"programmatic=True cannot be honoured here: {unmet} (pass "
-                             f"programmatic=False, or None to use it where it can be)")
-        self.programmatic = not unmet if programmatic is None else programmatic
-        self.programmatic_edges = 0      # edges the capture made programmatic
         dev = self.device
         self.input_ids = torch.zeros(B, 1, dtype=torch.long, device=dev)      # [B, 1] graph input
         # one compiled function for the whole step: positions, forward and argmax
@@ -186,7 +163,7 @@ class DecodeGraph:
             for _ in range(warmup):
                 self._step()
         torch.cuda.current_stream(self.device).wait_stream(s)
-        g = torch.cuda.CUDAGraph(keep_graph=self.programmatic)
+        g = torch.cuda.CUDAGraph()
         try:
             with capturing(g):
                 self.logits, self.next_tokens = self._step()
@@ -202,9 +179,6 @@ class DecodeGraph:
                 f"DecodeGraph(..., graph=False) or compile with mode='reduce-overhead', "
                 f"which skips such graphs)") from exc
         c.restore(saved)        # warm-up tokens were written past the lengths: unseen
-        if self.programmatic:
-            self.programmatic_edges = programmatic_edges(g)
-            g.instantiate()
         self._graph = g
 
     def _host_read(self, warmup: int) -> str | None:
