@@ -173,6 +173,22 @@ def _runner(variant, model, cache, B):
         pdl.PRELOAD_ELEMS = saved
 
 
+def time_runners(runners: dict, ids, rounds: int, iters: int) -> dict:
+    """{key: ms a step of each of `rounds` loops of `iters` replays}, the runners in turn."""
+    times = {k: [] for k in runners}
+    for _ in range(rounds):
+        for k, r in runners.items():
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(iters):
+                r(ids)
+            b.record()
+            b.synchronize()
+            times[k].append(a.elapsed_time(b) / iters)
+    return times
+
+
 def steps(shapes, variants, rounds, iters):
     dev = torch.device("cuda")
     opts = SimpleNamespace(kv_cache_dtype="auto", k_scale=1.0, per_layer_schedule=False)
@@ -202,17 +218,7 @@ def steps(shapes, variants, rounds, iters):
             f"{v} vs {v0}: logits max |diff| "
             f"{(first[v].float() - first[v0].float()).abs().max().item():.3g}, tokens equal "
             f"{bool((toks[v] == toks[v0]).all())}" for v in variants[1:])
-        times = {v: [] for v in runners}
-        for _ in range(rounds):
-            for v, r in runners.items():
-                torch.cuda.synchronize()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(iters):
-                    r(ids)
-                b.record()
-                b.synchronize()
-                times[v].append(a.elapsed_time(b) / iters)
+        times = time_runners(runners, ids, rounds, iters)
         med = {v: statistics.median(t) for v, t in times.items()}
         print(f"{spec}: edges " + ", ".join(f"{v} {r.programmatic_edges}"
                                              for v, r in runners.items()), flush=True)

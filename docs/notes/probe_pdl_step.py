@@ -19,9 +19,11 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, "benchmarks")                    # run from the repository root
+sys.path.insert(0, "docs/notes")
 import mla_ops.hf  # noqa: E402
 from bench_hf_decode import fill_paged_cache  # noqa: E402
 from mla_ops.hf.models import build_model, make_config  # noqa: E402
+from probe_graph_pdl import time_runners  # noqa: E402
 
 
 def run(spec: str, rounds: int, iters: int) -> None:
@@ -42,17 +44,7 @@ def run(spec: str, rounds: int, iters: int) -> None:
                         generator=torch.Generator(device=dev).manual_seed(2))
     first = {p: r(ids).clone() for p, r in runners.items()}
     toks = {p: r.greedy(ids, 16) for p, r in runners.items()}
-    times = {p: [] for p in runners}
-    for _ in range(rounds):
-        for p, r in runners.items():
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(iters):
-                r(ids)
-            b.record()
-            b.synchronize()
-            times[p].append(a.elapsed_time(b) / iters)
+    times = time_runners(runners, ids, rounds, iters)
     med = {p: statistics.median(t) for p, t in times.items()}
     print(f"{spec}: edges {runners[True].programmatic_edges}; logits bit-equal "
           f"{torch.equal(first[False], first[True])}, max |diff| "
