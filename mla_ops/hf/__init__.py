@@ -25,12 +25,18 @@ captures a converted model's whole decode step in one CUDA graph. shard(model, g
 (mla_ops/hf/tensor_parallel.py; or convert(model, tp_group=group)) splits the model's
 heads and MLP / expert slices over a torch.distributed group for tensor parallelism.
 """
-from mla_ops.hf.convert import CacheFullError, convert, is_converted  # noqa: F401
-from mla_ops.hf.cache import PagedMLACache  # noqa: F401
-from mla_ops.hf.graph import DecodeGraph  # noqa: F401
-from mla_ops.hf.prefill_graph import PrefillGraph  # noqa: F401
-from mla_ops.hf.generate import cache_kwargs  # noqa: F401
-from mla_ops.hf.tensor_parallel import shard  # noqa: F401
+import transformers as _transformers
+
+from mla_ops.hf.requirements import check_transformers_version
+
+check_transformers_version(_transformers.__version__)
+
+from mla_ops.hf.convert import CacheFullError, convert, is_converted  # noqa: E402,F401
+from mla_ops.hf.cache import PagedMLACache  # noqa: E402,F401
+from mla_ops.hf.graph import DecodeGraph  # noqa: E402,F401
+from mla_ops.hf.prefill_graph import PrefillGraph  # noqa: E402,F401
+from mla_ops.hf.generate import cache_kwargs  # noqa: E402,F401
+from mla_ops.hf.tensor_parallel import shard  # noqa: E402,F401
 
 __all__ = ["convert", "PagedMLACache", "DecodeGraph", "PrefillGraph", "is_converted",
            "cache_kwargs", "shard"]
