@@ -14,11 +14,11 @@ MIN_TRANSFORMERS = (5, 23)
 
 def check_transformers_version(version: str) -> None:
     """Raise ImportError if `version` (transformers.__version__) is older than MIN_TRANSFORMERS."""
+    need = ".".join(map(str, MIN_TRANSFORMERS))
     m = re.match(r"(\d+)\.(\d+)", version)
     if m is None:
         raise ImportError(f"mla_ops.hf cannot read the transformers version {version!r}; it "
-                          f"needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}")
+                          f"needs transformers >= {need}")
     if (int(m[1]), int(m[2])) < MIN_TRANSFORMERS:
-        need = ".".join(map(str, MIN_TRANSFORMERS))
         raise ImportError(f"mla_ops.hf needs transformers >= {need}, found {version}: "
                           f"pip install -U 'transformers>={need}'")
