@@ -108,3 +108,79 @@ def test_head_gemm_kernel_16bit_inputs(dtype):
     ref = torch.einsum("tnk,nkj->tnj", a.double().cpu()[..., :K], w.double().cpu())
     assert _rel(y[..., :J], ref) < 1e-2                       # 16-bit output rounding
     assert torch.equal(y[..., J:].cpu(), a[..., K:].cpu())
+
+
+def _fp8_weight(N, A, B, along, g):
+    """An FP8 checkpoint's head weight: e4m3 [N, A, B] from random values, scales [N,
+    ceil(dim / 128)] along dim `along` (varied per group, so a wrong group index shows),
+    and its float64 value (each e4m3 value times its scale)."""
+    w8 = (torch.randn(N, A, B, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    dim = (A, B)[along - 1]
+    s = torch.rand(N, -(-dim // 128), generator=g) * 0.02 + 0.001         # [N, groups] fp32
+    sx = s.double().repeat_interleave(128, dim=1)[:, :dim]
+    w64 = w8.double() * (sx[:, None, :] if along == 2 else sx[:, :, None])
+    return w8.to(DEV), s.to(DEV), w64
+
+
+# rows, heads, K, J, scale axis (1: along K as W_UV, 2: along J as W_UK_T), config
+FP8_CASES = [
+    (1, 2, 512, 32, 1, (32, 128, 4, 2)),     # W_UV-like: four K groups, one step each
+    (3, 3, 256, 16, 1, (16, 64, 4, 2)),      # two K steps per group
+    (17, 2, 32, 384, 2, (128, 16, 4, 2)),    # W_UK_T-like: three column groups, rows > 16
+    (1, 2, 16, 256, 2, (64, 16, 4, 1)),      # four column blocks, two per group
+]
+
+
+@pytest.mark.parametrize("t,N,K,J,along,cfg", FP8_CASES)
+def test_head_gemm_kernel_fp8_weight_vs_fp64(t, N, K, J, along, cfg):
+    """An e4m3 weight with per-(head, 128 columns) scales, widened in the kernel: the
+    product of a with the weight's exact values, against float64."""
+    g = torch.Generator().manual_seed(t * 10 + K + J)
+    a, a64 = _rand(t, N, K + 16, g=g)
+    w8, s, w64 = _fp8_weight(N, K, J, along, g)
+    y = torch.full((t, N, J + 16), float("nan"), device=DEV, dtype=DT)
+    head_gemm.launch(a, w8, y, 16, cfg, scale=s, along=along)
+    ref = torch.einsum("tnk,nkj->tnj", a64[..., :K], w64)
+    assert _rel(y[..., :J], ref) < TOL
+    assert torch.equal(y[..., J:].cpu(), a[..., K:].cpu())
+
+
+def test_absorb_fp8_weights_match_dequantized(monkeypatch):
+    """absorb_query / absorb_output with e4m3 weights and scales: the kernel (CUDA) and the
+    torch path (dequantize_heads, then bmm) agree with float64, at DeepSeek widths."""
+    g = torch.Generator().manual_seed(11)
+    t, N, P, R, L, V = 2, 3, 128, 64, 512, 128
+    q, q64 = _rand(t, N, P + R, g=g)
+    o, o64 = _rand(t, N, L, g=g)
+    wk8, sk, wk64 = _fp8_weight(N, P, L, 2, g)
+    wv8, sv, wv64 = _fp8_weight(N, L, V, 1, g)
+    ref_q = torch.einsum("tnp,npl->tnl", q64[..., :P], wk64)
+    ref_o = torch.einsum("tnl,nlv->tnv", o64, wv64)
+    tol = 1e-2 if DT == torch.bfloat16 else 1e-6
+    for impl in ("triton", "torch"):
+        monkeypatch.setattr(mla_config, "head_gemm_impl", impl)
+        qm = head_gemm.absorb_query(q, wk8, sk)
+        out = torch.empty(t, N * V, device=DEV, dtype=DT)
+        head_gemm.absorb_output(o, wv8, out, sv)
+        assert _rel(qm[..., :L], ref_q) < tol, impl
+        assert torch.equal(qm[..., L:].cpu(), q[..., P:].cpu())
+        assert _rel(out.view(t, N, V), ref_o) < tol, impl
+
+
+def test_dequantize_heads_groups():
+    """dequantize_heads: each value times its own group's scale, along either axis, and
+    a last group shorter than 128 columns."""
+    g = torch.Generator().manual_seed(5)
+    for along, shape in ((1, (2, 200, 8)), (2, (2, 8, 300))):
+        w8, s, w64 = _fp8_weight(*shape, along, g)
+        got = head_gemm.dequantize_heads(w8.cpu(), s.cpu(), along, torch.float64)
+        assert torch.allclose(got, w64, rtol=2 ** -23, atol=0)    # one fp32 rounding
+
+
+def test_check_head_scales_names_the_argument():
+    s = torch.ones(4, 4)
+    head_gemm.check_head_scales("W_UV_scale", s, 4, 512, s.device)
+    with pytest.raises(ValueError, match=r"W_UV_scale must be contiguous \[4, 4\]"):
+        head_gemm.check_head_scales("W_UV_scale", torch.ones(4, 3), 4, 512, s.device)
+    with pytest.raises(TypeError, match="W_UK_T_scale must be a float32 tensor"):
+        head_gemm.check_head_scales("W_UK_T_scale", s.half(), 4, 512, s.device)
