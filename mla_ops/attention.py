@@ -13,8 +13,7 @@ from lowering.checks import (FLOAT_DTYPES, check_decode_values, check_kv_cache_d
                              check_tensor, wants_value_checks)
 from lowering.decode.entry import run_decode
 from lowering.decode.registry import HAVE_TRITON, DecodeCall
-from lowering.gemm.head_gemm import (absorb_output, absorb_query, check_head_scales,
-                                     dequantize_heads)
+from lowering.gemm.head_gemm import absorb_output, absorb_query
 from lowering.prefill.step import PrefillShape, prefill_shape as measure_prefill_shape
 from mla_ops.prefill import prefill_attention
 from mla_ops.quant import FP8, quant_fp8_group, quant_fp8_static, group_scales
@@ -23,14 +22,13 @@ from mla_ops.quant import FP8, quant_fp8_group, quant_fp8_static, group_scales
 def check_attention_args(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
                          query_start_loc, num_decode_tokens, softmax_scale, kv_cache_dtype,
                          k_scale, kv_cache_dep, output, output_scale, output_block_scale,
-                         workspace_rows, backend, W_UK_T_scale=None, W_UV_scale=None):
+                         workspace_rows, backend):
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     T, N, PR = q.shape
     check_tensor("kv_c_normed", kv_c_normed, ndim=2, dtypes=(q.dtype,))
     check_tensor("k_pe", k_pe, dtypes=(q.dtype,))
-    # an FP8 checkpoint's absorbed weights: e4m3 with their scales, else q's dtype
-    check_tensor("W_UK_T", W_UK_T, ndim=3, dtypes=(q.dtype,) if W_UK_T_scale is None else (FP8,))
-    check_tensor("W_UV", W_UV, ndim=3, dtypes=(q.dtype,) if W_UV_scale is None else (FP8,))
+    check_tensor("W_UK_T", W_UK_T, ndim=3, dtypes=(q.dtype,))
+    check_tensor("W_UV", W_UV, ndim=3, dtypes=(q.dtype,))
     check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), contiguous=True)
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), contiguous=True)
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), contiguous=True)
@@ -42,9 +40,6 @@ def check_attention_args(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_tab
     if Nw != N or W_UV.shape[:2] != (N, L):
         raise ValueError(f"W_UK_T {tuple(W_UK_T.shape)} and W_UV {tuple(W_UV.shape)} must be "
                          f"[N={N}, P, L] and [N, L, V]")
-    for name, sc in (("W_UK_T_scale", W_UK_T_scale), ("W_UV_scale", W_UV_scale)):
-        if sc is not None:
-            check_head_scales(name, sc, N, L, q.device)
     if R <= 0:
         raise ValueError(f"q head size {PR} must exceed qk_nope_head_dim {P}")
     if kv_c_normed.shape != (T, L):
@@ -166,20 +161,14 @@ def _write_output(out: torch.Tensor, dst: torch.Tensor, output_scale, block_scal
     dst.copy_(y)
 
 
-def decode_output(out_latent, W_UV, dst, output_scale, block_scale, W_UV_scale=None) -> None:
+def decode_output(out_latent, W_UV, dst, output_scale, block_scale) -> None:
     """dst [t, N*V] = out_latent [t, N, L] @ W_UV, quantized when a scale is given.
 
     With an output quant and Triton selected (CUDA), the quant runs in the W_UV GEMM's
     epilogue: one kernel writes the fp8 output (and its group scales), no 16-bit
-    temporary. Otherwise: bmm, then _write_output. W_UV_scale: W_UV is e4m3 with these
-    scales (the head GEMM reads it so; the other paths dequantize it first).
+    temporary. Otherwise: bmm, then _write_output.
     """
     t = out_latent.shape[0]
-    if W_UV_scale is not None:
-        if output_scale is None and block_scale is None and dst.dtype == out_latent.dtype:
-            absorb_output(out_latent, W_UV, dst, W_UV_scale)
-            return
-        W_UV = dequantize_heads(W_UV, W_UV_scale, 1, out_latent.dtype)
     if output_scale is not None or block_scale is not None:
         pq = _quant_impl(out_latent)
         g = None if block_scale is None else dst.shape[1] // block_scale.shape[1]
@@ -221,16 +210,13 @@ def check_decode_query(decode_q, decode_q_scale, q, W_UK_T, num_decode_tokens):
         raise ValueError("decode_q_scale applies to an fp8 decode_q only")
 
 
-def build_decode_query(q, W_UK_T, W_UK_T_scale=None):
-    """q [t, N, P+R] -> the absorbed MQA query [t, N, L + R]: [q_nope @ W_UK_T | q_pe]
-    (W_UK_T e4m3 with W_UK_T_scale: dequantized to q's dtype first).
+def build_decode_query(q, W_UK_T):
+    """q [t, N, P+R] -> the absorbed MQA query [t, N, L + R]: [q_nope @ W_UK_T | q_pe].
 
     Functional (bmm + cat), for traced code: the layer builds the fp8 decode query with
     it in the graph, where Pass A matches the cat.
     """
     P = W_UK_T.shape[1]
-    if W_UK_T_scale is not None:
-        W_UK_T = dequantize_heads(W_UK_T, W_UK_T_scale, 2, q.dtype)
     q_nope, q_pe = q.split([P, q.shape[-1] - P], dim=-1)
     ql_nope = torch.bmm(q_nope.transpose(0, 1), W_UK_T)                   # [N, t, L]
     return torch.cat([ql_nope.transpose(0, 1), q_pe], dim=-1)            # [t, N, L + R]
@@ -262,9 +248,9 @@ FP8Q_OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_start_loc,
                      softmax_scale, kind, k_scale, backend, decode_q=None, decode_q_scale=None,
-                     one_token_per_request=False, schedule=None, W_UK_T_scale=None):
-    """Absorbed MQA for decode tokens q [t, N, P+R] -> latent output [t, N, L] (q's dtype);
-    decode_output then applies W_UV (and the output quant). W_UK_T_scale: W_UK_T is e4m3.
+                     one_token_per_request=False, schedule=None):
+    """Absorbed MQA for decode tokens q [t, N, P+R] -> latent output [t, N, L] (W_UV dtype);
+    decode_output then applies W_UV (and the output quant).
 
     one_token_per_request: the step is t requests of one token each (plain decode), so
     token i is request i and sees its whole sequence: no per-token gathers are needed.
@@ -280,7 +266,7 @@ def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_sta
     """
     t, N, _ = q.shape
     P, L = W_UK_T.shape[1:]
-    q_mqa = absorb_query(q, W_UK_T, W_UK_T_scale) if decode_q is None else decode_q  # [t, N, L+R]
+    q_mqa = absorb_query(q, W_UK_T) if decode_q is None else decode_q           # [t, N, L+R]
     if one_token_per_request:
         bt, lens = block_table, seq_lens
     else:
@@ -292,9 +278,9 @@ def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_sta
         bt, lens = block_table[req].contiguous(), (pos + 1).to(torch.int32)
     if q_mqa.dtype == FP8:
         out_latent, _ = _fp8_query_decode(q_mqa[:, None], decode_q_scale, kv_cache, bt, lens,
-                                          softmax_scale, kind, k_scale, backend, L, q.dtype,
+                                          softmax_scale, kind, k_scale, backend, L, W_UV.dtype,
                                           schedule=schedule)
-        out_latent = out_latent.to(q.dtype)
+        out_latent = out_latent.to(W_UV.dtype)
     else:
         call = DecodeCall(q_mqa[:, None], kv_cache, bt, lens, float(softmax_scale), True, kind,
                           k_scale, L, schedule=schedule, bounded=schedule is not None)
@@ -305,8 +291,7 @@ def decode_attention(q, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query_sta
 def run_attention(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
                   query_start_loc, num_decode_tokens, softmax_scale, kv_cache_dtype, k_scale,
                   output, output_scale, output_block_scale, workspace_rows, backend,
-                  decode_q=None, decode_q_scale=None, schedule=None, prefill_shape=None,
-                  W_UK_T_scale=None, W_UV_scale=None):
+                  decode_q=None, decode_q_scale=None, schedule=None, prefill_shape=None):
     kind = "auto" if kv_cache_dtype == "auto" else "fp8"
     T = q.shape[0]
     nd = num_decode_tokens
@@ -319,12 +304,9 @@ def run_attention(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq
                                query_start_loc, softmax_scale, kind, k_scale, backend,
                                decode_q, decode_q_scale,
                                one_token_per_request=(T == nd == block_table.shape[0]),
-                               schedule=schedule, W_UK_T_scale=W_UK_T_scale)
-        decode_output(lat, W_UV, output[:nd], output_scale, scale_rows(0, nd), W_UV_scale)
+                               schedule=schedule)
+        decode_output(lat, W_UV, output[:nd], output_scale, scale_rows(0, nd))
     if nd < T:
-        # an FP8 checkpoint's absorbed weights, dequantized for the prefill rows' up-projection
-        W_UK_T = dequantize_heads(W_UK_T, W_UK_T_scale, 2, q.dtype)
-        W_UV = dequantize_heads(W_UV, W_UV_scale, 1, q.dtype)
         out = prefill_attention(q, kv_c_normed, k_pe.reshape(T, -1), kv_cache, W_UK_T, W_UV,
                                 block_table, seq_lens, query_start_loc, nd, softmax_scale,
                                 kind, k_scale, workspace_rows,

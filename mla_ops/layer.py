@@ -58,32 +58,6 @@ def split_kv_b_proj(weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
             W_UV.transpose(0, 1).contiguous().to(dtype))               # [N, L, V]
 
 
-def split_kv_b_proj_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, num_heads: int,
-                        qk_nope_head_dim: int, v_head_dim: int, block=(128, 128)):
-    """An FP8 kv_b_proj kept in its e4m3 blocks: weight [N*(P+V), L] e4m3 with scale_inv
-    [ceil(N*(P+V) / block[0]), ceil(L / block[1])] -> (W_UK_T [N, P, L] e4m3, W_UV [N, L, V]
-    e4m3, W_UK_T_scale [N, ceil(L / 128)], W_UV_scale [N, ceil(L / 128)] fp32): the same
-    values, each head's key rows and value rows under one scale per 128 latent columns.
-    None where the blocks do not allow that (blocks other than 128 x 128, or a head's key
-    or value rows spanning two row blocks): the caller then dequantizes."""
-    N, P, V = num_heads, qk_nope_head_dim, v_head_dim
-    if tuple(block) != (128, 128) or weight.dim() != 2 or weight.shape[0] != N * (P + V):
-        return None
-    L = weight.shape[1]
-    if tuple(scale_inv.shape) != (-(-N * (P + V) // 128), -(-L // 128)):
-        return None
-    first = torch.arange(N) * (P + V)                                   # [N] each head's row 0
-    k_blk, v_blk = first // 128, (first + P) // 128
-    if not (torch.equal(k_blk, (first + P - 1) // 128)
-            and torch.equal(v_blk, (first + P + V - 1) // 128)):
-        return None
-    w = weight.detach().reshape(N, P + V, L)
-    s = scale_inv.detach().float()
-    return (w[:, :P].contiguous(),                                      # [N, P, L]
-            w[:, P:].transpose(1, 2).contiguous(),                      # [N, L, V]
-            s[k_blk.to(s.device)].contiguous(), s[v_blk.to(s.device)].contiguous())
-
-
 class MLAAttention(nn.Module):
     """Attention over the paged latent cache for one layer (holds W_UK_T and W_UV only)."""
 
@@ -102,9 +76,6 @@ class MLAAttention(nn.Module):
         self.backend = backend
         self.register_buffer("W_UK_T", None, persistent=False)
         self.register_buffer("W_UV", None, persistent=False)
-        # an FP8 checkpoint's W_UK_T / W_UV kept in e4m3: their scales [N, L / 128]
-        self.register_buffer("W_UK_T_scale", None, persistent=False)
-        self.register_buffer("W_UV_scale", None, persistent=False)
         self.register_buffer("q_scale", None, persistent=False)
 
     def enable_fp8_decode_query(self, q_scale: float | torch.Tensor = 1.0) -> None:
@@ -119,28 +90,14 @@ class MLAAttention(nn.Module):
             raise ValueError(f"q_scale must be positive, got {s.item()}")
         self.q_scale = s.to(self.W_UK_T.device) if self.W_UK_T is not None else s
 
-    def absorb(self, kv_b_weight: torch.Tensor, *, weight_scale_inv=None, dtype=None,
-               keep_fp8: bool = False) -> None:
-        """Split kv_b_proj into the absorbed weights (call once after loading).
-
-        keep_fp8: an fp8 kv_b_proj (weight_scale_inv, 128 x 128 blocks) keeps its e4m3
-        values, W_UK_T / W_UV with per-head scales (split_kv_b_proj_fp8), where its blocks
-        allow; elsewhere it is dequantized to dtype."""
-        kept = None
-        if keep_fp8 and kv_b_weight.dtype == FP8 and weight_scale_inv is not None:
-            kept = split_kv_b_proj_fp8(kv_b_weight, weight_scale_inv, self.num_heads,
-                                       self.qk_nope_head_dim, self.v_head_dim)
-        if kept is not None:
-            W_UK_T, W_UV, s_uk, s_uv = kept
-        else:
-            W_UK_T, W_UV = split_kv_b_proj(kv_b_weight, self.num_heads, self.qk_nope_head_dim,
-                                           self.v_head_dim, weight_scale_inv=weight_scale_inv,
-                                           dtype=dtype)
-            s_uk = s_uv = None
+    def absorb(self, kv_b_weight: torch.Tensor, *, weight_scale_inv=None, dtype=None) -> None:
+        """Split kv_b_proj into the absorbed weights (call once after loading)."""
+        W_UK_T, W_UV = split_kv_b_proj(kv_b_weight, self.num_heads, self.qk_nope_head_dim,
+                                       self.v_head_dim, weight_scale_inv=weight_scale_inv,
+                                       dtype=dtype)
         if W_UK_T.shape[-1] != self.kv_lora_rank:
             raise ValueError(f"kv_b_proj input width {W_UK_T.shape[-1]} != kv_lora_rank {self.kv_lora_rank}")
         self.W_UK_T, self.W_UV = W_UK_T, W_UV
-        self.W_UK_T_scale, self.W_UV_scale = s_uk, s_uv
 
     def forward(self, q: torch.Tensor | None, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
                 kv_cache: torch.Tensor, k_scale: torch.Tensor, meta: MLAMetadata,
@@ -184,8 +141,7 @@ class MLAAttention(nn.Module):
         nd = meta.num_decode_tokens
         if self.q_scale is not None and nd > 0:
             if decode_q is None:
-                q_mqa = build_decode_query(q[:nd], self.W_UK_T,
-                                           self.W_UK_T_scale)               # [nd, N, L + R]
+                q_mqa = build_decode_query(q[:nd], self.W_UK_T)            # [nd, N, L + R]
                 decode_q = torch.ops.mla.quant_fp8_static(q_mqa, self.q_scale)
             decode_q_scale = self.q_scale
         # FlashMLA's 16-bit and fp8 kernels have schedules of their own: pass the kind
@@ -198,5 +154,5 @@ class MLAAttention(nn.Module):
             meta.seq_lens, meta.query_start_loc, meta.num_decode_tokens, self.softmax_scale,
             kind, k_scale, dep, out, None, None, self.workspace_rows, self.backend,
             decode_q, decode_q_scale, *(sched if sched is not None else (None, None)),
-            meta.prefill_shape, self.W_UK_T_scale, self.W_UV_scale)
+            meta.prefill_shape)
         return no_backward.guard(out, q, kv_c_normed, k_pe)   # autograd: a clear error

@@ -136,8 +136,7 @@ torch.library.define(
     "Tensor(a!) output, Tensor? output_scale=None, Tensor(b!)? output_block_scale=None, "
     "SymInt workspace_rows=8192, str backend=\"auto\", Tensor? decode_q=None, "
     "Tensor? decode_q_scale=None, Tensor? decode_schedule=None, "
-    "Tensor? decode_splits=None, SymInt[]? prefill_shape=None, Tensor? W_UK_T_scale=None, "
-    "Tensor? W_UV_scale=None) -> ()")
+    "Tensor? decode_splits=None, SymInt[]? prefill_shape=None) -> ()")
 
 
 @torch.library.impl("mla::attention_with_output", "CompositeExplicitAutograd")
@@ -173,18 +172,13 @@ def attention_with_output(
         # the op then reads nothing back from the device; trusted like the lengths. The
         # maxima may be upper bounds and the minimum a lower bound (a bucket's shape)
         prefill_shape: Optional[list] = None,
-        # an FP8 checkpoint's absorbed weights kept in kv_b_proj's e4m3 blocks: W_UK_T /
-        # W_UV float8_e4m3fn and these fp32 scales [N, ceil(L / 128)] (W_UK_T[n, :, l] and
-        # W_UV[n, l, :] times scale[n, l // 128]); None: the weights are in q's dtype
-        W_UK_T_scale: Optional[torch.Tensor] = None,
-        W_UV_scale: Optional[torch.Tensor] = None,
 ) -> None:
     from mla_ops.attention import (check_attention_args, check_decode_query,
                                    check_prefill_shape, run_attention)
     check_attention_args(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
                          query_start_loc, num_decode_tokens, softmax_scale, kv_cache_dtype,
                          k_scale, kv_cache_dep, output, output_scale, output_block_scale,
-                         workspace_rows, backend, W_UK_T_scale, W_UV_scale)
+                         workspace_rows, backend)
     check_decode_query(decode_q, decode_q_scale, q, W_UK_T, num_decode_tokens)
     check_prefill_shape(prefill_shape, q, seq_lens, query_start_loc, num_decode_tokens)
     if (decode_schedule is None) != (decode_splits is None):
@@ -194,7 +188,7 @@ def attention_with_output(
     run_attention(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens,
                   query_start_loc, num_decode_tokens, softmax_scale, kv_cache_dtype, k_scale,
                   output, output_scale, output_block_scale, workspace_rows, backend,
-                  decode_q, decode_q_scale, schedule, prefill_shape, W_UK_T_scale, W_UV_scale)
+                  decode_q, decode_q_scale, schedule, prefill_shape)
 
 
 @torch.library.register_fake("mla::attention_with_output")
@@ -202,5 +196,5 @@ def _(q, kv_c_normed, k_pe, kv_cache, W_UK_T, W_UV, block_table, seq_lens, query
       num_decode_tokens, softmax_scale, kv_cache_dtype, k_scale, kv_cache_dep, output,
       output_scale=None, output_block_scale=None, workspace_rows=8192, backend="auto",
       decode_q=None, decode_q_scale=None, decode_schedule=None, decode_splits=None,
-      prefill_shape=None, W_UK_T_scale=None, W_UV_scale=None):
+      prefill_shape=None):
     return None

@@ -16,7 +16,6 @@ import mla_ops.hf as H  # noqa: E402
 from hf_models import cache_kw, build_pair, left_padded, logit_err, tiny_config  # noqa: E402
 from lowering import config as mla_config  # noqa: E402
 from lowering.gemm import fp8_linear  # noqa: E402
-from lowering.gemm.head_gemm import dequantize_heads  # noqa: E402
 from mla_ops.hf import fp8_linear as hf_fp8  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -223,20 +222,11 @@ def test_tiny_fp8_model_converts_and_matches_hf_on_cpu():
     assert tuple(attn.kv_a_proj_with_mqa.weight_scale_inv.shape) == (5, 2)    # 576 rows: ceil
     H.convert(model)
     assert hf_fp8.is_block_fp8(attn.o_proj) and attn.o_proj.weight.dtype == FP8   # kept fp8
-    # W_UK_T / W_UV are kv_b_proj's own e4m3 values with a scale per head and 128 latent
-    # columns; dequantized, exactly HF's dequantized model's weights
-    mla = attn.mla_attn
-    assert mla.W_UK_T.dtype == FP8 and mla.W_UV.dtype == FP8
-    assert tuple(mla.W_UK_T_scale.shape) == tuple(mla.W_UV_scale.shape) == (4, 4)
-    w8 = attn.kv_b_proj.weight.view(torch.uint8).reshape(4, 256, 512)        # [N, P+V, L]
-    assert torch.equal(mla.W_UK_T.view(torch.uint8), w8[:, :128])
-    assert torch.equal(mla.W_UV.view(torch.uint8), w8[:, 128:].transpose(1, 2))
+    # W_UK_T / W_UV from kv_b_proj dequantized once, exactly as HF's dequantized model's
     kvb = ref.model.layers[0].self_attn.kv_b_proj.weight                    # [N*(P+V), L]
     w = kvb.t().reshape(512, 4, 256)
-    assert torch.equal(dequantize_heads(mla.W_UK_T, mla.W_UK_T_scale, 2, torch.float32),
-                       w[..., :128].permute(1, 2, 0))
-    assert torch.equal(dequantize_heads(mla.W_UV, mla.W_UV_scale, 1, torch.float32),
-                       w[..., 128:].transpose(0, 1))
+    assert torch.equal(attn.mla_attn.W_UK_T, w[..., :128].permute(1, 2, 0))
+    assert torch.equal(attn.mla_attn.W_UV, w[..., 128:].transpose(0, 1))
     assert getattr(model.model.layers[0].mlp, "mla_converted", False)       # fp8 MLP fused
     ids, mask = left_padded([5, 17, 30])
     cache = H.PagedMLACache(model.config, max_batch_size=3, max_cache_len=64, block_size=16,

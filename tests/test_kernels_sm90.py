@@ -1,7 +1,6 @@
 """Triton kernels compiled offline for Hopper (SM90), where a GPU-only compile failure or a
 register spill would otherwise show only on the GPU: the fp8 producers (the norms and the
-prologue that quantize for the fp8 GEMMs), the query kernel's W8A8 form (W_UK_T in 16 bits
-and as e4m3 blocks), the absorbed per-head GEMMs (16-bit and e4m3 weights), V2-Lite's
+prologue that quantize for the fp8 GEMMs), the query kernel's W8A8 form, V2-Lite's
 query-and-cache-row kernel, a prefill MLP's SiLU x up, and the prefill experts' grouped
 GEMM (fp8 and bf16, its shipped configs), at DeepSeek's widths, each within the shared
 memory a CTA may take. Their numerics are tested under the interpreter
@@ -42,18 +41,9 @@ KERNELS = [
     ("lowering.fused.q_absorb_kernel", "q_absorb_kernel",
      dict(a_ptr="*fp8e4nv", w_ptr="*fp8e4nv", wuk_ptr="*bf16", cos_ptr="*bf16",
           sin_ptr="*bf16", y_ptr="*bf16", scale_ptr="*bf16", T="i32", N="i32",
-          stride_at="i32", stride_cs="i32", ws_ptr="*fp32", xs_ptr="*fp32", dt_ptr="*bf16"),
+          stride_at="i32", stride_cs="i32", ws_ptr="*fp32", xs_ptr="*fp32"),
      dict(Q=1536, P=128, R=64, L=512, BLOCK_T=16, BLOCK_K=128, BLOCK_L=W8A8_BLOCK_L, ROPE=1,
-          DOT_F32=False, QUANT=False, W8A8=True, GROUP_N=128, wuk_s_ptr=None, WUK_FP8=False),
-     dict(num_warps=W8A8_WARPS, num_stages=W8A8_STAGES)),
-    # the same with an FP8 checkpoint's W_UK_T kept in e4m3 (its scales per 128 columns)
-    ("lowering.fused.q_absorb_kernel", "q_absorb_kernel",
-     dict(a_ptr="*fp8e4nv", w_ptr="*fp8e4nv", wuk_ptr="*fp8e4nv", cos_ptr="*bf16",
-          sin_ptr="*bf16", y_ptr="*bf16", scale_ptr="*bf16", T="i32", N="i32",
-          stride_at="i32", stride_cs="i32", ws_ptr="*fp32", xs_ptr="*fp32", dt_ptr="*bf16",
-          wuk_s_ptr="*fp32"),
-     dict(Q=1536, P=128, R=64, L=512, BLOCK_T=16, BLOCK_K=128, BLOCK_L=min(W8A8_BLOCK_L, 128),
-          ROPE=1, DOT_F32=False, QUANT=False, W8A8=True, GROUP_N=128, WUK_FP8=True),
+          DOT_F32=False, QUANT=False, W8A8=True, GROUP_N=128),
      dict(num_warps=W8A8_WARPS, num_stages=W8A8_STAGES)),
     ("lowering.fused.silu_mul_kernel", "silu_mul_kernel",
      dict(g_ptr="*bf16", u_ptr="*bf16", y_ptr="*bf16", N="i32", stride_g="i32",
@@ -103,38 +93,13 @@ def _grouped_kernels():
     return out
 
 
-def _head_gemm_kernels():
-    """The absorbed per-head GEMMs at DeepSeek's widths with their one-row configs: the
-    output (W_UV, K = 512) and the query (W_UK_T, J = 512), 16-bit and e4m3 weights."""
-    from lowering.gemm import head_gemm
-    out = []
-    for K, J, copy, along in ((512, 128, 0, 1), (128, 512, 64, 2)):
-        bj, bk, warps, stages = head_gemm.pick_config(K, J, 1)
-        for fp8 in (False, True):
-            if fp8:
-                bk, bj = (min(bk, 128), bj) if along == 1 else (bk, min(bj, 128))
-            sig = dict(a_ptr="*bf16", w_ptr="*fp8e4nv" if fp8 else "*bf16", y_ptr="*bf16",
-                       T="i32", stride_at="i32", stride_an="i32", stride_wn="i32",
-                       stride_wk="i32", stride_yt="i32", stride_yn="i32")
-            sig.update(ws_ptr="*fp32", stride_sn="i32") if fp8 else None
-            out.append(("lowering.gemm.head_gemm_kernel", "head_gemm_kernel", sig,
-                        dict(K=K, J=J, COPY=copy, BLOCK_T=16, BLOCK_J=bj, BLOCK_K=bk,
-                             DOT_F32=False, W_SCALE=along if fp8 else 0, GROUP=128,
-                             **({} if fp8 else dict(ws_ptr=None, stride_sn=0))),
-                        dict(num_warps=warps, num_stages=stages)))
-    return out
-
-
-KERNELS += _grouped_kernels() + _head_gemm_kernels()
+KERNELS += _grouped_kernels()
 SMEM = 227 * 1024                       # the most shared memory a CTA may take on SM90
 
 
 def _label(name: str, consts: dict) -> str:
-    if name == "head_gemm_kernel":
-        return f"{name}[K={consts['K']},J={consts['J']},W_SCALE={consts['W_SCALE']}]"
     if name != "grouped_kernel":
-        return (name + ("_w8a8" if consts.get("W8A8") else "")
-                + ("_wuk_fp8" if consts.get("WUK_FP8") else ""))
+        return name + ("_w8a8" if consts.get("W8A8") else "")
     kind = ("linear" if consts["ONE_GROUP"] else "gate_up" if consts["GATED"] else "down")
     return (f"{name}[{'w8a8' if consts['W8A8'] else 'bf16'},{kind},{consts['BLOCK_M']}x"
             f"{consts['BLOCK_N']}x{consts['BLOCK_K']}]")

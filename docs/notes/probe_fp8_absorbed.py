@@ -7,7 +7,7 @@ tokens and logits, and the two absorbed GEMMs alone (head GEMM, q_b + absorption
 
     python docs/notes/probe_fp8_absorbed.py [B,B...] [S]        # default 1,32 4096
 
-Needs the e4m3 absorbed weights of commit EXPERIMENT (reverted on main: no gain).
+Needs the e4m3 absorbed weights of commit 3599ed5 (reverted on main: no gain).
 """
 import sys, statistics, argparse, torch
 sys.path.insert(0, "benchmarks")                    # run from the repository root

@@ -9,14 +9,12 @@
         -> the same query quantized to float8_e4m3fn with the static scale, in that launch
 
     mla::decode_q_absorb_w8a8(q_a, q_q, q_s, w e4m3, w_scale, W_UK_T, cos, sin, rope,
-                              group_n, group_k, q_scale=None, W_UK_T_scale=None)
+                              group_n, group_k, q_scale=None)
         -> the same for an FP8 checkpoint's q_b_proj (w float8_e4m3fn with fp32 scale_inv
            [ceil(N (P + R) / group_n), Q / group_k]): q = q_a @ w.T as the fp8 decode GEMM
            computes it (W8A8 from q_a's quantization q_q, q_s, which the prologue wrote:
            mla::decode_qkv_prologue_fp8), then RoPE and the absorption as above (with
-           q_scale, quantized as decode_q_absorb_fp8's); with W_UK_T_scale [N, L / 128]
-           fp32, W_UK_T is the checkpoint's e4m3 blocks (kv_b_proj's key rows), column l
-           of head h times W_UK_T_scale[h, l // 128]
+           q_scale, quantized as decode_q_absorb_fp8's)
 
     mla::decode_q_kv_absorb(part [S, *lead, N (P + R) + L + R] fp32, w_kv [L], W_UK_T,
                             cos, sin, eps_kv, num_heads)
@@ -46,7 +44,7 @@ from lowering.fused.q_kv_absorb_kernel import q_kv_absorb_kernel
 from lowering.fused.q_rope import ROPES, q_rope_any
 from lowering.gemm import fp8_linear
 from lowering.gemm.fp8_act_quant import check_quantized
-from lowering.gemm.head_gemm import absorb_query, check_head_scales
+from lowering.gemm.head_gemm import absorb_query
 
 # q_absorb_kernel's launch: rows <= 16 -> (BLOCK_K, BLOCK_L, num_warps, num_stages); the
 # fastest alone at DeepSeek-V3's query on an H200 (benchmarks/bench_q_absorb.py: 30.7 µs
@@ -68,16 +66,16 @@ def rope_width(cos: torch.Tensor, rope: int) -> int:
     return 2 * width if rope == 2 else width
 
 
-def _q_absorb_shape(q_a, w, W_UK_T, cos, sin, rope, w_dtype=None, wuk_dtype=None):
-    """(Q, N, P, R, L) of a decode_q_absorb call, after its checks (w of w_dtype and
-    W_UK_T of wuk_dtype: q_a's by default)."""
+def _q_absorb_shape(q_a, w, W_UK_T, cos, sin, rope, w_dtype=None):
+    """(Q, N, P, R, L) of a decode_q_absorb call, after its checks (w of w_dtype: q_a's
+    by default)."""
     for name, t in (("q_a", q_a), ("w", w), ("W_UK_T", W_UK_T)):
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
     check_angles(cos, sin)
-    if w.dtype != (w_dtype or q_a.dtype) or W_UK_T.dtype != (wuk_dtype or q_a.dtype):
-        raise TypeError(f"w must be {w_dtype or q_a.dtype} and W_UK_T "
-                        f"{wuk_dtype or q_a.dtype}, got {w.dtype} and {W_UK_T.dtype}")
+    if w.dtype != (w_dtype or q_a.dtype) or W_UK_T.dtype != q_a.dtype:
+        raise TypeError(f"w must be {w_dtype or q_a.dtype} and W_UK_T of q_a's dtype "
+                        f"{q_a.dtype}, got {w.dtype} and {W_UK_T.dtype}")
     if q_a.dim() < 1 or w.dim() != 2 or W_UK_T.dim() != 3 or w.shape[1] != q_a.shape[-1]:
         raise ValueError(f"need q_a [*lead, Q], w [N * (P + R), Q] and W_UK_T [N, P, L]; got "
                          f"q_a {tuple(q_a.shape)}, w {tuple(w.shape)}, W_UK_T "
@@ -134,8 +132,7 @@ def q_absorb_unmet(q_a, w, W_UK_T, R: int) -> str | None:
     return None
 
 
-def launch(q_a, w, W_UK_T, cos, sin, rope, y, *, config=None, q_scale=None, w8a8=None,
-           wuk_scale=None, dtype_ref=None):
+def launch(q_a, w, W_UK_T, cos, sin, rope, y, *, config=None, q_scale=None, w8a8=None):
     """Run q_absorb_kernel: q_a [T, Q] (last dim contiguous), w [N * (P + R), Q] and
     W_UK_T [N, P, L] contiguous, cos / sin [T, R] ([T, R / 2] with rope 2; last dim
     contiguous), y [T, N, L + R] contiguous (float8_e4m3fn with q_scale [1] fp32: the
@@ -143,15 +140,11 @@ def launch(q_a, w, W_UK_T, cos, sin, rope, y, *, config=None, q_scale=None, w8a8
     q_absorb_config's. w8a8 = (w_scale, q_s, group_n): w is e4m3 with its fp32 scale_inv
     [rows / group_n, Q / BLOCK_K] (contiguous), q_a the e4m3 rows [T, Q] of the 16-bit
     q_a (contiguous) and q_s their scales [T, Q / BLOCK_K]; BLOCK_K must be the scale
-    group. wuk_scale [N, L / 128] fp32 (contiguous): W_UK_T is e4m3 with these scales.
-    dtype_ref: a tensor of the query's 16-bit dtype (by default W_UK_T; pass it where
-    W_UK_T is e4m3)."""
+    group."""
     T, Q = q_a.shape
     N, P, L = W_UK_T.shape
     R = rope_width(cos, int(rope))
     bk, bl, warps, stages = config or q_absorb_config(T, Q, L)
-    if wuk_scale is not None:
-        bl = min(bl, 128)                     # a column block within one scale group
     block_t = max(16, triton.next_power_of_2(min(T, MAX_ROWS)))
     ws, xs, gn = w8a8 if w8a8 is not None else (None, None, 1)
     kernel = torch.library.wrap_triton(q_absorb_kernel)
@@ -160,9 +153,7 @@ def launch(q_a, w, W_UK_T, cos, sin, rope, y, *, config=None, q_scale=None, w8a8
         cos.stride(0), Q=Q, P=P, R=R, L=L, BLOCK_T=block_t, BLOCK_K=bk, BLOCK_L=bl,
         ROPE=int(rope), DOT_F32=not q_a.is_cuda, QUANT=q_scale is not None,
         ws_ptr=ws, xs_ptr=xs, W8A8=w8a8 is not None, GROUP_N=gn,
-        dt_ptr=(W_UK_T if wuk_scale is None else q_a) if dtype_ref is None else dtype_ref,
-        wuk_s_ptr=wuk_scale,
-        WUK_FP8=wuk_scale is not None, num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages)
 
 
 def _angles(cos, sin, T, dtype, rope):
@@ -232,14 +223,10 @@ def w8a8_config(T: int, Q: int, L: int, group_k: int):
 def decode_q_absorb_w8a8(q_a: torch.Tensor, q_q: torch.Tensor, q_s: torch.Tensor,
                          w: torch.Tensor, w_scale: torch.Tensor, W_UK_T: torch.Tensor,
                          cos: torch.Tensor, sin: torch.Tensor, rope: int, group_n: int,
-                         group_k: int, q_scale: Optional[torch.Tensor] = None,
-                         W_UK_T_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    Q, N, P, R, L = _q_absorb_shape(
-        q_a, w, W_UK_T, cos, sin, rope, w_dtype=torch.float8_e4m3fn,
-        wuk_dtype=None if W_UK_T_scale is None else torch.float8_e4m3fn)
+                         group_k: int, q_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    Q, N, P, R, L = _q_absorb_shape(q_a, w, W_UK_T, cos, sin, rope,
+                                    w_dtype=torch.float8_e4m3fn)
     fp8_linear.check_fp8_weight("w", w, w_scale, group_n, group_k)
-    if W_UK_T_scale is not None:
-        check_head_scales("W_UK_T_scale", W_UK_T_scale, N, L, q_a.device)
     check_quantized(q_a, q_q, q_s, group_k)
     if q_scale is not None and (q_scale.dtype != torch.float32 or q_scale.numel() != 1
                                 or q_scale.device != q_a.device):
@@ -248,8 +235,7 @@ def decode_q_absorb_w8a8(q_a: torch.Tensor, q_q: torch.Tensor, q_s: torch.Tensor
     if w8a8_unmet(q_a, w, W_UK_T, R, group_k) is not None:
         q = torch.ops.mla.decode_linear_fp8(q_a, w, w_scale, group_n, group_k, q_q, q_s)
         q = q.view(*q_a.shape[:-1], N, P + R)
-        y = absorb_query(q_rope_any(q, cos, sin, rope).reshape(T, N, P + R), W_UK_T,
-                         W_UK_T_scale)
+        y = absorb_query(q_rope_any(q, cos, sin, rope).reshape(T, N, P + R), W_UK_T)
         if q_scale is None:
             return y                                                         # [T, N, L + R]
         return (y.float() / q_scale.reshape(())).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
@@ -259,7 +245,7 @@ def decode_q_absorb_w8a8(q_a: torch.Tensor, q_q: torch.Tensor, q_s: torch.Tensor
     launch(q_q.reshape(T, Q), w, W_UK_T, c, s, int(rope), y,
            config=w8a8_config(T, Q, L, group_k),
            q_scale=None if q_scale is None else q_scale.reshape(1),
-           w8a8=(w_scale, q_s.reshape(T, -1), group_n), wuk_scale=W_UK_T_scale, dtype_ref=q_a)
+           w8a8=(w_scale, q_s.reshape(T, -1), group_n))
     return y
 
 

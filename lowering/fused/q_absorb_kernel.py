@@ -28,11 +28,7 @@ GROUP_N, Q / BLOCK_K] per block): q_a arrives quantized per BLOCK_K (= the scale
 columns, a_ptr its e4m3 rows and xs_ptr its scales [T, Q / BLOCK_K] (the prologue's
 mla::decode_qkv_prologue_fp8), and each K step adds dot(w, a) * ws[row's block, k] *
 xs[t, k] to the fp32 accumulators, as the fp8 decode GEMM (fp8_linear_kernel.py) sums
-HF's W8A8 product; the rest is the same. An FP8 checkpoint's W_UK_T may stay in its
-kv_b_proj's e4m3 blocks (WUK_FP8: wuk_s_ptr its fp32 scales [N, L / 128], column l of
-head h times wuk_s[h, l // 128]): each [BLOCK_L, P] tile is widened to q's dtype (exact)
-for the dot and the product scaled per column before its rounding. dt_ptr points at a
-tensor of q's dtype (the 16-bit q_a) and gives the kernel that dtype.
+HF's W8A8 product; the rest is the same.
 
     grid = (N, cdiv(T, BLOCK_T))
 """
@@ -72,7 +68,7 @@ def q_absorb_kernel(
     a_ptr,                     # q_a [T, Q] rows, stride stride_at (last dim contiguous)
                                # (W8A8: its e4m3 quantization)
     w_ptr,                     # q_b weight [N * (P + R), Q] contiguous (W8A8: e4m3)
-    wuk_ptr,                   # W_UK_T [N, P, L] contiguous, in q_a's dtype (WUK_FP8: e4m3)
+    wuk_ptr,                   # W_UK_T [N, P, L] contiguous, in q_a's dtype
     cos_ptr, sin_ptr,          # [T, R] rows, stride stride_cs (last dim contiguous)
     y_ptr,                     # [T, N, L + R] contiguous: q_a's dtype, or e4m3 with QUANT
     scale_ptr,                 # [1] fp32 (QUANT: the fp8 query's static scale)
@@ -82,11 +78,8 @@ def q_absorb_kernel(
     ROPE: tl.constexpr, DOT_F32: tl.constexpr, QUANT: tl.constexpr,
     ws_ptr, xs_ptr,            # W8A8: w's scale_inv (row stride Q / BLOCK_K), q_a's scales
     W8A8: tl.constexpr, GROUP_N: tl.constexpr,
-    dt_ptr,                    # any tensor of q's 16-bit dtype (only its dtype is read)
-    wuk_s_ptr,                 # WUK_FP8: W_UK_T's scales [N, L / 128] fp32
-    WUK_FP8: tl.constexpr,
 ):
-    dt: tl.constexpr = dt_ptr.dtype.element_ty    # q_a's dtype: every rounding before the quant
+    dt: tl.constexpr = wuk_ptr.dtype.element_ty   # q_a's dtype: every rounding before the quant
     scale = 1.0
     if QUANT:
         scale = tl.load(scale_ptr)
@@ -128,7 +121,7 @@ def q_absorb_kernel(
 
     absorb_rope_store(acc_n, acc_r, h, rows, r_ok, wuk_ptr, cos_ptr, sin_ptr, y_ptr, scale,
                       N, stride_cs, 0, L, True, P, R, L, BLOCK_T, BLOCK_L, ROPE, DOT_F32,
-                      QUANT, dt, wuk_s_ptr, WUK_FP8)
+                      QUANT, dt)
 
 
 @triton.jit
@@ -136,14 +129,13 @@ def absorb_rope_store(acc_n, acc_r, h, rows, r_ok, wuk_ptr, cos_ptr, sin_ptr, y_
                       N, stride_cs, l_lo, l_hi, do_rope,
                       P: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, ROPE: tl.constexpr,
-                      DOT_F32: tl.constexpr, QUANT: tl.constexpr, dt: tl.constexpr,
-                      wuk_s_ptr=None, WUK_FP8: tl.constexpr = False):
+                      DOT_F32: tl.constexpr, QUANT: tl.constexpr, dt: tl.constexpr):
     """Head h's query from its fp32 rows, nope acc_n [P, BLOCK_T] and rope acc_r
     [R, BLOCK_T] (in RoPE's pair order: x1 then x2), into y [T, N, L + R]: both rounded to
     dt (q's own rounding), [nope @ W_UK_T[h] (fp32, rounded once) | RoPE(rope) (fp32,
     rounded once)], each value as _out stores it. rows / r_ok [BLOCK_T]: the tokens;
     only the absorbed columns [l_lo, l_hi) (multiples of BLOCK_L), and the rope columns
-    where do_rope. WUK_FP8: W_UK_T is e4m3 with scales wuk_s [N, L / 128]."""
+    where do_rope."""
     H: tl.constexpr = R // 2
     p = tl.arange(0, P)
     j = tl.arange(0, H)
@@ -159,11 +151,7 @@ def absorb_rope_store(acc_n, acc_r, h, rows, r_ok, wuk_ptr, cos_ptr, sin_ptr, y_
         wuk = tl.load(wuk_ptrs + l0)
         if DOT_F32:
             wuk = wuk.to(tl.float32)
-        elif WUK_FP8:
-            wuk = wuk.to(dt)                                         # e4m3 -> 16-bit: exact
         o = tl.dot(wuk, qn)                                                  # [BLOCK_L, BLOCK_T]
-        if WUK_FP8:                                                  # each column's scale
-            o = o * tl.load(wuk_s_ptr + h * ((L + 127) // 128) + (l0 + l) // 128)[:, None]
         tl.store(y_row[None, :] + (l0 + l)[:, None], _out(o.to(dt), scale, y_ptr, QUANT),
                  mask=r_ok[None, :])
 

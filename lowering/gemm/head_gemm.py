@@ -3,11 +3,6 @@
     absorb_query(q [t, N, P+R], W_UK_T [N, P, L]) -> [t, N, L+R] = [q_nope @ W_UK_T | q_pe]
     absorb_output(o [t, N, L], W_UV [N, L, V], out [t, N*V])       out = o @ W_UV per head
 
-Either weight may be an FP8 checkpoint's e4m3 blocks with fp32 scales [N, L // 128]
-(`scale=`: W_UK_T[n, :, l] and W_UV[n, l, :] times scale[n, l // 128]); the kernel widens
-the blocks in registers, and the torch path multiplies them out first
-(dequantize_heads).
-
 Both read a per-head weight once for a few rows. On CUDA, bf16/fp16, at most MAX_ROWS rows
 and power-of-two widths that the configs divide, one Triton launch serves each (for the
 query: the GEMM and the q_pe copy in one launch, no temporary); anything else, or
@@ -47,38 +42,9 @@ def pick_config(K: int, J: int, rows: int) -> tuple[int, int, int, int]:
     return min(block_j, J), min(block_k, K), warps, stages
 
 
-SCALE_GROUP = 128          # an FP8 checkpoint's block: the latent columns one scale covers
-
-
-def dequantize_heads(w: torch.Tensor, scale: Optional[torch.Tensor], along: int,
-                     dtype: torch.dtype) -> torch.Tensor:
-    """w [N, A, B] (e4m3 with scale [N, ceil(dim / 128)] of its dim `along`, 1 or 2; or
-    already 16-bit with scale None) -> w in dtype: each value times its group's scale in
-    fp32, rounded once."""
-    if scale is None:
-        return w.to(dtype)
-    s = scale.float().repeat_interleave(SCALE_GROUP, dim=1)[:, :w.shape[along]]   # [N, dim]
-    s = s[:, None, :] if along == 2 else s[:, :, None]
-    return (w.float() * s).to(dtype)
-
-
-def check_head_scales(name: str, scale: torch.Tensor, N: int, L: int, device) -> None:
-    """A head weight's fp32 scales: [N, ceil(L / 128)] contiguous on device, else a clear
-    error naming the argument."""
-    want = (N, -(-L // SCALE_GROUP))
-    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
-        raise TypeError(f"{name} must be a float32 tensor, got "
-                        f"{getattr(scale, 'dtype', type(scale).__name__)}")
-    if tuple(scale.shape) != want or not scale.is_contiguous() or scale.device != device:
-        raise ValueError(f"{name} must be contiguous {list(want)} (one scale per head and "
-                         f"{SCALE_GROUP} latent columns) on {device}, got "
-                         f"{tuple(scale.shape)} on {scale.device}")
-
-
-def head_gemm_unmet(a: torch.Tensor, w: torch.Tensor, copy: int = 0,
-                    scale: Optional[torch.Tensor] = None) -> Optional[str]:
-    """None when the kernel serves a [t, N, K (+copy)] @ w [N, K, J] (w e4m3 with scale),
-    else why not (the caller then runs torch.bmm)."""
+def head_gemm_unmet(a: torch.Tensor, w: torch.Tensor, copy: int = 0) -> Optional[str]:
+    """None when the kernel serves a [t, N, K (+copy)] @ w [N, K, J], else why not (the
+    caller then runs torch.bmm)."""
     t, K, J = a.shape[0], w.shape[1], w.shape[2]
     if mla_config.head_gemm_impl == "torch":
         return "lowering.config.head_gemm_impl is 'torch'"
@@ -86,9 +52,8 @@ def head_gemm_unmet(a: torch.Tensor, w: torch.Tensor, copy: int = 0,
         return "triton is not installed"
     if not a.is_cuda:
         return "not on CUDA (tests run launch() under TRITON_INTERPRET=1)"
-    if a.dtype not in (torch.bfloat16, torch.float16) or w.dtype != (
-            a.dtype if scale is None else torch.float8_e4m3fn):
-        return f"needs bf16/fp16 operands (or an e4m3 weight with scales), got {a.dtype} and {w.dtype}"
+    if a.dtype not in (torch.bfloat16, torch.float16) or w.dtype != a.dtype:
+        return f"needs bf16/fp16 operands, got {a.dtype} and {w.dtype}"
     if not 0 < t <= MAX_ROWS:
         return f"{t} rows: the kernel serves 1 to {MAX_ROWS}"
     for name, v in (("K", K), ("J", J), ("copy width", copy or 16)):
@@ -96,47 +61,34 @@ def head_gemm_unmet(a: torch.Tensor, w: torch.Tensor, copy: int = 0,
             return f"{name}={v} must be a power of two >= 16"
     if a.stride(-1) != 1 or w.stride(-1) != 1:
         return "needs unit stride in the last dims"
-    if scale is not None and not scale.is_contiguous():
-        return "needs contiguous scales"
     return None
 
 
 def launch(a: torch.Tensor, w: torch.Tensor, y: torch.Tensor, copy: int,
-           config: Optional[tuple[int, int, int, int]] = None,
-           scale: Optional[torch.Tensor] = None, along: int = 1) -> None:
+           config: Optional[tuple[int, int, int, int]] = None) -> None:
     """y[t, n, :J] = a[t, n, :K] @ w[n] (and y[..., J:J+copy] = a[..., K:K+copy]);
-    a, y are [t, N, *] with unit last stride, w [N, K, J] with unit last stride; with
-    scale, w is e4m3 and scale [N, groups] (contiguous) its fp32 scales along dim `along`
-    of w (1: K, 2: J), 128 columns a group."""
+    a, y are [t, N, *] with unit last stride, w [N, K, J] with unit last stride."""
     import triton
     from lowering.gemm.head_gemm_kernel import head_gemm_kernel
     t, N = a.shape[:2]
     K, J = w.shape[1:]
     block_j, block_k, warps, stages = config or pick_config(K, J, t)
-    if scale is not None:     # a K step or a column block within one scale group
-        block_k, block_j = (min(block_k, SCALE_GROUP), block_j) if along == 1 else \
-            (block_k, min(block_j, SCALE_GROUP))
     block_t = max(16, triton.next_power_of_2(min(t, MAX_ROWS)))
     grid = (N, J // block_j, triton.cdiv(t, block_t))
     head_gemm_kernel[grid](
         a, w, y, t, a.stride(0), a.stride(1), w.stride(0), w.stride(1), y.stride(0),
         y.stride(1), K=K, J=J, COPY=copy, BLOCK_T=block_t, BLOCK_J=block_j, BLOCK_K=block_k,
-        DOT_F32=not a.is_cuda, ws_ptr=scale, stride_sn=0 if scale is None else scale.stride(0),
-        W_SCALE=0 if scale is None else along, GROUP=SCALE_GROUP,
-        num_warps=warps, num_stages=stages)
+        DOT_F32=not a.is_cuda, num_warps=warps, num_stages=stages)
 
 
-def absorb_query(q: torch.Tensor, W_UK_T: torch.Tensor,
-                 scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """q [t, N, P+R] -> the absorbed MQA query [t, N, L+R] = [q_nope @ W_UK_T | q_pe]
-    (W_UK_T e4m3 with scale [N, L // 128]: its dequantized values)."""
+def absorb_query(q: torch.Tensor, W_UK_T: torch.Tensor) -> torch.Tensor:
+    """q [t, N, P+R] -> the absorbed MQA query [t, N, L+R] = [q_nope @ W_UK_T | q_pe]."""
     t, N, PR = q.shape
     P, L = W_UK_T.shape[1:]
     out = q.new_empty((t, N, L + PR - P))                                    # [t, N, L + R]
-    if head_gemm_unmet(q, W_UK_T, PR - P, scale) is None:
-        launch(q, W_UK_T, out, PR - P, scale=scale, along=2)
+    if head_gemm_unmet(q, W_UK_T, PR - P) is None:
+        launch(q, W_UK_T, out, PR - P)
         return out
-    W_UK_T = dequantize_heads(W_UK_T, scale, 2, q.dtype)
     q_nope, q_pe = q.split([P, PR - P], dim=-1)
     with torch.no_grad():   # inference only; out= refuses inputs that require grad
         # [N, t, L] straight into the first L columns (a strided batch): no temporary
@@ -145,16 +97,13 @@ def absorb_query(q: torch.Tensor, W_UK_T: torch.Tensor,
     return out
 
 
-def absorb_output(o: torch.Tensor, W_UV: torch.Tensor, out: torch.Tensor,
-                  scale: Optional[torch.Tensor] = None) -> None:
-    """out [t, N*V] (contiguous, o's dtype) = o [t, N, L] @ W_UV [N, L, V], head by head
-    (W_UV e4m3 with scale [N, L // 128]: its dequantized values)."""
+def absorb_output(o: torch.Tensor, W_UV: torch.Tensor, out: torch.Tensor) -> None:
+    """out [t, N*V] (contiguous, o's dtype) = o [t, N, L] @ W_UV [N, L, V], head by head."""
     t, N = o.shape[:2]
     V = W_UV.shape[-1]
     y = out.view(t, N, V)                                                    # [t, N, V]
-    if head_gemm_unmet(o, W_UV, 0, scale) is None:
-        launch(o, W_UV, y, 0, scale=scale, along=1)
+    if head_gemm_unmet(o, W_UV) is None:
+        launch(o, W_UV, y, 0)
         return
-    W_UV = dequantize_heads(W_UV, scale, 1, o.dtype)
     with torch.no_grad():   # straight into out viewed [N, t, V] (strided batch): no copy
         torch.bmm(o.transpose(0, 1), W_UV, out=y.transpose(0, 1))

@@ -11,13 +11,6 @@ linear_kernel.py, the weight is the tall operand: program (n, j, t) streams the
 rows' a tile ([BLOCK_J, BLOCK_K] x [BLOCK_K, BLOCK_T]) into an fp32 [BLOCK_J, BLOCK_T]
 accumulator.
 
-An FP8 checkpoint's absorbed weights (convert() keeps kv_b_proj's e4m3 blocks) arrive as
-w float8_e4m3fn with fp32 scales ws [N, J // GROUP or K // GROUP]: W_SCALE 1 scales along
-K (W_UV: w[n, k, :] times ws[n, k // GROUP]; each BLOCK_K step lies in one group and its
-dot is scaled before it is added), 2 along J (W_UK_T: column j times ws[n, j // GROUP],
-applied to the finished accumulator). The e4m3 tile is widened to a's dtype (exact) for
-the dot, so the product is a's values times the weight's exact values, summed in fp32.
-
 COPY > 0 also copies a[t, n, K : K + COPY] to y[t, n, J : J + COPY] (done by the j = 0
 programs): the absorbed MQA query is [q_nope @ W_UK_T | q_pe], built by one launch.
 
@@ -34,8 +27,6 @@ def head_gemm_kernel(
     K: tl.constexpr, J: tl.constexpr, COPY: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
-    ws_ptr, stride_sn,                   # W_SCALE > 0: w is e4m3, its scales [N, groups]
-    W_SCALE: tl.constexpr, GROUP: tl.constexpr,
 ):
     n = tl.program_id(0)
     j0 = tl.program_id(1) * BLOCK_J
@@ -48,22 +39,15 @@ def head_gemm_kernel(
     w_ptrs = (w_ptr + n.to(tl.int64) * stride_wn
               + offs_k[None, :] * stride_wk + cols[:, None])                # [BLOCK_J, BLOCK_K]
     acc = tl.zeros((BLOCK_J, BLOCK_T), dtype=tl.float32)
-    for kb in range(0, K // BLOCK_K):
+    for _ in range(0, K // BLOCK_K):
         w = tl.load(w_ptrs)
         a = tl.load(a_ptrs, mask=r_ok[None, :], other=0.0)
         if DOT_F32:      # the CPU interpreter mis-multiplies 16-bit dots
-            w, a = w.to(tl.float32), a.to(tl.float32)
-        elif W_SCALE > 0:
-            w = w.to(a.dtype)                                 # e4m3 -> 16-bit: exact
-        if W_SCALE == 1:                                      # this K step's group scale
-            acc += tl.dot(w, a) * tl.load(ws_ptr + n.to(tl.int64) * stride_sn
-                                          + kb * BLOCK_K // GROUP)
+            acc = tl.dot(w.to(tl.float32), a.to(tl.float32), acc)
         else:
             acc = tl.dot(w, a, acc)                                          # [BLOCK_J, BLOCK_T]
         w_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K
-    if W_SCALE == 2:                                          # each column's group scale
-        acc = acc * tl.load(ws_ptr + n.to(tl.int64) * stride_sn + cols // GROUP)[:, None]
     y_row = y_ptr + rows.to(tl.int64) * stride_yt + n * stride_yn           # [BLOCK_T]
     tl.store(y_row[None, :] + cols[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=r_ok[None, :])

@@ -9,7 +9,7 @@ from mla_ops.cache import CacheFullError  # noqa: F401  (raised by PagedMLACache
 from mla_ops.hf.fallback import paged_or_hf
 from mla_ops.hf.families import (FAMILY_NAMES, beside_of, class_attributes, convert_v2_rotary,
                                  family_of, layout_unmet, refusal_of)
-from mla_ops.hf.fp8_linear import check_model, dequantized_weight, groups, is_block_fp8
+from mla_ops.hf.fp8_linear import check_model, dequantized_weight, is_block_fp8
 from mla_ops.hf.generate import check_cache_options, generation_class
 from mla_ops.hf.layer import convert_layers
 from mla_ops.hf.linear import (absorbed_decode_query, convertible_head, decode_head_class,
@@ -204,9 +204,7 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
 
     A model loaded from an FP8 checkpoint (HF's FineGrainedFP8: FP8Linear modules with
     weight_scale_inv in block_size blocks, DeepSeek-V3 / R1) keeps its fp8 weights: W_UK_T /
-    W_UV are kv_b_proj's e4m3 blocks with a scale per head and 128 latent columns (the
-    decode kernels widen them in registers; other paths dequantize them as HF does; blocks
-    other than 128 x 128 are dequantized once at convert), and the layer's
+    W_UV are absorbed from kv_b_proj dequantized once (as HF dequantizes), and the layer's
     linears (q_a + kv_a, q_b, o_proj, the dense MLPs and shared experts) run the fp8 decode
     GEMM ops (mla_ops/hf/fp8_linear.py): on CUDA at decode sizes HF's FP8Linear numerics
     (W8A8) reading the fp8 weights; elsewhere the dequantized weights, as HF computes on the
@@ -277,19 +275,17 @@ def convert(model, *, backend: str = "auto", workspace_rows: int = 8192,
             raise ValueError(f"{name} has weights on the meta device; load them before convert()")
         scale_inv = getattr(m.kv_b_proj, "weight_scale_inv", None)
         dt = m.kv_a_layernorm.weight.dtype if scale_inv is not None else w.dtype   # activations
-        keep_fp8 = is_block_fp8(m.kv_b_proj) and groups(m.kv_b_proj) == (128, 128)
-        if is_block_fp8(m.kv_b_proj) and not keep_fp8:    # dequantized once, as HF does
+        if is_block_fp8(m.kv_b_proj):       # dequantized once, as HF dequantizes
             w, scale_inv = dequantized_weight(m.kv_b_proj, dt), None
         # constant query / latent factors of the family (LongCat-Flash), folded here
         q_f, kv_f = fam.latent_scales(m) if fam.latent_scales is not None else (1.0, 1.0)
         mla = MLAAttention(N, P, R, V, L, float(m.scaling) * q_f,
                            workspace_rows=workspace_rows, backend=backend)
         with torch.no_grad():
-            mla.absorb(w, weight_scale_inv=scale_inv, dtype=dt, keep_fp8=keep_fp8)
+            mla.absorb(w, weight_scale_inv=scale_inv, dtype=dt)
             if kv_f != 1.0:          # keys' nope part and values both read the latent
-                for t in ((mla.W_UK_T_scale, mla.W_UV_scale) if mla.W_UK_T_scale is not None
-                          else (mla.W_UK_T, mla.W_UV)):
-                    t.mul_(kv_f)
+                mla.W_UK_T.mul_(kv_f)
+                mla.W_UV.mul_(kv_f)
             if fp8_decode_query is not None:
                 mla.enable_fp8_decode_query(fp8_decode_query)
         plans.append((m, mla, fam))

@@ -263,8 +263,7 @@ def absorbed_decode_query(attn, q_a: torch.Tensor, position_embeddings, q_a_quan
     [B, S, q_lora]: q_b_proj, the query's RoPE and the absorption in one launch (mla::decode_q_absorb; with an fp8
     decode query, mla::decode_q_absorb_fp8, quantized with the layer's q_scale). An FP8
     checkpoint's q_b_proj: mla::decode_q_absorb_w8a8, from q_a_quant = (q_q, q_s), q_a
-    quantized by the prologue (qkv_a_prologue; W_UK_T may be the checkpoint's e4m3 blocks
-    with the layer's W_UK_T_scale). Call it for decode rows only. None where
+    quantized by the prologue (qkv_a_prologue). Call it for decode rows only. None where
     its kernel does not serve the call (then the caller runs q_b_proj and the attention op
     absorbs)."""
     mla = attn.mla_attn
@@ -274,14 +273,12 @@ def absorbed_decode_query(attn, q_a: torch.Tensor, position_embeddings, q_a_quan
     w, (cos, sin, rope) = attn.q_b_proj.weight, angles        # cos / sin [B, S, R] (V2: R/2)
     if q_a_quant is not None and fp8.uses_fp8_ops(attn.q_b_proj):       # fp8 weights, W8A8
         gn, gk = fp8.groups(attn.q_b_proj)
-        wuk_dtype = q_a.dtype if mla.W_UK_T_scale is None else torch.float8_e4m3fn
-        if (mla.W_UK_T.dtype != wuk_dtype
+        if (mla.W_UK_T.dtype != q_a.dtype
                 or w8a8_unmet(q_a, w, mla.W_UK_T, rope_width(cos, rope), gk) is not None):
             return None
         return torch.ops.mla.decode_q_absorb_w8a8(q_a, *q_a_quant, w,
                                                   attn.q_b_proj.weight_scale_inv, mla.W_UK_T,
-                                                  cos, sin, rope, gn, gk, mla.q_scale,
-                                                  mla.W_UK_T_scale)
+                                                  cos, sin, rope, gn, gk, mla.q_scale)
     if not use_ops(attn.q_b_proj):
         return None
     if (w.dtype != q_a.dtype or mla.W_UK_T.dtype != q_a.dtype

@@ -250,9 +250,6 @@ def split_attention(m, rank: int, size: int) -> None:
     if isinstance(mla, MLAAttention) and mla.W_UK_T is not None:
         mla.W_UK_T = mla.W_UK_T[h0:h1].clone()                  # [n, P, L]
         mla.W_UV = mla.W_UV[h0:h1].clone()                      # [n, L, V]
-        if mla.W_UK_T_scale is not None:                        # e4m3: scales per head
-            mla.W_UK_T_scale = mla.W_UK_T_scale[h0:h1].clone()  # [n, L / 128]
-            mla.W_UV_scale = mla.W_UV_scale[h0:h1].clone()
         mla.num_heads = n
 
 

@@ -39,7 +39,6 @@ from mla_ops.hf.fallback import paged_or_hf
 from mla_ops.hf.dsa import indexer_qkw, select_slots, write_index_keys
 from mla_ops.hf.linear import linear, linear_pair, linear_residual_norm
 from mla_ops.layer import MLAAttention
-from lowering.gemm.head_gemm import dequantize_heads
 import lowering.decode.sparse  # noqa: F401  (registers mla::sparse_decode)
 
 
@@ -57,11 +56,10 @@ def sparse_attention(mla: MLAAttention, q, kv_c, k_pe, kv_cache, k_scale, kind: 
     """q [T, N, P+R] over the cache rows at slots [T, K] -> [T, N*V]; this step's latent
     rows are written first."""
     torch.ops.mla.kv_cache_update(kv_c, k_pe, kv_cache, slot_mapping, kind, k_scale)
-    q_abs = build_decode_query(q, mla.W_UK_T, mla.W_UK_T_scale)           # [T, N, L+R]
+    q_abs = build_decode_query(q, mla.W_UK_T)                              # [T, N, L+R]
     o, _ = torch.ops.mla.sparse_decode(q_abs, kv_cache, slots, mla.softmax_scale, kind,
                                        k_scale, mla.kv_lora_rank, "auto")  # [T, N, L]
-    W_UV = dequantize_heads(mla.W_UV, mla.W_UV_scale, 1, o.dtype)          # [N, L, V]
-    out = torch.bmm(o.transpose(0, 1), W_UV)                               # [N, T, V]
+    out = torch.bmm(o.transpose(0, 1), mla.W_UV)                           # [N, T, V]
     return out.transpose(0, 1).reshape(q.shape[0], -1)                     # [T, N*V]
 
 
