@@ -5,8 +5,9 @@ FP8 q+cache kernel), pure torch.
     python benchmarks/bench_decode.py --json results.json [--shapes 0,1] [--budget-s 400]
 
 BF16 latent cache [num_blocks, 64, 576], every request at length S, random page order.
-Each implementation is captured in a CUDA graph and timed with triton.testing.do_bench
-(median of the graph's replays), so launch overhead is out of every number alike.
+Each implementation is captured in a CUDA graph and timed as the median of its replays,
+each after an L2 flush (timing.graph_time_us), so launch overhead is out of every number
+alike.
 The ceilings are measured in the same run: device copy bandwidth (bytes read + written)
 and a bf16 8192^3 GEMM; the roofline time of a shape is max(FLOPs / GEMM rate,
 bytes / copy bandwidth) and each result is reported as that time over the measured one.

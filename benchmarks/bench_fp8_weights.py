@@ -159,10 +159,8 @@ def sweep_candidates(mode: int, N: int, K: int, M: int):
 def quick_time_us(fn) -> float:
     """Median µs of a CUDA-graph replay of fn (L2 flushed): timing.graph_time_us with a
     shorter measurement, so the sweep's configs fit in a minute."""
-    import triton.testing
-    from timing import capture
-    graph = capture(fn, 2)
-    return triton.testing.do_bench(graph.replay, warmup=5, rep=30, return_mode="median") * 1e3
+    from timing import graph_time_us
+    return graph_time_us(fn, warmup_calls=2, reps=30)
 
 
 def sweep_tensors(mode, N, K, M, fill=True):

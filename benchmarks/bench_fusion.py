@@ -9,7 +9,8 @@ q_scale; fp8 x fp8 decode), and its output feeds a DeepSeek-style activation qua
   passA    decode-query cat + quant fused
   fused    Pass A + Pass B (output quant in the op: W_UV GEMM epilogue for decode rows)
 For each: CUDA kernels per step (torch.profiler), time per step with the compiled
-function launched normally and replayed from a CUDA graph (median of triton do_bench),
+function launched normally (median of triton do_bench) and replayed from a CUDA graph
+(timing.graph_time_us: the median replay after an L2 flush),
 and the fused output checked against the unfused one.
 """
 from __future__ import annotations

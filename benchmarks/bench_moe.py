@@ -13,7 +13,7 @@ routing, on CUDA.
 
 Rows are tokens through the block: 1 and 32 are a decode step's B, 2048 a prefill. Each
 variant is checked against HF's grouped_mm output first, then timed as the median of
-CUDA-graph replays with the L2 flushed between them (triton.testing.do_bench); HF's eager
+CUDA-graph replays with the L2 flushed between them (timing.graph_time_us); HF's eager
 experts (a data-dependent loop with host syncs, which a graph cannot capture) are timed
 as eager calls. "compiled" variants are torch.compile(fullgraph=True) before capture.
 The floor is the bytes the block must read (the router, the distinct experts the router

@@ -21,21 +21,45 @@ def capture(fn, warmup_calls: int = 1) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def graph_time_us(fn, warmup_calls: int = 3) -> float:
+_FLUSH: dict = {}
+
+
+def flush_l2() -> None:
+    """Evict the L2 by reading 256 MB, which leaves it holding clean lines. Zeroing a
+    buffer (triton.testing.do_bench's flush) leaves dirty lines instead, written back
+    while the next kernel reads: 2-10 µs of a memory-bound kernel on an H100
+    (docs/notes/NOTES-fp8-checkpoints.md, "How the L2 is flushed matters")."""
+    dev = torch.cuda.current_device()
+    if dev not in _FLUSH:
+        _FLUSH[dev] = torch.ones(256 << 20, dtype=torch.uint8, device="cuda")
+    _FLUSH[dev].sum(dtype=torch.int32)
+
+
+def graph_time_us(fn, warmup_calls: int = 3, reps: int = 100) -> float:
     """Capture fn once in a CUDA graph (after warm-up calls on a side stream) and return
-    the median µs of triton.testing.do_bench over replays (launch overhead excluded;
-    do_bench flushes the L2 between replays)."""
+    the median µs of its replays, each after flush_l2 (whose ~0.1 ms also hides the
+    replay's launch from the events around it)."""
     graph = capture(fn, warmup_calls)
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
+    for _ in range(5):
+        graph.replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for a, b in zip(starts, ends):
+        flush_l2()
+        a.record()
+        graph.replay()
+        b.record()
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in zip(starts, ends))
+    return times[len(times) // 2] * 1e3
 
 
 def kernel_time_us(fn, reps: int = 30) -> float:
     """Median µs from the start of fn's first GPU kernel to the end of its last, each
-    call after an L2 flush, from the profiler's kernel records: no event or launch
-    overhead, which dominates do_bench's numbers for kernels of a few µs."""
+    call after flush_l2, from the profiler's kernel records: no event or launch
+    overhead, which dominates event timings for kernels of a few µs."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
 
     def gpu_events(prof):
         return sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
@@ -43,12 +67,12 @@ def kernel_time_us(fn, reps: int = 30) -> float:
     for _ in range(3):
         fn()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        flush.zero_()
+        flush_l2()
         torch.cuda.synchronize()
     flush_names = {e.name for e in gpu_events(prof)}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            flush.zero_()
+            flush_l2()
             fn()
         torch.cuda.synchronize()
     spans, cur = [], []
@@ -66,7 +90,7 @@ def kernel_time_us(fn, reps: int = 30) -> float:
 def add_timer_args(ap):
     """The config sweeps' --timer and --show options (chosen_timer reads --timer)."""
     ap.add_argument("--timer", choices=["graph", "kernel"], default="graph",
-                    help="graph: do_bench over graph replays; kernel: the profiler's kernel "
+                    help="graph: events around graph replays; kernel: the profiler's kernel "
                          "span (what the kernels take inside a model step)")
     ap.add_argument("--show", action="store_true", help="print every config's time")
 
