@@ -9,12 +9,13 @@ tokens and logits, and the two absorbed GEMMs alone (head GEMM, q_b + absorption
 
 Needs the e4m3 absorbed weights of commit 3599ed5 (reverted on main: no gain).
 """
-import sys, statistics, argparse, torch
+import sys, argparse, torch
 sys.path.insert(0, "benchmarks")                    # run from the repository root
 import mla_ops.hf
 from mla_ops.hf.fp8_models import quantize_fp8
 from mla_ops.hf.models import build_model
-from bench_fp8_weights import v3_moe_config, fill_cache, step_bytes, HBM_BYTES_PER_S
+from bench_fp8_weights import v3_moe_config, step_bytes, HBM_BYTES_PER_S
+from probe_common import graph_us_write_flush, step_ms
 from lowering.gemm.head_gemm import dequantize_heads
 
 
@@ -36,40 +37,6 @@ def use(form):
         mla.W_UK_T, mla.W_UV, mla.W_UK_T_scale, mla.W_UV_scale = uk, uv, su, sv
 
 
-def step_ms(model, cfg, B, S, dev, iters=30, rounds=5):
-    torch._dynamo.reset()
-    torch.manual_seed(1)                              # the same cache rows for every form
-    cache = fill_cache(cfg, B, S, 400, dev)
-    runner = mla_ops.hf.DecodeGraph(model, cache, batch_size=B, compile=True)
-    ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
-    runner.greedy(ids, 3)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); runner.greedy(ids, iters); b.record(); b.synchronize()
-        times.append(a.elapsed_time(b) / iters)
-    toks = runner.greedy(ids, 8)
-    del runner, cache
-    torch.cuda.empty_cache()
-    return statistics.median(times), toks
-
-
-def graph_us(fn, n=50):
-    fn(); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    ts = []
-    for _ in range(n):
-        flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000)
-    return statistics.median(ts)
-
-
 def kernels(model, dev):
     """The two absorbed GEMMs of one layer alone, both forms, 1 and 32 rows."""
     from lowering.gemm.head_gemm import absorb_output
@@ -88,9 +55,10 @@ def kernels(model, dev):
         sin = torch.randn(t, 64, device=dev, dtype=torch.bfloat16)
         row = {}
         for name, (_, uk, uv, su, sv) in (("bf16", b), ("e4m3", e)):
-            row[name + " W_UV"] = graph_us(lambda: absorb_output(o, uv, out, sv))
-            row[name + " q_b+W_UK_T"] = graph_us(lambda: torch.ops.mla.decode_q_absorb_w8a8(
-                q_a, q_q, q_s, w, ws, uk, cos, sin, 1, 128, 128, None, su))
+            row[name + " W_UV"] = graph_us_write_flush(lambda: absorb_output(o, uv, out, sv), 50)
+            row[name + " q_b+W_UK_T"] = graph_us_write_flush(
+                lambda: torch.ops.mla.decode_q_absorb_w8a8(q_a, q_q, q_s, w, ws, uk, cos, sin,
+                                                          1, 128, 128, None, su), 50)
         print(f"  absorbed GEMMs alone, {t} rows (µs, L2 flushed): "
               + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
 
@@ -114,7 +82,7 @@ def main():
         for rnd in range(2):                                 # alternate, twice
             for name in ("bf16-absorbed", "e4m3"):
                 use(fm[name])
-                ms, toks[name] = step_ms(fp8, cfg, B, S, dev)
+                ms, toks[name] = step_ms(fp8, cfg, B, S, dev, tokens=8)
                 res.setdefault(name, []).append(ms)
                 if rnd == 0 and name == "e4m3":
                     floor = step_bytes(fp8, cfg, B, S) / HBM_BYTES_PER_S * 1e3

@@ -6,7 +6,7 @@ do_bench, whose flush writes 256 MB (dirty lines then written back while the ker
 reads: docs/notes/probe_flush_dirty.py). Here each one-row shape of the step's fp8 GEMMs
 (fp8_launch.run, quant and reduce launches included) over (BLOCK_N, num_warps,
 num_stages, SPLIT_K) candidates, captured in a CUDA graph and timed after a read flush
-(median of 30); then CONFIGS' entries replaced in this process by the winners that beat
+(timing.graph_time_us, median of 30); then CONFIGS' entries replaced in this process by the winners that beat
 the shipped entry by > 2 %, and bench_fp8_weights.py's step (DecodeGraph, compiled; 2
 layers, 1 dense, 256 experts top 8, S 4096, B 1) timed with the shipped and the swept
 configs in alternation, the bf16 step beside them.
@@ -14,7 +14,6 @@ configs in alternation, the bf16 step beside them.
     python docs/notes/probe_fp8_configs_step.py [seconds for the sweep]
 """
 import argparse
-import statistics
 import sys
 import time
 
@@ -24,24 +23,13 @@ import triton
 sys.path.insert(0, "benchmarks")                    # run from the repository root
 import mla_ops.hf  # noqa: E402
 from lowering.gemm import fp8_launch, fp8_linear_configs as C  # noqa: E402
+from probe_common import step_ms  # noqa: E402
+from timing import graph_time_us  # noqa: E402
 
 
-def timed(fn, bufs, n=30):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    w, r = bufs
-    ts = []
-    for _ in range(n):
-        w.zero_()
-        r.sum(dtype=torch.int32)                       # clean lines in the L2
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000)
-    return statistics.median(ts)
+def timed(fn):
+    """timing.graph_time_us, 30 replays (read flush)."""
+    return graph_time_us(fn, warmup_calls=2, reps=30)
 
 
 SHAPES = [(0, 7168, 16384), (0, 7168, 18432), (2, 18432, 7168), (2, 2048, 7168),
@@ -50,8 +38,6 @@ SHAPES = [(0, 7168, 16384), (0, 7168, 18432), (2, 18432, 7168), (2, 2048, 7168),
 
 def sweep(budget_s):
     dev, dt = "cuda", torch.bfloat16
-    bufs = (torch.empty(256 << 20, dtype=torch.uint8, device=dev),
-            torch.ones(256 << 20, dtype=torch.uint8, device=dev))
     t_end = time.time() + budget_s
     winners = {}
     for mode, N, K in SHAPES:
@@ -73,7 +59,7 @@ def sweep(budget_s):
             return lambda: fp8_launch.run(x, w1, s1, w2, s2, mode, y1, y2, 128, 128, cfg)
         run(shipped)()
         ref = y1.float().clone()
-        t0 = timed(run(shipped), bufs)
+        t0 = timed(run(shipped))
         best = (t0, shipped)
         splits = (1, 2, 4, 8) if mode != 2 else (1, 2, 4)
         for bn in (32, 64, 128):
@@ -90,7 +76,7 @@ def sweep(budget_s):
                         torch.cuda.synchronize()
                         if ((y1.float() - ref).abs().max() / ref.abs().max()).item() > 1e-2:
                             continue
-                        t = timed(run(cfg), bufs)
+                        t = timed(run(cfg))
                         if t < best[0]:
                             best = (t, cfg)
                     except Exception:              # noqa: BLE001 (a probe: skip the config)
@@ -100,25 +86,6 @@ def sweep(budget_s):
         if best[0] < t0 / 1.02:
             winners[key] = best[1]
     return winners
-
-
-def step_ms(model, cfg, B, S, dev, iters=30, rounds=5):
-    from bench_fp8_weights import fill_cache
-    torch._dynamo.reset()
-    torch.manual_seed(1)
-    cache = fill_cache(cfg, B, S, 400, dev)
-    runner = mla_ops.hf.DecodeGraph(model, cache, batch_size=B, compile=True)
-    ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
-    runner.greedy(ids, 3)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); runner.greedy(ids, iters); b.record(); b.synchronize()
-        times.append(a.elapsed_time(b) / iters)
-    del runner, cache
-    torch.cuda.empty_cache()
-    return statistics.median(times)
 
 
 def main():
@@ -142,11 +109,11 @@ def main():
         C.CONFIGS.update(shipped)
         if name == "swept":
             C.CONFIGS.update(winners)
-        res.setdefault(name, []).append(step_ms(fp8, cfg, 1, 4096, dev))
+        res.setdefault(name, []).append(step_ms(fp8, cfg, 1, 4096, dev)[0])
         print(f"  fp8 step, {name} configs: {res[name][-1]:.4f} ms", flush=True)
     C.CONFIGS.clear()
     C.CONFIGS.update(shipped)
-    b = step_ms(bf16, cfg, 1, 4096, dev)
+    b = step_ms(bf16, cfg, 1, 4096, dev)[0]
     print(f"B=1 S=4096 ms/step: bf16 {b:.4f}; fp8 shipped {'/'.join(f'{v:.4f}' for v in res['shipped'])} "
           f"({b / min(res['shipped']):.3f}x), fp8 swept {'/'.join(f'{v:.4f}' for v in res['swept'])} "
           f"({b / min(res['swept']):.3f}x)", flush=True)

@@ -22,13 +22,12 @@ import time
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                 "benchmarks"))
-from timing import capture  # noqa: E402
 from lowering.gemm import fp8_launch  # noqa: E402
-from lowering.gemm.fp8_act_quant import quantize_rows_torch  # noqa: E402
+from probe_common import (V3_FP8_SHAPES, fp8_gemm_case,  # noqa: E402
+                          graph_us_do_bench as time_us)
 
 
 @triton.jit
@@ -68,22 +67,9 @@ def gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xs, stride_s
     tl.store(y, acc, mask=m_ok[None, :] & n_ok[:, None])
 
 
-SHAPES = {   # name: (N, K, the shipped config at one row)
-    "q_b": (24576, 1536, (64, 4, 3, 1)),
-    "o_proj": (7168, 16384, (128, 4, 4, 4)),
-    "down": (7168, 18432, (128, 4, 4, 4)),
-    "gate+up": (36864, 7168, (64, 4, 4, 1)),
-    "q_a+kv_a": (2112, 7168, (64, 4, 3, 8)),
-    "shared g+u": (4096, 7168, (128, 4, 3, 8)),
-    "shared down": (7168, 2048, (128, 4, 3, 4)),
-}
+SHAPES = V3_FP8_SHAPES
 VARIANTS = [(bn, w, st, kg, sm) for bn in (64, 128) for w in (4, 8) for st in (3, 5)
             for kg in (1, 2) for sm in (1, 2)]
-
-
-def time_us(fn):
-    g = capture(fn, 2)
-    return triton.testing.do_bench(g.replay, warmup=10, rep=60, return_mode="median") * 1e3
 
 
 def main(M, budget_s):
@@ -95,24 +81,9 @@ def main(M, budget_s):
           f"fraction at {bw / 1e12:.2f} TB/s)", flush=True)
     for label, (N, K, cfg) in SHAPES.items():
         torch.manual_seed(0)
-        w = (torch.randn(N, K, device=dev) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-        s = torch.rand(triton.cdiv(N, 128), triton.cdiv(K, 128), device=dev) * 1e-2
-        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-        xq, xs = quantize_rows_torch(x, 128)
-        xq, xs = xq.contiguous(), xs.contiguous()
+        w, s, xq, xs, shipped, y = fp8_gemm_case(N, K, M, cfg, dev)
         bn0, warps0, stages0, sk = cfg
-        y = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
-        parts = torch.empty(sk, M, N, device=dev, dtype=torch.float32)
         floor = N * K / bw * 1e6
-
-        def shipped():
-            if sk > 1:
-                fp8_launch.launch(x, w, s, None, None, 0, parts, None, 128, 128, cfg,
-                                  x_quant=(xq, xs))
-                fp8_launch.reduce_partials(parts, y)
-            else:
-                fp8_launch.launch(x, w, s, None, None, 0, y, None, 128, 128, cfg[:3],
-                                  x_quant=(xq, xs))
         shipped()
         ref = y.float().clone()
         t0 = time_us(shipped)

@@ -24,13 +24,12 @@ import sys
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                 "benchmarks"))
-from timing import capture  # noqa: E402
-from lowering.gemm import fp8_launch, fp8_linear_configs  # noqa: E402
-from lowering.gemm.fp8_act_quant import quantize_rows_torch  # noqa: E402
+from lowering.gemm import fp8_launch  # noqa: E402
+from probe_common import (V3_FP8_SHAPES, fp8_gemm_case,  # noqa: E402
+                          graph_us_do_bench as time_us)
 from lowering.gemm.linear import max_shared_bytes  # noqa: E402
 
 
@@ -68,20 +67,7 @@ def kstep_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xs, stride_
     tl.store(y, acc, mask=m_ok[None, :] & n_ok[:, None])
 
 
-SHAPES = {   # name: (N, K, the shipped config at one row)
-    "q_a+kv_a": (2112, 7168, (64, 4, 3, 8)),
-    "q_b": (24576, 1536, (64, 4, 3, 1)),
-    "o_proj": (7168, 16384, (128, 4, 4, 4)),
-    "gate+up": (36864, 7168, (64, 4, 4, 1)),
-    "down": (7168, 18432, (128, 4, 4, 4)),
-    "shared g+u": (4096, 7168, (128, 4, 3, 8)),
-    "shared down": (7168, 2048, (128, 4, 3, 4)),
-}
-
-
-def time_us(fn):
-    g = capture(fn, 2)
-    return triton.testing.do_bench(g.replay, warmup=10, rep=60, return_mode="median") * 1e3
+SHAPES = V3_FP8_SHAPES
 
 
 def main(M):
@@ -92,24 +78,9 @@ def main(M):
     print(f"{name}, rows {M}; µs (bytes' time fraction at {bw / 1e12:.2f} TB/s)")
     for label, (N, K, cfg) in SHAPES.items():
         torch.manual_seed(0)
-        w = (torch.randn(N, K, device=dev) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-        s = torch.rand(triton.cdiv(N, 128), triton.cdiv(K, 128), device=dev) * 1e-2
-        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-        xq, xs = quantize_rows_torch(x, 128)
-        xq, xs = xq.contiguous(), xs.contiguous()
+        w, s, xq, xs, shipped, y = fp8_gemm_case(N, K, M, cfg, dev)
         bn, warps, stages, sk = cfg
-        y = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
-        parts = torch.empty(sk, M, N, device=dev, dtype=torch.float32)
         floor = N * K / bw * 1e6
-
-        def shipped():
-            if sk > 1:
-                fp8_launch.launch(x, w, s, None, None, 0, parts, None, 128, 128, cfg,
-                                  x_quant=(xq, xs))
-                fp8_launch.reduce_partials(parts, y)
-            else:
-                fp8_launch.launch(x, w, s, None, None, 0, y, None, 128, 128, cfg[:3],
-                                  x_quant=(xq, xs))
         shipped()
         ref = y.float().clone()
         t0 = time_us(shipped)

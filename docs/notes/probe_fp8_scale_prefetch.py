@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
                                 "benchmarks"))
 from timing import graph_time_us  # noqa: E402
 from lowering.gemm import fp8_launch  # noqa: E402
-from lowering.gemm.fp8_act_quant import quantize_rows_torch  # noqa: E402
+from probe_common import V3_FP8_SHAPES, fp8_gemm_case  # noqa: E402
 
 
 @triton.jit
@@ -70,13 +70,8 @@ def scaled_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xs, stride
     tl.store(y, acc, mask=m_ok[None, :] & n_ok[:, None])
 
 
-SHAPES = {   # name: (N, K, the shipped config at one row)
-    "q_b": (24576, 1536, (64, 4, 3, 1)),
-    "o_proj": (7168, 16384, (128, 4, 4, 4)),
-    "down": (7168, 18432, (128, 4, 4, 4)),
-    "gate+up as one weight": (36864, 7168, (64, 4, 4, 1)),
-    "shared down": (7168, 2048, (128, 4, 3, 4)),
-}
+SHAPES = {name: V3_FP8_SHAPES[name] for name in
+          ("q_b", "o_proj", "down", "gate+up", "shared down")}
 
 
 def main(M):
@@ -87,24 +82,9 @@ def main(M):
           f"fraction at {bw / 1e12:.2f} TB/s)", flush=True)
     for label, (N, K, cfg) in SHAPES.items():
         torch.manual_seed(0)
-        w = (torch.randn(N, K, device=dev) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-        s = torch.rand(triton.cdiv(N, 128), triton.cdiv(K, 128), device=dev) * 1e-2
-        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-        xq, xs = quantize_rows_torch(x, 128)
-        xq, xs = xq.contiguous(), xs.contiguous()
+        w, s, xq, xs, shipped, y = fp8_gemm_case(N, K, M, cfg, dev)
         bn, warps, stages, sk = cfg
-        y = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
-        parts = torch.empty(sk, M, N, device=dev, dtype=torch.float32)
         floor = N * K / bw * 1e6
-
-        def shipped():
-            if sk > 1:
-                fp8_launch.launch(x, w, s, None, None, 0, parts, None, 128, 128, cfg,
-                                  x_quant=(xq, xs))
-                fp8_launch.reduce_partials(parts, y)
-            else:
-                fp8_launch.launch(x, w, s, None, None, 0, y, None, 128, 128, cfg[:3],
-                                  x_quant=(xq, xs))
         shipped()
         ref = y.float().clone()
         out = [f"{label} [{N} x {K}] floor {floor:.1f}: shipped {cfg} "

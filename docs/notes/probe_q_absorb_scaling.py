@@ -8,24 +8,10 @@ flushed before each replay, median µs.
 
     python docs/notes/probe_q_absorb_scaling.py
 """
-import statistics, torch
+import torch
 from lowering.fused import q_absorb
 from lowering.gemm.fp8_act_quant import quantize_rows_torch
-
-
-def graph_us(fn, n=40):
-    fn(); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    ts = []
-    for _ in range(n):
-        flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000)
-    return statistics.median(ts)
+from probe_common import graph_us_write_flush as graph_us
 
 
 def case(N, Q, L, cfg=None, T=1, P=128, R=64):
