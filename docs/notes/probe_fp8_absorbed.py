@@ -7,7 +7,8 @@ tokens and logits, and the two absorbed GEMMs alone (head GEMM, q_b + absorption
 
     python docs/notes/probe_fp8_absorbed.py [B,B...] [S]        # default 1,32 4096
 
-Needs the e4m3 absorbed weights of commit 3599ed5 (reverted on main: no gain).
+Needs the e4m3 absorbed weights of commit 3599ed5 (reverted on main: no gain): run it at
+that commit, where the probe is the self-contained version the recorded numbers came from.
 """
 import sys, argparse, torch
 sys.path.insert(0, "benchmarks")                    # run from the repository root
