@@ -3,7 +3,7 @@ convert (the form before), in the V3-shaped decode step of bench_fp8_weights.py 
 not maintained): the same converted fp8 model with its absorbed weights swapped between
 the two forms, each form captured as DecodeGraph (compiled) and timed in alternation;
 the bf16-weight model beside them for the issue's ratio. Also the two forms' greedy
-tokens and logits, and the two absorbed GEMMs alone (head GEMM, q_b + absorption).
+tokens, and the two absorbed GEMMs alone (head GEMM, q_b + absorption).
 
     python docs/notes/probe_fp8_absorbed.py [B,B...] [S]        # default 1,32 4096
 
