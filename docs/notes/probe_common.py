@@ -7,6 +7,7 @@ import sys
 
 import torch
 import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                 "benchmarks"))
@@ -93,3 +94,36 @@ def fp8_gemm_case(N, K, M, cfg, dev):
             fp8_launch.launch(x, w, s, None, None, 0, y, None, 128, 128, cfg[:3],
                               x_quant=(xq, xs))
     return w, s, xq, xs, shipped, y
+
+
+def fp8_gemm_cases(shapes, M, title):
+    """Print the card, versions and title; then for each shape of shapes (name -> (N, K,
+    cfg)), seeded alike: (label, N, K, cfg, case, floor, ref) with case fp8_gemm_case's
+    tuple, floor the weight's bytes' µs at the card's bandwidth (4.3 TB/s on an H200,
+    3.35 on an H100) and ref the shipped launch's output (fp32)."""
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name()
+    bw = 4.3e12 if "H200" in name else 3.35e12
+    print(f"{name} {torch.__version__} {triton.__version__}, rows {M}; {title} (bytes' "
+          f"time fraction at {bw / 1e12:.2f} TB/s)", flush=True)
+    for label, (N, K, cfg) in shapes.items():
+        torch.manual_seed(0)
+        case = fp8_gemm_case(N, K, M, cfg, dev)
+        case[4]()                                             # the shipped launch
+        yield label, N, K, cfg, case, N * K / bw * 1e6, case[5].float().clone()
+
+
+@triton.jit
+def split_tile(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               SPLIT_K):
+    """The probes' GEMM kernels' program: (split, g0, g1, offs_n, offs_m, offs_k, n_ok,
+    m_ok) for BLOCK_N weight rows (program_id 0) and the scale groups [g0, g1) of K split
+    program_id(1) covers (sizes differing by at most one group)."""
+    split = tl.program_id(1)
+    groups = tl.cdiv(K, BLOCK_K)
+    g0 = split * groups // SPLIT_K
+    g1 = (split + 1) * groups // SPLIT_K
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    return split, g0, g1, offs_n, offs_m, offs_k, offs_n < N, offs_m < M

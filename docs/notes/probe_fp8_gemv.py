@@ -26,7 +26,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                 "benchmarks"))
 from lowering.gemm import fp8_launch  # noqa: E402
-from probe_common import (V3_FP8_SHAPES, fp8_gemm_case,  # noqa: E402
+from probe_common import (V3_FP8_SHAPES, fp8_gemm_cases, split_tile,  # noqa: E402
                           graph_us_do_bench as time_us)
 
 
@@ -36,16 +36,8 @@ def gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xs, stride_s
                 BLOCK_K: tl.constexpr, KG: tl.constexpr, SPLIT_K):
     """y[split] [M, N] fp32 = the split's groups of xq @ dequant(w).T on the CUDA cores
     (x e4m3 [M, K] with scales xs [M, G]); KG scale groups a loop step."""
-    n0 = tl.program_id(0) * BLOCK_N
-    split = tl.program_id(1)
-    groups = tl.cdiv(K, BLOCK_K)
-    g0 = split * groups // SPLIT_K
-    g1 = (split + 1) * groups // SPLIT_K
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_ok = offs_n < N
-    m_ok = offs_m < M
+    split, g0, g1, offs_n, offs_m, offs_k, n_ok, m_ok = split_tile(
+        M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     w_row = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]          # [BN, BK]
     x_row = x_ptr + offs_m[:, None] * K + offs_k[None, :]                       # [BM, BK]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -75,17 +67,9 @@ VARIANTS = [(bn, w, st, kg, sm) for bn in (64, 128) for w in (4, 8) for st in (3
 def main(M, budget_s):
     t_end = time.time() + budget_s
     dev = torch.device("cuda")
-    name = torch.cuda.get_device_name()
-    bw = 4.3e12 if "H200" in name else 3.35e12
-    print(f"{name} {torch.__version__} {triton.__version__}, rows {M}; µs (bytes' time "
-          f"fraction at {bw / 1e12:.2f} TB/s)", flush=True)
-    for label, (N, K, cfg) in SHAPES.items():
-        torch.manual_seed(0)
-        w, s, xq, xs, shipped, y = fp8_gemm_case(N, K, M, cfg, dev)
-        bn0, warps0, stages0, sk = cfg
-        floor = N * K / bw * 1e6
-        shipped()
-        ref = y.float().clone()
+    for label, N, K, cfg, case, floor, ref in fp8_gemm_cases(SHAPES, M, "µs"):
+        w, s, xq, xs, shipped, y = case
+        sk = cfg[3]
         t0 = time_us(shipped)
         out, best = [], None
         bm = triton.next_power_of_2(M)

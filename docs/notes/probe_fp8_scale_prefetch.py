@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
                                 "benchmarks"))
 from timing import graph_time_us  # noqa: E402
 from lowering.gemm import fp8_launch  # noqa: E402
-from probe_common import V3_FP8_SHAPES, fp8_gemm_case  # noqa: E402
+from probe_common import V3_FP8_SHAPES, fp8_gemm_cases, split_tile  # noqa: E402
 
 
 @triton.jit
@@ -33,16 +33,8 @@ def scaled_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xs, stride
                   BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, SPLIT_K):
     """y[split] [M, N] fp32 = the split's groups of xq @ dequant(w).T (x e4m3 [M, K], its
     scales xs [M, G]); AHEAD: each step's scales loaded during the step before."""
-    n0 = tl.program_id(0) * BLOCK_N
-    split = tl.program_id(1)
-    groups = tl.cdiv(K, BLOCK_K)
-    g0 = split * groups // SPLIT_K
-    g1 = (split + 1) * groups // SPLIT_K
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_ok = offs_n < N
-    m_ok = offs_m < M
+    split, g0, g1, offs_n, offs_m, offs_k, n_ok, m_ok = split_tile(
+        M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + (g0 * BLOCK_K + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[None, :] * K + (g0 * BLOCK_K + offs_k)[:, None]
     s_ptrs = s_ptr + (offs_n // 128) * stride_sn
@@ -76,17 +68,9 @@ SHAPES = {name: V3_FP8_SHAPES[name] for name in
 
 def main(M):
     dev = torch.device("cuda")
-    name = torch.cuda.get_device_name()
-    bw = 4.3e12 if "H200" in name else 3.35e12
-    print(f"{name} {torch.__version__} {triton.__version__}, rows {M}; µs (bytes' time "
-          f"fraction at {bw / 1e12:.2f} TB/s)", flush=True)
-    for label, (N, K, cfg) in SHAPES.items():
-        torch.manual_seed(0)
-        w, s, xq, xs, shipped, y = fp8_gemm_case(N, K, M, cfg, dev)
+    for label, N, K, cfg, case, floor, ref in fp8_gemm_cases(SHAPES, M, "µs"):
+        w, s, xq, xs, shipped, y = case
         bn, warps, stages, sk = cfg
-        floor = N * K / bw * 1e6
-        shipped()
-        ref = y.float().clone()
         out = [f"{label} [{N} x {K}] floor {floor:.1f}: shipped {cfg} "
                f"{graph_time_us(shipped):.1f}"]
         p2 = torch.empty(sk, M, N, device=dev, dtype=torch.float32)
