@@ -1,7 +1,10 @@
 """GPU tests of a bf16 query over an e4m3 cache past 32 query rows (64 and 128 heads): the
-fp8 Gluon kernel's BF16Q mode (gluon_fp8_kernel.py), which writes the query as two e4m3
-terms per element (q_terms_kernel.py) and runs QK as fp8 MMAs over both. Against float64
-on the dequantized cache: pages of 32, 64 and 128 (32-key tiles), lengths at tile edges,
+pair kernel's FP8 mode where a page holds whole 64-key blocks (gluon_pair_kernel.py: the
+tiles widened to bf16 in shared memory beside the MMAs), and the fp8 Gluon kernel's BF16Q
+mode (gluon_fp8_kernel.py), which writes the query as two e4m3 terms per element
+(q_terms_kernel.py) and runs QK as fp8 MMAs over both: pages of 32, and any page where a
+test asks for it. Against float64 on the dequantized cache: pages of 32, 64 and 128,
+lengths at tile and block edges,
 empty and many splits, the direct path, s_q > 1 causal or not, NaN in unwritten rows,
 heads of very different scales, the route backend="auto" takes, torch.compile and CUDA
 graphs.
@@ -32,6 +35,9 @@ LSE_TOL = 1e-2
 # fp8-query mode and the Triton fp8 path do; 1.2-1.7e-2 at these inputs on an H100),
 # where the few-rows kernel keeps P in fp16 (1e-2 there).
 OUT_TOL = 3e-2
+# The pair kernel's FP8 mode multiplies the widened (exact) bf16 tiles as the bf16 kernel
+# does, so it is held to the bf16 kernel's bounds (test_gpu_gluon.py).
+PAIR_OUT_TOL, PAIR_LSE_TOL = 1e-2, 2e-3
 
 # (B, s_q, H, page, lengths, splits; 0: chosen from the shapes)
 CASES = [
@@ -42,6 +48,8 @@ CASES = [
     (4, 1, 128, 32, [65, 128, 129, 31], 3),       # tile edges
     (2, 1, 64, 128, [5000, 40], 40),              # many splits, most of row 2's empty
     (1, 2, 128, 64, [2049], 1),                   # direct, s_q 2
+    (3, 1, 128, 64, [65, 128, 129], 1),           # last 64-key block odd, even; whole pair
+    (2, 2, 128, 64, [1500, 33], 0),               # page 64, two tokens causal
 ]
 
 
@@ -71,16 +79,42 @@ def _run(q, kv8, bt, cl, k_scale, causal=True, num_splits=0):
     return gluon_decode_fp8_cache_op(q, kv8, bt, cl, k_scale, SCALE, causal, num_splits)
 
 
+def _force_bf16q(monkeypatch):
+    """The fp8 kernel's BF16Q mode for every page (the pair kernel takes pages of 64 keys)."""
+    from lowering.decode import gluon_decode
+    from lowering.decode.gluon_fp8_kernel import mla_decode_fp8_kernel
+    monkeypatch.setattr(gluon_decode, "bf16q_kernel",
+                        lambda page, keys: (mla_decode_fp8_kernel, gluon_decode.BF16Q_CONFIG))
+
+
+@pytest.mark.parametrize("kernel", ["pair where the page allows", "bf16q"])
 @pytest.mark.parametrize("B,s_q,H,page,lens,splits", CASES)
-def test_bf16q_over_fp8_cache_vs_fp64(B, s_q, H, page, lens, splits):
+def test_bf16q_over_fp8_cache_vs_fp64(B, s_q, H, page, lens, splits, kernel, monkeypatch):
+    pair = kernel.startswith("pair")
+    if pair and page % 64:
+        pytest.skip("pages of 32 take the BF16Q mode either way")
+    if not pair:
+        _force_bf16q(monkeypatch)
     q, kv8, k_scale, bt, cl = _case(B, s_q, H, page, lens, B * 17 + H + page)
     ref, ref_lse = _ref(q, kv8, k_scale, bt, cl)
     out, lse = _run(q, poison_unwritten_rows(kv8, bt, cl), bt, cl, k_scale, num_splits=splits)
     assert out.dtype == torch.bfloat16 and out.shape == (B, s_q, H, L)
     assert lse.shape == (B, H, s_q) and lse.dtype == torch.float32
     assert torch.isfinite(out).all()
-    assert rel_err(out, ref) < OUT_TOL
-    assert (lse.double() - ref_lse).abs().max().item() < LSE_TOL
+    assert rel_err(out, ref) < (PAIR_OUT_TOL if pair else OUT_TOL)
+    assert (lse.double() - ref_lse).abs().max().item() < (PAIR_LSE_TOL if pair else LSE_TOL)
+
+
+def test_pair_fp8_scale_reaches_scores_and_values():
+    """The cache's scale multiplies the scores and the output (not the operands): a scale
+    of 8 and of 1/64 over the same e4m3 values give the float64 results of those caches."""
+    q, kv8, k_scale, bt, cl = _case(2, 1, 128, 64, [1000, 130], seed=9)
+    for s in (8.0, 1.0 / 64):
+        ks = k_scale * s
+        ref, ref_lse = _ref(q, kv8, ks, bt, cl)
+        out, lse = _run(q, kv8, bt, cl, ks)
+        assert rel_err(out, ref) < PAIR_OUT_TOL
+        assert (lse.double() - ref_lse).abs().max().item() < PAIR_LSE_TOL
 
 
 def test_bf16q_not_causal():
@@ -96,7 +130,7 @@ def test_bf16q_heads_of_any_scale():
     """Each query row is held as two e4m3 terms scaled by its own power of two: heads of
     very different magnitudes (x 1e4, x 1e-4, an all-zero head, one large entry among
     small ones, x 10 in the second 64-row block) keep a bf16 query's scores, on pages
-    of 64 and 32. (The fp8 MMAs sum with ~2^-13 of the scores' magnitude: a head scaled so that
+    of 64 (the pair kernel, which needs no such care) and 32. (The fp8 MMAs sum with ~2^-13 of the scores' magnitude: a head scaled so that
     its scores span ~1e3 cannot resolve keys whose scores tie to within ~1, as one x 1e3
     head of this seed did; such a head's LSE stays within its relative bound.)"""
     for page, splits in ((64, 1), (32, 0)):

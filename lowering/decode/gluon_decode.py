@@ -10,16 +10,20 @@ counted). More rows over a bf16 cache take one of two kernels, picked by the pag
 (bf16_kernel()): where a page holds whole 64-key blocks, gluon_pair_kernel.py (64-key
 blocks in pairs, two buffers refilled by halves; 0.81-0.86x of FlashMLA's kernels at the
 compute-bound 128-head shapes); with pages of 32, gluon_ring_kernel.py (32-key tiles in a
-ring of 4 fed by a producer warp; 0.75-0.79x). More rows over an fp8 cache take the fp8
-kernel (gluon_fp8_kernel.py) in its BF16Q mode: q_terms_kernel.py first writes the bf16
-query as two e4m3 terms scaled per row, and QK chains fp8 MMAs over both (bf16q_kernel();
-0.69-0.72x the bf16 kernels at 128 heads on an H100). Helpers they share: gluon_common.py.
+ring of 4 fed by a producer warp; 0.75-0.79x). More rows over an fp8 cache (bf16q_kernel())
+take the pair kernel in its FP8 mode where a page holds whole 64-key blocks: a third
+partition widens each tile to bf16 in shared memory, so the products are the bf16
+kernel's over the dequantized cache (0.69-0.94x the bf16 pair kernel on an H100, bound by
+shared memory at 128 heads); with pages of 32, the fp8 kernel (gluon_fp8_kernel.py) in
+its BF16Q mode: q_terms_kernel.py first writes the bf16 query as two e4m3 terms scaled
+per row, and QK chains fp8 MMAs over both (0.66-0.92x, with P rounded to e4m3). Helpers
+they share: gluon_common.py.
 
 Serves: q on an SM90 GPU, triton with Gluon's Hopper API, q bf16, rows of 576 = 512 +
 64, head_dim_v 512; a bf16 cache (kind "auto") at up to 32 query rows with pages of whole
 64-key tiles, else H a multiple of 64 and pages a multiple of 32; an fp8 cache (kind
-"fp8", fp8_cache_unmet()) the same way (the few-rows kernel, else the fp8 kernel's BF16Q
-mode). Anything else
+"fp8", fp8_cache_unmet()) the same way (the few-rows kernel, else the pair kernel's FP8
+mode or the fp8 kernel's BF16Q mode). Anything else
 is named by gluon_unmet() (so backend="auto" moves on to the next backend). q and the
 cache must also start 16-byte aligned (TMA); the op checks that (a ValueError) where it
 sees the real tensors.
@@ -135,8 +139,9 @@ def _rows_page_unmet(q, kv_cache, fp8: bool, what: str):
 
 def fp8_cache_unmet(call):
     """None if a Gluon kernel serves this DecodeCall over an fp8 cache (kind "fp8", bf16 q):
-    the few-rows kernel up to ROWS_MAX query rows, past them the fp8 kernel's BF16Q mode
-    (H a multiple of 64, pages a multiple of 32); else why not."""
+    the few-rows kernel up to ROWS_MAX query rows, past them (H a multiple of 64) the pair
+    kernel's FP8 mode (pages a multiple of 64) or the fp8 kernel's BF16Q mode (pages a
+    multiple of 32); else why not."""
     q, kv_cache = call.q, call.kv_cache
     if IMPORT_ERROR is not None:
         return IMPORT_ERROR
@@ -249,8 +254,12 @@ def fp8_kernel(page: int, keys_per_split: int):
 
 
 def bf16q_kernel(page: int, keys_per_split: int):
-    """(kernel, config) for a bf16 query over an fp8 cache past ROWS_MAX rows: the fp8
-    kernel in BF16Q mode, BF16Q_CONFIG."""
+    """(kernel, config) for a bf16 query over an fp8 cache past ROWS_MAX rows: the pair
+    kernel in its FP8 mode (the tiles widened to bf16 beside the MMAs) where a page holds
+    whole 64-key blocks, else the fp8 kernel in BF16Q mode (q as two e4m3 terms)."""
+    if page % PAIR_CONFIG["BN"] == 0:
+        from lowering.decode.gluon_pair_kernel import mla_decode_pair_kernel
+        return mla_decode_pair_kernel, PAIR_CONFIG
     from lowering.decode.gluon_fp8_kernel import mla_decode_fp8_kernel
     return mla_decode_fp8_kernel, BF16Q_CONFIG
 
@@ -268,7 +277,8 @@ def _launch(pick, q, kv_cache, block_table, cache_seqlens, scales, softmax_scale
     """Stage 1 and, with more than one split, the merge. Returns (out, lse).
     pick: (page, keys per split) -> (kernel, dict(BN, STAGES)); scales: () for the bf16
     kernels, (q_scale, k_scale) for the fp8 kernel; with bf16q (a bf16 query over an fp8
-    cache) (k_scale,): q goes in as its two e4m3 terms, with their per-row scales."""
+    cache) (k_scale,): the pair kernel (PAIR_CONFIG) takes it in FP8 mode, the fp8 kernel
+    takes q as its two e4m3 terms, with their per-row scales."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -290,16 +300,21 @@ def _launch(pick, q, kv_cache, block_table, cache_seqlens, scales, softmax_scale
     el_kv = gl.bfloat16 if kv_cache.dtype == torch.bfloat16 else gl.float8e4nv
     lay_k = gl.NVMMASharedLayout.get_default_for([BN, 64], el_kv)
     kv_desc = TensorDescriptor.from_tensor(kv_cache.view(num_blocks * page, D), [BN, 64], lay_k)
-    if bf16q:
+    if config is PAIR_CONFIG:                   # the pair kernel; FP8 over an fp8 cache
+        scales = (scales[0] if bf16q else None,)               # ks_ptr: the cache's scale
+        modes = dict(FP8=bf16q)
+        _check_tma_aligned("q", q2)
+    elif bf16q:
         from lowering.decode.q_terms_kernel import q_terms
         q2, q_s = q_terms(q2)                           # [2 B rows, 576] e4m3, [B rows] fp32
         scales = (q_s, *scales)
+        modes = dict(BF16Q=True)
     else:
         _check_tma_aligned("q", q2)
+        modes = dict(BF16Q=False) if scales else {}             # the fp8 kernel's mode
     el_q = gl.bfloat16 if q2.dtype == torch.bfloat16 else gl.float8e4nv
     lay_q = gl.NVMMASharedLayout.get_default_for([64, 64], el_q)
     q_desc = TensorDescriptor.from_tensor(q2, [64, 64], lay_q)
-    modes = dict(BF16Q=bf16q) if scales else {}                 # the fp8 kernel's mode
     out, lse, o1, l1 = stage1_outputs(B, s_q, H, L, splits, torch.bfloat16, q.device)
     kernel[(m_blocks, B, splits)](
         q_desc, kv_desc, block_table, cache_seqlens, *scales, o1, l1, softmax_scale * LOG2E,

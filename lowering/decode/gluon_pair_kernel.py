@@ -27,6 +27,15 @@ ptxas hoists every wgmma descriptor out of the loop and spills them (~200 local 
 pair, 1.65x slower on an H200).
 Rows, causal limits and outputs as the ring kernel (cta_work); l is summed per warpgroup
 and added in the epilogue.
+
+FP8 (an e4m3 cache, bf16 query): the same schedule over bf16 tiles widened from the cache.
+A refill copies the half's e4m3 boxes (half the bytes) into the upper part of its own
+bf16 boxes (value boxes 2-3 of the half, the rope box's upper 4 KB) on a "landed"
+barrier; a third partition (4 warps, few registers) widens them in place to bf16 (exact
+for e4m3), zeroes keys past the split's end, and arrives on the half's "full" barrier,
+which the warpgroups wait on as in bf16. Shared memory stays what the bf16 kernel takes.
+The cache's scale multiplies the scores (in scale_log2) and the output, never the
+operands, so the products are those of the bf16 kernel over the dequantized cache.
 """
 from __future__ import annotations
 
@@ -42,12 +51,34 @@ S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1
                                              instr_shape=[16, 64, 16]))
 P_L = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_L.value, k_width=2))
 ROW_L = gl.constexpr(gl.SliceLayout(1, S_L.value))
+# FP8: an e4m3 TMA box [64 keys, 64 columns] (4 KB), as the cache's descriptor lays it out
+E4M3_BOX = gl.constexpr(gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv))
+# FP8: the widener's registers for a box, 16 consecutive columns a thread ([32, 64] a pass)
+W_L = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
+# FP8: registers per thread of warpgroup 1 and of the widener (12 warps share 64 K)
+CONSUMER_REGS = gl.constexpr(232)
+WIDEN_REGS = gl.constexpr(32)
+# A barrier over the calling partition's warps (renamed after triton 3.6).
+_partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
+# FP8: N e4m3 boxes [64, 64] over the bytes of a bf16 allocation (renamed after triton 3.6)
+if hasattr(gl.shared_memory_descriptor, "reinterpret"):
+    @gluon.jit
+    def _as_e4m3(smem, N: gl.constexpr):
+        return smem.reinterpret(gl.float8e4nv, [N, 64, 64], E4M3_BOX)
+else:
+    @gluon.jit
+    def _as_e4m3(smem, N: gl.constexpr):
+        return smem._reinterpret(gl.float8e4nv, [N, 64, 64], E4M3_BOX)
 
 
 @gluon.jit
 def _load_half(kv_desc, table_ptr, full, sK, sKr, BUF: gl.constexpr, HALF: gl.constexpr, blk,
-               n_tiles, b, start, stride_bt, num_blocks, PAGE: gl.constexpr):
-    """Refill half HALF (the boxes its warpgroup reads) of buffer BUF with block blk."""
+               n_tiles, b, start, stride_bt, num_blocks, PAGE: gl.constexpr,
+               FP8: gl.constexpr):
+    """Refill half HALF (the boxes its warpgroup reads) of buffer BUF with block blk. FP8:
+    the e4m3 boxes into the half's staging place (full is then the "landed" barriers)."""
     ROPE: gl.constexpr = (BUF == 0 and HALF == 1) or (BUF == 1 and HALF == 0)
     NB: gl.constexpr = 5 if ROPE else 4
     ok = blk < n_tiles
@@ -56,12 +87,104 @@ def _load_half(kv_desc, table_ptr, full, sK, sKr, BUF: gl.constexpr, HALF: gl.co
     page = gl.minimum(gl.maximum(page, 0), num_blocks - 1)
     row = page * PAGE + key % PAGE
     bar = full.index(BUF * 2 + HALF)
-    mbarrier.expect(bar, NB * 64 * 64 * 2, pred=ok)
-    for c in gl.static_range(4):
-        tma_load(kv_desc, [row, (4 * HALF + c) * 64], bar, sK.index(BUF * 8 + 4 * HALF + c),
-                  pred=ok)
+    if FP8:
+        mbarrier.expect(bar, NB * 64 * 64, pred=ok)
+        # staged in the half's bf16 value boxes 2-3 (counted in 4 KB e4m3 boxes of sK)
+        s0: gl.constexpr = 2 * (BUF * 8 + 4 * HALF + 2)
+        sK8 = _as_e4m3(sK, 32)
+        for c in gl.static_range(4):
+            tma_load(kv_desc, [row, (4 * HALF + c) * 64], bar, sK8.index(s0 + c), pred=ok)
+        if ROPE:
+            sKr8 = _as_e4m3(sKr, 4)
+            tma_load(kv_desc, [row, 512], bar, sKr8.index(2 * BUF + 1), pred=ok)
+    else:
+        mbarrier.expect(bar, NB * 64 * 64 * 2, pred=ok)
+        for c in gl.static_range(4):
+            tma_load(kv_desc, [row, (4 * HALF + c) * 64], bar,
+                      sK.index(BUF * 8 + 4 * HALF + c), pred=ok)
+        if ROPE:
+            tma_load(kv_desc, [row, 512], bar, sKr.index(BUF), pred=ok)
+
+
+@gluon.jit
+def _e4m3_to_bf16(x):
+    """e4m3 -> bf16, exact, by moving bits: sign | (exponent, mantissa) << 4 is the value
+    times 2^-120 as a bf16 (subnormals included), then one bf16x2 product by 2^120. (The
+    conversion instructions run at a quarter of the integer rate and bounded the widener.)
+    The NaN codes (0x7f, 0xff) come out as +-480; the cache's writer stores none."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 a<2>, b<2>, c;
+        prmt.b32 a0, 0, $2, 0x5040;
+        prmt.b32 a1, 0, $2, 0x7060;
+        lop3.b32 b0, a0, 0x7f007f00, 0, 0xc0;
+        lop3.b32 b1, a1, 0x7f007f00, 0, 0xc0;
+        shr.b32 b0, b0, 4;
+        shr.b32 b1, b1, 4;
+        lop3.b32 b0, b0, 0x80008000, a0, 0xf8;
+        lop3.b32 b1, b1, 0x80008000, a1, 0xf8;
+        mov.b32 c, 0x7b807b80;
+        mul.rn.bf16x2 $0, b0, c;
+        mul.rn.bf16x2 $1, b1, c;
+        }""",
+        constraints="=r,=r,r", args=[x], dtype=gl.bfloat16, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _load_box(src):
+    """An e4m3 box [64, 64] (shared memory) into registers."""
+    return src.load(W_L)
+
+
+@gluon.jit
+def _store_box(dst, x):
+    """A box _load_box read, widened, into bf16 box dst."""
+    dst.store(_e4m3_to_bf16(x))
+
+
+@gluon.jit
+def _zero_rows(box, keep):
+    """A widened bf16 box's rows not kept to 0 (the split's last block)."""
+    x = box.load(W_L)
+    box.store(gl.where(keep, x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _widen_half(landed, full, sK, sKr, BUF: gl.constexpr, HALF: gl.constexpr, ph, key0, end):
+    """FP8: once half HALF of buffer BUF has landed (e4m3 boxes 0-1 in its bf16 box 2,
+    2-3 in box 3, the rope in the upper half of the rope box), widen it in place and
+    publish it on its full barrier. A bf16 box is written only after every warp of the
+    partition has read the e4m3 boxes staged in it, so few registers hold staged values.
+    In the split's last block keys at or past end become 0 (unwritten rows may hold NaN,
+    and 0 x NaN is NaN)."""
+    ROPE: gl.constexpr = (BUF == 0 and HALF == 1) or (BUF == 1 and HALF == 0)
+    sK8 = _as_e4m3(sK, 32)
+    s0: gl.constexpr = 2 * (BUF * 8 + 4 * HALF + 2)       # as _load_half stages it
+    d0: gl.constexpr = BUF * 8 + 4 * HALF
+    mbarrier.wait(landed.index(BUF * 2 + HALF), ph)
+    _store_box(sK.index(d0 + 0), _load_box(sK8.index(s0 + 0)))
+    _store_box(sK.index(d0 + 1), _load_box(sK8.index(s0 + 1)))
+    _partition_barrier()                # e4m3 boxes 0-1 read: bf16 box 2 is free
+    _store_box(sK.index(d0 + 2), _load_box(sK8.index(s0 + 2)))
+    x3 = _load_box(sK8.index(s0 + 3))
     if ROPE:
-        tma_load(kv_desc, [row, 512], bar, sKr.index(BUF), pred=ok)
+        sKr8 = _as_e4m3(sKr, 4)
+        xr = _load_box(sKr8.index(2 * BUF + 1))
+        _partition_barrier()            # e4m3 boxes 2-3 and the rope read
+        _store_box(sKr.index(BUF), xr)
+    else:
+        _partition_barrier()
+    _store_box(sK.index(d0 + 3), x3)
+    if key0 + 64 > end:
+        _partition_barrier()            # every box written, by whichever thread
+        keep = (key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, W_L)) < end)[:, None]
+        for c in gl.static_range(4):
+            _zero_rows(sK.index(d0 + c), keep)
+        if ROPE:
+            _zero_rows(sKr.index(BUF), keep)
+    fence_async_shared()                # the generic stores, before the MMAs read them
+    _partition_barrier()                # every warp's, before one thread arrives
+    mbarrier.arrive(full.index(BUF * 2 + HALF), count=1)
 
 
 @gluon.jit
@@ -95,10 +218,11 @@ def _pv(p, sK, v0, acc0, acc1, acc2, acc3, z):
 
 
 @gluon.jit
-def _zero_tail(sK, v0, key0, end):
+def _zero_tail(sK, v0, key0, end, FP8: gl.constexpr):
     """The split's last block: rows of boxes v0..v0+3 at keys >= end to zero (another
-    split's keys, or whatever an unwritten page holds, must not reach P V as NaN x 0)."""
-    if key0 + 64 > end:
+    split's keys, or whatever an unwritten page holds, must not reach P V as NaN x 0).
+    FP8: the widener zeroed them."""
+    if not FP8 and key0 + 64 > end:
         zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         keep = (key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, zl)) < end)[:, None]
         for c in gl.static_range(4):
@@ -124,32 +248,32 @@ def _start(start):
 
 @gluon.jit
 def _epilogue(W: gl.constexpr, acc0, acc1, acc2, acc3, m, l, sStat, bar_l, o_ptr, lse_ptr,
-              o_row0, lse_row0, lse_stride, DIRECT: gl.constexpr):
+              o_row0, lse_row0, lse_stride, o_scale, DIRECT: gl.constexpr):
     """Add the two warpgroups' row sums; write this warpgroup's 256 columns (and the LSE)."""
     sStat.slice((4 + W) * 64, 64).store(l)
     mbarrier.arrive(bar_l.index(W), count=1)
     mbarrier.wait(bar_l.index(1 - W), 0)
     l = l + sStat.slice((5 - W) * 64, 64).load(ROW_L)
     l_safe = finish_rows(W, m, l, lse_ptr, lse_row0, lse_stride, ROW_L)
-    store_half(W, acc0, acc1, acc2, acc3, 1.0 / l_safe, o_ptr, o_row0, S_L, DIRECT)
+    store_half(W, acc0, acc1, acc2, acc3, o_scale / l_safe, o_ptr, o_row0, S_L, DIRECT)
 
 
 @gluon.jit
-def _wg0(args, PAGE: gl.constexpr, DIRECT: gl.constexpr):
+def _wg0(args, PAGE: gl.constexpr, DIRECT: gl.constexpr, FP8: gl.constexpr):
     """Warpgroup 0: the even blocks' scores, O columns 0-255; loads q."""
-    (q_desc, kv_desc, table_ptr, q_bar, full, bars, bar_l, sQ, sQr, sK, sKr, sStat, o_ptr,
-     lse_ptr, q_row0, b, o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2,
-     stride_bt, num_blocks) = args
+    (q_desc, kv_desc, table_ptr, q_bar, full, loads, bars, bar_l, sQ, sQr, sK, sKr, sStat,
+     o_ptr, lse_ptr, q_row0, b, o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2,
+     o_scale, stride_bt, num_blocks) = args
     acc0, acc1, acc2, acc3, m, l, cols, z = _start(start)       # O quarters of this WG's half
     if n_tiles > 0:
         mbarrier.expect(q_bar, 9 * 64 * 64 * 2)
         for c in gl.static_range(8):
             tma_load(q_desc, [q_row0, c * 64], q_bar, sQ.index(c))
         tma_load(q_desc, [q_row0, 512], q_bar, sQr)
-        _load_half(kv_desc, table_ptr, full, sK, sKr, 0, 0, 0, n_tiles, b, start, stride_bt,
-                   num_blocks, PAGE)
-        _load_half(kv_desc, table_ptr, full, sK, sKr, 1, 0, 1, n_tiles, b, start, stride_bt,
-                   num_blocks, PAGE)
+        _load_half(kv_desc, table_ptr, loads, sK, sKr, 0, 0, 0, n_tiles, b, start, stride_bt,
+                   num_blocks, PAGE, FP8)
+        _load_half(kv_desc, table_ptr, loads, sK, sKr, 1, 0, 1, n_tiles, b, start, stride_bt,
+                   num_blocks, PAGE, FP8)
         mbarrier.wait(q_bar, 0)
         tok = _qk(sQ, sQr, sK, sKr, 0, 0, full, 0, True, z)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=[tok])   # [64, 64] scores of block 0
@@ -166,14 +290,14 @@ def _wg0(args, PAGE: gl.constexpr, DIRECT: gl.constexpr):
             sStat.slice(0, 64).store(m_new)
             sStat.slice(64, 64).store(alpha)
             mbarrier.arrive(bars.index(0), count=1)
-            _zero_tail(sK, 0, key_a, end)
+            _zero_tail(sK, 0, key_a, end, FP8)
             a_o = alpha[:, None]
             t0, t1, t2, t3 = _pv(gl.convert_layout(p.to(gl.bfloat16), P_L), sK, 0, acc0 * a_o,
                                  acc1 * a_o, acc2 * a_o, acc3 * a_o, z)
             acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0,
                                                         deps=[t0, t1, t2, t3])
-            _load_half(kv_desc, table_ptr, full, sK, sKr, 0, 0, a + 2, n_tiles, b, start,
-                       stride_bt, num_blocks, PAGE)
+            _load_half(kv_desc, table_ptr, loads, sK, sKr, 0, 0, a + 2, n_tiles, b, start,
+                       stride_bt, num_blocks, PAGE, FP8)
             mbarrier.wait(bars.index(1), ph)                    # WG1's max and factor
             m = sStat.slice(128, 64).load(ROW_L)
             s1 = sStat.slice(192, 64).load(ROW_L)
@@ -182,7 +306,7 @@ def _wg0(args, PAGE: gl.constexpr, DIRECT: gl.constexpr):
             fence_async_shared()
             mbarrier.arrive(bars.index(2), count=1)
             if a + 1 < n_tiles:
-                _zero_tail(sK, 8, start + a * 64 + 64, end)
+                _zero_tail(sK, 8, start + a * 64 + 64, end, FP8)
                 mbarrier.wait(bars.index(3), ph)                # P_c in buffer 1's rope box
                 s1_o = s1[:, None]
                 u0, u1, u2, u3 = _pv(sKr.index(1 + z), sK, 8, acc0 * s1_o, acc1 * s1_o,
@@ -192,28 +316,28 @@ def _wg0(args, PAGE: gl.constexpr, DIRECT: gl.constexpr):
                 tok = _qk_boxes(sQ, sK, 0, 0, gl.zeros([64, 64], gl.float32, S_L), z)
                 acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=4,
                                                             deps=[u0, u1, u2, u3])
-                _load_half(kv_desc, table_ptr, full, sK, sKr, 1, 0, a + 3, n_tiles, b, start,
-                           stride_bt, num_blocks, PAGE)
+                _load_half(kv_desc, table_ptr, loads, sK, sKr, 1, 0, a + 3, n_tiles, b, start,
+                           stride_bt, num_blocks, PAGE, FP8)
                 mbarrier.wait(full.index(1), ph ^ 1, pred=more)
                 tok = _qk_boxes(sQ, sK, 0, 4, tok, z)
                 tok = warpgroup_mma(sQr, sKr.index(0 + z).permute((1, 0)), tok, is_async=True)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=[tok])
     _epilogue(0, acc0, acc1, acc2, acc3, m, l, sStat, bar_l, o_ptr, lse_ptr, o_row0, lse_row0,
-              lse_stride, DIRECT)
+              lse_stride, o_scale, DIRECT)
 
 
 @gluon.jit
-def _wg1(args, PAGE: gl.constexpr, DIRECT: gl.constexpr):
+def _wg1(args, PAGE: gl.constexpr, DIRECT: gl.constexpr, FP8: gl.constexpr):
     """Warpgroup 1: the odd blocks' scores, O columns 256-511."""
-    (q_desc, kv_desc, table_ptr, q_bar, full, bars, bar_l, sQ, sQr, sK, sKr, sStat, o_ptr,
-     lse_ptr, q_row0, b, o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2,
-     stride_bt, num_blocks) = args
+    (q_desc, kv_desc, table_ptr, q_bar, full, loads, bars, bar_l, sQ, sQr, sK, sKr, sStat,
+     o_ptr, lse_ptr, q_row0, b, o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2,
+     o_scale, stride_bt, num_blocks) = args
     acc0, acc1, acc2, acc3, m, l, cols, z = _start(start)       # O quarters of this WG's half
     if n_tiles > 0:
-        _load_half(kv_desc, table_ptr, full, sK, sKr, 0, 1, 0, n_tiles, b, start, stride_bt,
-                   num_blocks, PAGE)
-        _load_half(kv_desc, table_ptr, full, sK, sKr, 1, 1, 1, n_tiles, b, start, stride_bt,
-                   num_blocks, PAGE)
+        _load_half(kv_desc, table_ptr, loads, sK, sKr, 0, 1, 0, n_tiles, b, start, stride_bt,
+                   num_blocks, PAGE, FP8)
+        _load_half(kv_desc, table_ptr, loads, sK, sKr, 1, 1, 1, n_tiles, b, start, stride_bt,
+                   num_blocks, PAGE, FP8)
         mbarrier.wait(q_bar, 0)
         tok = _qk(sQ, sQr, sK, sKr, 1, 1, full, 0, n_tiles > 1, z)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=[tok])   # block 1's (unused if none)
@@ -241,38 +365,57 @@ def _wg1(args, PAGE: gl.constexpr, DIRECT: gl.constexpr):
                 sKr.index(1).store(p16)
                 fence_async_shared()
                 mbarrier.arrive(bars.index(3), count=1)
-                _zero_tail(sK, 12, key_c, end)
+                _zero_tail(sK, 12, key_c, end, FP8)
                 t0, t1, t2, t3 = _pv(gl.convert_layout(p16, P_L), sK, 12, acc0 * o_s,
                                      acc1 * o_s, acc2 * o_s, acc3 * o_s, z)
                 mbarrier.wait(bars.index(2), ph)                # P_a in buffer 0's rope box
                 u0, u1, u2, u3 = _pv(sKr.index(0 + z), sK, 4, t0, t1, t2, t3, z)
                 # its own P V done (P_a V_a may still run): refill its half of buffer 1
                 w0, w1, w2, w3 = warpgroup_mma_wait(num_outstanding=4, deps=[u0, u1, u2, u3])
-                _load_half(kv_desc, table_ptr, full, sK, sKr, 1, 1, a + 3, n_tiles, b, start,
-                           stride_bt, num_blocks, PAGE)
+                _load_half(kv_desc, table_ptr, loads, sK, sKr, 1, 1, a + 3, n_tiles, b, start,
+                           stride_bt, num_blocks, PAGE, FP8)
                 acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0,
                                                             deps=[w0, w1, w2, w3])
             else:
-                _zero_tail(sK, 4, key_c - 64, end)
+                _zero_tail(sK, 4, key_c - 64, end, FP8)
                 mbarrier.wait(bars.index(2), ph)
                 u0, u1, u2, u3 = _pv(sKr.index(0 + z), sK, 4, acc0 * o_s, acc1 * o_s,
                                      acc2 * o_s, acc3 * o_s, z)
                 acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0,
                                                             deps=[u0, u1, u2, u3])
-            _load_half(kv_desc, table_ptr, full, sK, sKr, 0, 1, a + 2, n_tiles, b, start,
-                       stride_bt, num_blocks, PAGE)
+            _load_half(kv_desc, table_ptr, loads, sK, sKr, 0, 1, a + 2, n_tiles, b, start,
+                       stride_bt, num_blocks, PAGE, FP8)
             tok = _qk(sQ, sQr, sK, sKr, 1, 1, full, ph ^ 1, a + 3 < n_tiles, z)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=[tok])
     _epilogue(1, acc0, acc1, acc2, acc3, m, l, sStat, bar_l, o_ptr, lse_ptr, o_row0, lse_row0,
-              lse_stride, DIRECT)
+              lse_stride, o_scale, DIRECT)
 
 
 @gluon.jit
-def mla_decode_pair_kernel(q_desc, kv_desc, table_ptr, lens_ptr, o_ptr, lse_ptr, scale_log2,
-                           stride_bt, max_blocks, num_blocks, num_splits,
+def _widen_tiles(args, PAGE: gl.constexpr, DIRECT: gl.constexpr, FP8: gl.constexpr):
+    """FP8: the widener partition. Each block's halves, in the order their warpgroup's QK
+    waits for them (buffer 0: half 0 first; buffer 1: half 1 first)."""
+    (q_desc, kv_desc, table_ptr, q_bar, full, loads, bars, bar_l, sQ, sQr, sK, sKr, sStat,
+     o_ptr, lse_ptr, q_row0, b, o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2,
+     o_scale, stride_bt, num_blocks) = args
+    for j in range(gl.cdiv(n_tiles, 2)):
+        ph = j & 1
+        key_a = start + j * 128
+        _widen_half(loads, full, sK, sKr, 0, 0, ph, key_a, end)
+        _widen_half(loads, full, sK, sKr, 0, 1, ph, key_a, end)
+        if 2 * j + 1 < n_tiles:
+            _widen_half(loads, full, sK, sKr, 1, 1, ph, key_a + 64, end)
+            _widen_half(loads, full, sK, sKr, 1, 0, ph, key_a + 64, end)
+
+
+@gluon.jit
+def mla_decode_pair_kernel(q_desc, kv_desc, table_ptr, lens_ptr, ks_ptr, o_ptr, lse_ptr,
+                           scale_log2, stride_bt, max_blocks, num_blocks, num_splits,
                            S_Q: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr,
                            BN: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
-                           CAUSAL: gl.constexpr):
+                           CAUSAL: gl.constexpr, FP8: gl.constexpr):
+    """grid (64-row blocks, B, splits); 8 warps (two consumer warpgroups), and with FP8 (an
+    e4m3 cache, its scale at ks_ptr) the 4-warp widener; else ks_ptr is unused."""
     gl.static_assert(BN == 64 and STAGES == 2, "blocks of 64 keys in two buffers")
     gl.static_assert(PAGE % 64 == 0, "a page holds whole 64-key blocks")
     b, start, end, n_tiles, q_row0, o_row0, lse_row0, lse_stride = cta_work(
@@ -296,7 +439,24 @@ def mla_decode_pair_kernel(q_desc, kv_desc, table_ptr, lens_ptr, o_ptr, lse_ptr,
         mbarrier.init(bars.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(bar_l.index(i), count=1)
-    args = (q_desc, kv_desc, table_ptr, q_bar, full, bars, bar_l, sQ, sQr, sK, sKr, sStat, o_ptr,
-            lse_ptr, q_row0, b, o_row0, lse_row0, lse_stride, start, end, n_tiles, scale_log2,
-            stride_bt, num_blocks)
-    gl.warp_specialize([(_wg0, (args, PAGE, DIRECT)), (_wg1, (args, PAGE, DIRECT))], [4], [240])
+    if FP8:
+        # a half's e4m3 boxes landed (TMA), before the widener makes it full
+        loads = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(4):
+            mbarrier.init(loads.index(i), count=1)
+        ks = gl.load(ks_ptr)
+        scale_log2 = scale_log2 * ks                # scores of the dequantized keys
+        o_scale = ks                                # and their values
+    else:
+        loads = full
+        o_scale = 1.0
+    args = (q_desc, kv_desc, table_ptr, q_bar, full, loads, bars, bar_l, sQ, sQr, sK, sKr,
+            sStat, o_ptr, lse_ptr, q_row0, b, o_row0, lse_row0, lse_stride, start, end,
+            n_tiles, scale_log2, o_scale, stride_bt, num_blocks)
+    if FP8:
+        gl.warp_specialize([(_wg0, (args, PAGE, DIRECT, FP8)), (_wg1, (args, PAGE, DIRECT, FP8)),
+                            (_widen_tiles, (args, PAGE, DIRECT, FP8))],
+                           [4, 4], [CONSUMER_REGS, WIDEN_REGS])
+    else:
+        gl.warp_specialize([(_wg0, (args, PAGE, DIRECT, FP8)), (_wg1, (args, PAGE, DIRECT, FP8))],
+                           [4], [240])
