@@ -1,8 +1,9 @@
 """Hopper MLA decode, stage 1, in Gluon: 64-key blocks taken in pairs, two buffers.
 
 The "gluon" backend's bf16 kernel where the page is a multiple of 64 (launcher:
-gluon_decode.py; the ring kernel in gluon_decode_kernel.py serves pages of 32). SM90
-only; bf16; L = 512, R = 64; H a multiple of 64.
+gluon_decode.py; the ring kernel in gluon_ring_kernel.py serves pages of 32), and with
+FP8 (below) its kernel for a bf16 query over an fp8 cache there. SM90 only; bf16 query;
+L = 512, R = 64; H a multiple of 64.
 
 CTA = 64 query rows (one token's heads) x one split of one request's keys, 8 warps in two
 warpgroups, no producer warp. Warpgroup W owns O[:, 256 W : 256 W + 256] and the blocks
