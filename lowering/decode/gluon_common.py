@@ -10,6 +10,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 # The TMA global -> shared copy was renamed after triton 3.6 (async_load).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# A barrier over the calling partition's warps (renamed after triton 3.6).
+partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 LOG2E = 1.4426950408889634
 

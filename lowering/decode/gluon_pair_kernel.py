@@ -29,12 +29,12 @@ pair, 1.65x slower on an H200).
 Rows, causal limits and outputs as the ring kernel (cta_work); l is summed per warpgroup
 and added in the epilogue.
 
-FP8 (an e4m3 cache, bf16 query): the same schedule over bf16 tiles widened from the cache.
-A refill copies the half's e4m3 boxes (half the bytes) into the upper part of its own
-bf16 boxes (value boxes 2-3 of the half, the rope box's upper 4 KB) on a "landed"
-barrier; a third partition (4 warps, few registers) widens them in place to bf16 (exact
-for e4m3), zeroes keys past the split's end, and arrives on the half's "full" barrier,
-which the warpgroups wait on as in bf16. Shared memory stays what the bf16 kernel takes.
+FP8 (an e4m3 cache, bf16 query): the same schedule over bf16 tiles widened from the cache
+(gluon_pair_widen.py). A refill stages the half's e4m3 boxes (half the bytes) inside its
+own bf16 boxes on a "landed" barrier; a third partition (4 warps, few registers) widens
+them in place to bf16 (exact for e4m3), zeroes keys past the split's end, and arrives on
+the half's "full" barrier, which the warpgroups wait on as in bf16. Shared memory stays
+what the bf16 kernel takes.
 The cache's scale multiplies the scores (in scale_log2) and the output, never the
 operands, so the products are those of the bf16 kernel over the dequantized cache.
 """
@@ -46,32 +46,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from lowering.decode.gluon_common import tma_load, cta_work, finish_rows, store_half
+from lowering.decode.gluon_pair_widen import stage_half, widen_half
 
 # S [64 rows, 64 keys] and each [64, 64] quarter of a warpgroup's O share this layout
 S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                              instr_shape=[16, 64, 16]))
 P_L = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_L.value, k_width=2))
 ROW_L = gl.constexpr(gl.SliceLayout(1, S_L.value))
-# FP8: an e4m3 TMA box [64 keys, 64 columns] (4 KB), as the cache's descriptor lays it out
-E4M3_BOX = gl.constexpr(gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv))
-# FP8: the widener's registers for a box, 16 consecutive columns a thread ([32, 64] a pass)
-W_L = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
 # FP8: registers per thread of warpgroup 1 and of the widener (12 warps share 64 K)
 CONSUMER_REGS = gl.constexpr(232)
 WIDEN_REGS = gl.constexpr(32)
-# A barrier over the calling partition's warps (renamed after triton 3.6).
-_partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-
-
-# FP8: N e4m3 boxes [64, 64] over the bytes of a bf16 allocation (renamed after triton 3.6)
-if hasattr(gl.shared_memory_descriptor, "reinterpret"):
-    @gluon.jit
-    def _as_e4m3(smem, N: gl.constexpr):
-        return smem.reinterpret(gl.float8e4nv, [N, 64, 64], E4M3_BOX)
-else:
-    @gluon.jit
-    def _as_e4m3(smem, N: gl.constexpr):
-        return smem._reinterpret(gl.float8e4nv, [N, 64, 64], E4M3_BOX)
 
 
 @gluon.jit
@@ -89,15 +73,7 @@ def _load_half(kv_desc, table_ptr, full, sK, sKr, BUF: gl.constexpr, HALF: gl.co
     row = page * PAGE + key % PAGE
     bar = full.index(BUF * 2 + HALF)
     if FP8:
-        mbarrier.expect(bar, NB * 64 * 64, pred=ok)
-        # staged in the half's bf16 value boxes 2-3 (counted in 4 KB e4m3 boxes of sK)
-        s0: gl.constexpr = 2 * (BUF * 8 + 4 * HALF + 2)
-        sK8 = _as_e4m3(sK, 32)
-        for c in gl.static_range(4):
-            tma_load(kv_desc, [row, (4 * HALF + c) * 64], bar, sK8.index(s0 + c), pred=ok)
-        if ROPE:
-            sKr8 = _as_e4m3(sKr, 4)
-            tma_load(kv_desc, [row, 512], bar, sKr8.index(2 * BUF + 1), pred=ok)
+        stage_half(kv_desc, row, bar, sK, sKr, BUF, HALF, ok)
     else:
         mbarrier.expect(bar, NB * 64 * 64 * 2, pred=ok)
         for c in gl.static_range(4):
@@ -106,86 +82,6 @@ def _load_half(kv_desc, table_ptr, full, sK, sKr, BUF: gl.constexpr, HALF: gl.co
         if ROPE:
             tma_load(kv_desc, [row, 512], bar, sKr.index(BUF), pred=ok)
 
-
-@gluon.jit
-def _e4m3_to_bf16(x):
-    """e4m3 -> bf16, exact, by moving bits: sign | (exponent, mantissa) << 4 is the value
-    times 2^-120 as a bf16 (subnormals included), then one bf16x2 product by 2^120. (The
-    conversion instructions run at a quarter of the integer rate and bounded the widener.)
-    The NaN codes (0x7f, 0xff) come out as +-480; the cache's writer stores none."""
-    return gl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 a<2>, b<2>, c;
-        prmt.b32 a0, 0, $2, 0x5040;
-        prmt.b32 a1, 0, $2, 0x7060;
-        lop3.b32 b0, a0, 0x7f007f00, 0, 0xc0;
-        lop3.b32 b1, a1, 0x7f007f00, 0, 0xc0;
-        shr.b32 b0, b0, 4;
-        shr.b32 b1, b1, 4;
-        lop3.b32 b0, b0, 0x80008000, a0, 0xf8;
-        lop3.b32 b1, b1, 0x80008000, a1, 0xf8;
-        mov.b32 c, 0x7b807b80;
-        mul.rn.bf16x2 $0, b0, c;
-        mul.rn.bf16x2 $1, b1, c;
-        }""",
-        constraints="=r,=r,r", args=[x], dtype=gl.bfloat16, is_pure=True, pack=4)
-
-
-@gluon.jit
-def _load_box(src):
-    """An e4m3 box [64, 64] (shared memory) into registers."""
-    return src.load(W_L)
-
-
-@gluon.jit
-def _store_box(dst, x):
-    """A box _load_box read, widened, into bf16 box dst."""
-    dst.store(_e4m3_to_bf16(x))
-
-
-@gluon.jit
-def _zero_rows(box, keep):
-    """A widened bf16 box's rows not kept to 0 (the split's last block)."""
-    x = box.load(W_L)
-    box.store(gl.where(keep, x, gl.zeros_like(x)))
-
-
-@gluon.jit
-def _widen_half(landed, full, sK, sKr, BUF: gl.constexpr, HALF: gl.constexpr, ph, key0, end):
-    """FP8: once half HALF of buffer BUF has landed (e4m3 boxes 0-1 in its bf16 box 2,
-    2-3 in box 3, the rope in the upper half of the rope box), widen it in place and
-    publish it on its full barrier. A bf16 box is written only after every warp of the
-    partition has read the e4m3 boxes staged in it, so few registers hold staged values.
-    In the split's last block keys at or past end become 0 (unwritten rows may hold NaN,
-    and 0 x NaN is NaN)."""
-    ROPE: gl.constexpr = (BUF == 0 and HALF == 1) or (BUF == 1 and HALF == 0)
-    sK8 = _as_e4m3(sK, 32)
-    s0: gl.constexpr = 2 * (BUF * 8 + 4 * HALF + 2)       # as _load_half stages it
-    d0: gl.constexpr = BUF * 8 + 4 * HALF
-    mbarrier.wait(landed.index(BUF * 2 + HALF), ph)
-    _store_box(sK.index(d0 + 0), _load_box(sK8.index(s0 + 0)))
-    _store_box(sK.index(d0 + 1), _load_box(sK8.index(s0 + 1)))
-    _partition_barrier()                # e4m3 boxes 0-1 read: bf16 box 2 is free
-    _store_box(sK.index(d0 + 2), _load_box(sK8.index(s0 + 2)))
-    x3 = _load_box(sK8.index(s0 + 3))
-    if ROPE:
-        sKr8 = _as_e4m3(sKr, 4)
-        xr = _load_box(sKr8.index(2 * BUF + 1))
-        _partition_barrier()            # e4m3 boxes 2-3 and the rope read
-        _store_box(sKr.index(BUF), xr)
-    else:
-        _partition_barrier()
-    _store_box(sK.index(d0 + 3), x3)
-    if key0 + 64 > end:
-        _partition_barrier()            # every box written, by whichever thread
-        keep = (key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, W_L)) < end)[:, None]
-        for c in gl.static_range(4):
-            _zero_rows(sK.index(d0 + c), keep)
-        if ROPE:
-            _zero_rows(sKr.index(BUF), keep)
-    fence_async_shared()                # the generic stores, before the MMAs read them
-    _partition_barrier()                # every warp's, before one thread arrives
-    mbarrier.arrive(full.index(BUF * 2 + HALF), count=1)
 
 
 @gluon.jit
@@ -402,11 +298,11 @@ def _widen_tiles(args, PAGE: gl.constexpr, DIRECT: gl.constexpr, FP8: gl.constex
     for j in range(gl.cdiv(n_tiles, 2)):
         ph = j & 1
         key_a = start + j * 128
-        _widen_half(loads, full, sK, sKr, 0, 0, ph, key_a, end)
-        _widen_half(loads, full, sK, sKr, 0, 1, ph, key_a, end)
+        widen_half(loads, full, sK, sKr, 0, 0, ph, key_a, end)
+        widen_half(loads, full, sK, sKr, 0, 1, ph, key_a, end)
         if 2 * j + 1 < n_tiles:
-            _widen_half(loads, full, sK, sKr, 1, 1, ph, key_a + 64, end)
-            _widen_half(loads, full, sK, sKr, 1, 0, ph, key_a + 64, end)
+            widen_half(loads, full, sK, sKr, 1, 1, ph, key_a + 64, end)
+            widen_half(loads, full, sK, sKr, 1, 0, ph, key_a + 64, end)
 
 
 @gluon.jit

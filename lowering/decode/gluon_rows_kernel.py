@@ -44,10 +44,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from lowering.decode.gluon_common import load_ring
+from lowering.decode.gluon_common import load_ring, partition_barrier
 
-# A barrier over the calling partition's warps (renamed after triton 3.6).
-_partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 WIDEN_REGS = gl.constexpr(128)    # registers per thread of the FP8 widener partition
 
 
@@ -405,7 +403,7 @@ def _widen_tiles(cargs, BN: gl.constexpr, STAGES: gl.constexpr, NCH: gl.constexp
         mbarrier.wait(w_empty.index(i % WBUF), ((i // WBUF) & 1) ^ 1)
         _widen(sK, s, sW, (i % WBUF) * (NCH - 1), start + i * BN, end, BN)
         fence_async_shared()            # the generic stores, before the MMAs read them
-        _partition_barrier()            # every warp's, before one thread arrives
+        partition_barrier()            # every warp's, before one thread arrives
         mbarrier.arrive(w_full.index(i % WBUF), count=1)
         mbarrier.arrive(kv_empty.index(s), count=1)
 
