@@ -66,25 +66,19 @@ def _first_max(v):
 
 
 @triton.jit
-def router_select_kernel(
-    part_ptr,                     # [SPLIT, T, E] fp32 contiguous
-    bias_ptr,                     # [E] (MODE 0: e_score_correction_bias, any float dtype)
-    idx_ptr, wgt_ptr,             # topk_idx [T, TOP_K] int64, topk_weight [T, TOP_K] fp32
-    T, E, GROUP_SIZE, N_GROUP, TOPK_GROUP, TOP_K, scale,
-    SPLIT: tl.constexpr,          # the partials' count, unrolled: their loads all in flight
+def select_experts(
+    logits,                       # [BLOCK_E] fp32, one token's router logits
+    bias_ptr, E, GROUP_SIZE, N_GROUP, TOPK_GROUP, TOP_K, scale,
     MODE: tl.constexpr, NORM: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUPS_2D: tl.constexpr,      # BLOCK_E == BLOCK_G * GROUP_SIZE == E: groups as rows
-    LIBDEVICE: tl.constexpr,
+    GROUPS_2D: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    """(top_i [BLOCK_K] int32, top_w [BLOCK_K] fp32): one token's choice as the module
+    says, lanes TOP_K and up unused. router_select_kernel's body, and a building block
+    for kernels that select beside other work."""
     lanes = tl.arange(0, BLOCK_E)                                            # [BLOCK_E]
     valid = lanes < E
     neg_inf = tl.full([BLOCK_E], float("-inf"), tl.float32)
-    logits = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for s in tl.static_range(SPLIT):                                         # in split order
-        logits += tl.load(part_ptr + (s * T + t) * E + lanes, mask=valid, other=0.0)
-
     if MODE == 0:                 # sigmoid; the bias only for the choice
         one = tl.full([BLOCK_E], 1.0, tl.float32)
         scores = div_rn(one, one + _exp(-logits, LIBDEVICE))                 # [BLOCK_E]
@@ -128,7 +122,6 @@ def router_select_kernel(
             scores = choice
 
     klanes = tl.arange(0, BLOCK_K)                                           # [BLOCK_K]
-    k_ok = klanes < TOP_K
     top_i = tl.zeros([BLOCK_K], dtype=tl.int32)
     top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k in range(TOP_K):        # the winner's score carried through the same reduction
@@ -140,5 +133,31 @@ def router_select_kernel(
         den = tl.sum(top_w, axis=0) + 1e-20
         top_w = div_rn(top_w, tl.zeros_like(top_w) + den)
     top_w = top_w * scale
+    return top_i, top_w
+
+
+@triton.jit
+def router_select_kernel(
+    part_ptr,                     # [SPLIT, T, E] fp32 contiguous
+    bias_ptr,                     # [E] (MODE 0: e_score_correction_bias, any float dtype)
+    idx_ptr, wgt_ptr,             # topk_idx [T, TOP_K] int64, topk_weight [T, TOP_K] fp32
+    T, E, GROUP_SIZE, N_GROUP, TOPK_GROUP, TOP_K, scale,
+    SPLIT: tl.constexpr,          # the partials' count, unrolled: their loads all in flight
+    MODE: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUPS_2D: tl.constexpr,      # BLOCK_E == BLOCK_G * GROUP_SIZE == E: groups as rows
+    LIBDEVICE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK_E)                                            # [BLOCK_E]
+    valid = lanes < E
+    logits = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):                                         # in split order
+        logits += tl.load(part_ptr + (s * T + t) * E + lanes, mask=valid, other=0.0)
+    top_i, top_w = select_experts(logits, bias_ptr, E, GROUP_SIZE, N_GROUP, TOPK_GROUP, TOP_K,
+                                  scale, MODE, NORM, BLOCK_E, BLOCK_G, BLOCK_K, GROUPS_2D,
+                                  LIBDEVICE)
+    klanes = tl.arange(0, BLOCK_K)                                           # [BLOCK_K]
+    k_ok = klanes < TOP_K
     tl.store(idx_ptr + t * TOP_K + klanes, top_i.to(tl.int64), mask=k_ok)
     tl.store(wgt_ptr + t * TOP_K + klanes, top_w, mask=k_ok)
