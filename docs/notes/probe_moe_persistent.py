@@ -18,12 +18,16 @@ item only waits on items of lower tickets, so it cannot deadlock:
                rounded as the decode GEMM rounds; they need nothing, so they stream while
                the router runs
     routed g+u (P pairs) x (I / BN_G) x (H / CH_G) items: wait for "chosen", then hr
-               [P, I] as lowering/moe/gate_up_kernel.py computes it; a counter per pair
+               [P, I] as lowering/moe/gate_up_kernel.py computes it; a pair works only if
+               it is the first to choose its expert, and then for every pair of that
+               expert (expert_run.py's runs: an expert's rows are read once however many
+               tokens chose it); a counter per run
                (with H in slices of CH_G each tile's last slice sums the fp32 slices in
                order before the SiLU, so an item stays small at V3's H = 7168)
     shared dn  (S / CH_S slices) x (H / BN_D) items: wait for all of hs; fp32 slices
-    routed dn  P x (H / BN_D) items: wait for their pair's hr; weight * round(hr @ Wd.T)
-               into pr [P, H] fp32, as lowering/moe/down_kernel.py leaves it
+    routed dn  P x (H / BN_D) items: a run's first pair waits for the run's hr, then
+               weight * round(hr @ Wd.T) for each pair of the run into pr [P, H] fp32, as
+               lowering/moe/down_kernel.py leaves it
     finish     by the last of an H tile's P + slices items (a counter per tile):
                out = round(round(sum_k pr) + round(sum_s slices)) [+ residual, rounded],
                the expression mla_ops/hf/moe.py leaves in the graph after the op
@@ -51,8 +55,8 @@ first takes every ticket in order and finds each wait already met.
     python docs/notes/probe_moe_persistent.py [--shapes v2-lite:1,v2-lite:4,v3:1] [--sweep] [--fp8]
 
 --check runs the kernel under the interpreter on small ragged shapes (1 to 5 tokens, the
-three router modes, fp32 and bf16, one and two shared slices, H in one and in several
-slices, fp8 weights, with and without the front) against float64 and against the shipped
+three router modes, experts shared by tokens, fp32 and bf16, one and two shared slices, H
+in one and in several slices, fp8 weights, with and without the front) against float64 and against the shipped
 ops. On a GPU: µs of the shipped op plus its sum
 (and residual) against the persistent kernel, then the shipped o_proj + residual norm +
 block + sum against the kernel with its front, and with --fp8 the FP8 block against the
@@ -199,7 +203,9 @@ def check():
             d = ((out.double() - shipped.double()).abs().max()
                  / shipped.double().abs().max()).item()
             base = ((shipped.double() - ref).abs().max() / ref.abs().max()).item()
-            print(f"{kind} {dt} T={T} H={H} E={E} I={I} S={S} {programs} programs: vs float64 "
+            shared_pairs = T * args[4] - len(set(ref_idx.flatten().tolist()))
+            print(f"{kind} {dt} T={T} H={H} E={E} I={I} S={S} ({shared_pairs} pairs share an "
+                  f"expert) {programs} programs: vs float64 "
                   f"{err:.1e} (the shipped op {base:.1e}), vs the shipped op {d:.1e}",
                   flush=True)
             assert err < (1e-5 if dt == torch.float32 else 2 * base + 1e-2), err

@@ -5,8 +5,9 @@ import triton
 import triton.language as tl
 
 from lowering.moe.router_select_kernel import select_experts
-from probe_moe_persistent_parts import (_dot1, _dot1q, _dot2, _dot2q, _residual_norm,
-                                        _silu_mul, _wait)
+from lowering.moe.expert_run import run_rows
+from probe_moe_persistent_parts import (_dot1, _dot1q, _dot2, _dot2q, _expert_run,
+                                        _residual_norm, _silu_mul, _wait)
 
 
 @triton.jit
@@ -33,6 +34,7 @@ def moe_block_persistent_kernel(
     BLOCK_M: tl.constexpr, BLOCK_ER: tl.constexpr, BN_G: tl.constexpr, BN_D: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_SYNC: tl.constexpr, GROUPS_2D: tl.constexpr,
+    BLOCK_R: tl.constexpr,                # >= P: the pairs expert_run looks over
     LIBDEVICE: tl.constexpr, DOT_F32: tl.constexpr, NAP: tl.constexpr,
 ):
     # counters: [0] tickets, [1] programs done, [2] router items done, [3] chosen,
@@ -59,8 +61,6 @@ def moe_block_persistent_kernel(
     dt = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)                                            # [BLOCK_M]
     m_ok = offs_m < T
-    first = offs_m == 0                   # a pair's one token in the dots' first column
-    zero_m = offs_m * 0
 
     tk = tl.atomic_add(sync_ptr, 1)
     while tk < total:
@@ -150,7 +150,7 @@ def moe_block_persistent_kernel(
                          _silu_mul(sg_acc, su_acc, dt), mask=s_ok[:, None] & m_ok[None, :])
                 tl.debug_barrier()
                 tl.atomic_add(sync_ptr + 4, 1, sem="release")
-        elif tk < end_rg:                 # routed gate + up: pair q, rows of I, a slice of H
+        elif tk < end_rg:                 # routed gate + up: pair q's run, rows of I, a slice
             u = tk - end_sg
             q = u // (n_g * ks_g)
             ni = (u // ks_g) % n_g
@@ -159,44 +159,50 @@ def moe_block_persistent_kernel(
             offs_i = ni * BN_G + tl.arange(0, BN_G)
             i_ok = offs_i < I
             _wait(sync_ptr + 3, 1, NAP)
-            e_g = tl.load(idx_ptr + q, cache_modifier=".cg")
-            rows_r = (gu_ptr + e_g.to(tl.int64) * (2 * I * H) + offs_i.to(tl.int64)[:, None] * H
-                      + k0r)
-            x_r = x_ptr + (q // TOP_K) * H + k0r + zero_m[None, :]
-            if FP8:
-                nkh = tl.cdiv(H, BLOCK_K)
-                s0 = (gus_ptr + e_g.to(tl.int64) * (2 * tl.cdiv(I, GROUP_N) * nkh)
-                      + k0r // BLOCK_K)
-                rg_acc, ru_acc = _dot2q(rows_r, rows_r + I * H, s0 + (offs_i // GROUP_N) * nkh,
-                                        s0 + (tl.cdiv(I, GROUP_N) + offs_i // GROUP_N) * nkh,
-                                        i_ok, x_r, first, kr, gu_ptr, BN_G, BLOCK_M, BLOCK_K,
-                                        DOT_F32, FRONT)
-            else:
-                rg_acc, ru_acc = _dot2(rows_r, rows_r + I * H, i_ok, x_r, first, kr,
-                                       BN_G, BLOCK_M, BLOCK_K, DOT_F32, FRONT)
-            done_r = tk >= 0
-            if ks_g > 1:                  # slices: the last one sums them in order
-                cols_r = q * (2 * I) + offs_i[:, None] + zero_m[None, :]          # into [P, 2I]
-                msk_r = i_ok[:, None] & first[None, :]
-                tl.store(pgr_ptr + (u % ks_g) * (P * 2 * I) + cols_r, rg_acc, mask=msk_r)
-                tl.store(pgr_ptr + (u % ks_g) * (P * 2 * I) + cols_r + I, ru_acc, mask=msk_r)
-                tl.debug_barrier()
-                cnt_r = sync_ptr + c_rg + q * n_g + ni
-                done_r = tl.atomic_add(cnt_r, 1, sem="acq_rel") == ks_g - 1
+            # pair q serves every pair of its expert if it is the first to choose it
+            # (lowering/moe/expert_run.py): the expert's rows are read once
+            e_g, run_g, match_g = _expert_run(idx_ptr, q, P, E, BLOCK_R)
+            if run_g > 0:
+                pair_g, tok_g, ok_g = run_rows(match_g, 0, run_g, P, TOP_K, BLOCK_M)
+                rows_r = (gu_ptr + e_g.to(tl.int64) * (2 * I * H)
+                          + offs_i.to(tl.int64)[:, None] * H + k0r)
+                x_r = x_ptr + tok_g[None, :] * H + k0r                           # [1, M]
+                if FP8:
+                    nkh = tl.cdiv(H, BLOCK_K)
+                    s0 = (gus_ptr + e_g.to(tl.int64) * (2 * tl.cdiv(I, GROUP_N) * nkh)
+                          + k0r // BLOCK_K)
+                    rg_acc, ru_acc = _dot2q(rows_r, rows_r + I * H,
+                                            s0 + (offs_i // GROUP_N) * nkh,
+                                            s0 + (tl.cdiv(I, GROUP_N) + offs_i // GROUP_N) * nkh,
+                                            i_ok, x_r, ok_g, kr, gu_ptr, BN_G, BLOCK_M, BLOCK_K,
+                                            DOT_F32, FRONT)
+                else:
+                    rg_acc, ru_acc = _dot2(rows_r, rows_r + I * H, i_ok, x_r, ok_g, kr,
+                                           BN_G, BLOCK_M, BLOCK_K, DOT_F32, FRONT)
+                cols_r = pair_g[None, :] * (2 * I) + offs_i[:, None]       # into [P, 2I]
+                msk_r = i_ok[:, None] & ok_g[None, :]
+                done_r = tk >= 0
+                if ks_g > 1:              # slices: the last one sums them in order
+                    tl.store(pgr_ptr + (u % ks_g) * (P * 2 * I) + cols_r, rg_acc, mask=msk_r)
+                    tl.store(pgr_ptr + (u % ks_g) * (P * 2 * I) + cols_r + I, ru_acc,
+                             mask=msk_r)
+                    tl.debug_barrier()
+                    cnt_r = sync_ptr + c_rg + q * n_g + ni
+                    done_r = tl.atomic_add(cnt_r, 1, sem="acq_rel") == ks_g - 1
+                    if done_r:
+                        rg_acc = tl.zeros((BN_G, BLOCK_M), dtype=tl.float32)
+                        ru_acc = tl.zeros((BN_G, BLOCK_M), dtype=tl.float32)
+                        for s4 in range(ks_g):
+                            rg_acc += tl.load(pgr_ptr + s4 * (P * 2 * I) + cols_r, mask=msk_r,
+                                              other=0.0, cache_modifier=".cg")
+                            ru_acc += tl.load(pgr_ptr + s4 * (P * 2 * I) + cols_r + I,
+                                              mask=msk_r, other=0.0, cache_modifier=".cg")
+                        tl.store(cnt_r, 0)
                 if done_r:
-                    rg_acc = tl.zeros((BN_G, BLOCK_M), dtype=tl.float32)
-                    ru_acc = tl.zeros((BN_G, BLOCK_M), dtype=tl.float32)
-                    for s4 in range(ks_g):
-                        rg_acc += tl.load(pgr_ptr + s4 * (P * 2 * I) + cols_r, mask=msk_r,
-                                          other=0.0, cache_modifier=".cg")
-                        ru_acc += tl.load(pgr_ptr + s4 * (P * 2 * I) + cols_r + I, mask=msk_r,
-                                          other=0.0, cache_modifier=".cg")
-                    tl.store(cnt_r, 0)
-            if done_r:
-                tl.store(hr_ptr + q * I + offs_i[:, None] + zero_m[None, :],
-                         _silu_mul(rg_acc, ru_acc, dt), mask=i_ok[:, None] & first[None, :])
-                tl.debug_barrier()
-                tl.atomic_add(sync_ptr + 7 + q, 1, sem="release")
+                    tl.store(hr_ptr + pair_g[None, :] * I + offs_i[:, None],
+                             _silu_mul(rg_acc, ru_acc, dt), mask=msk_r)
+                    tl.debug_barrier()
+                    tl.atomic_add(sync_ptr + 7 + q, 1, sem="release")
         else:                             # the down projections, then their tile's finish
             if tk < end_sd:               # shared down: slice s of S, rows j * BN_D of H
                 s = (tk - end_rg) // n_d
@@ -218,26 +224,32 @@ def moe_block_persistent_kernel(
                                 True)                                            # [BN_D, M]
                 tl.store(ps_ptr + (s * T + offs_m[None, :]) * H + offs_n[:, None], acc,
                          mask=n_ok[:, None] & m_ok[None, :])
-            else:                         # routed down: pair p, rows j * BN_D of H
+            else:                         # routed down: pair p's run, rows j * BN_D of H
                 p = (tk - end_sd) // n_d
                 j = (tk - end_sd) % n_d
                 offs_n = j * BN_D + tl.arange(0, BN_D)
                 n_ok = offs_n < H
-                _wait(sync_ptr + 7 + p, n_g, NAP)          # (its g+u waited for "chosen")
-                e = tl.load(idx_ptr + p, cache_modifier=".cg")
-                wt = tl.load(wgt_ptr + p, cache_modifier=".cg")
-                d_rows = dn_ptr + e.to(tl.int64) * (H * I) + offs_n.to(tl.int64)[:, None] * I
-                if FP8:
-                    nki = tl.cdiv(I, BLOCK_K)
-                    acc = _dot1q(d_rows, dns_ptr + e.to(tl.int64) * (tl.cdiv(H, GROUP_N) * nki)
-                                 + (offs_n // GROUP_N) * nki, n_ok, hr_ptr + p * I
-                                 + zero_m[None, :], first, I, dn_ptr, BN_D, BLOCK_M, BLOCK_K,
-                                 DOT_F32, True)                                  # [BN_D, M]
-                else:
-                    acc = _dot1(d_rows, n_ok, hr_ptr + p * I + zero_m[None, :], first, I,
-                                BN_D, BLOCK_M, BLOCK_K, DOT_F32, True)           # [BN_D, M]
-                tl.store(pr_ptr + p * H + offs_n[:, None] + zero_m[None, :],
-                         acc.to(dt).to(tl.float32) * wt, mask=n_ok[:, None] & first[None, :])
+                _wait(sync_ptr + 3, 1, NAP)
+                e, run_d, match_d = _expert_run(idx_ptr, p, P, E, BLOCK_R)
+                if run_d > 0:             # the run's first pair: every pair of its expert
+                    _wait(sync_ptr + 7 + p, n_g, NAP)
+                    pair_d, tok_d, ok_d = run_rows(match_d, 0, run_d, P, TOP_K, BLOCK_M)
+                    wt = tl.load(wgt_ptr + pair_d, mask=ok_d, other=0.0,
+                                 cache_modifier=".cg")                           # [M]
+                    d_rows = (dn_ptr + e.to(tl.int64) * (H * I)
+                              + offs_n.to(tl.int64)[:, None] * I)
+                    if FP8:
+                        nki = tl.cdiv(I, BLOCK_K)
+                        acc_d = _dot1q(d_rows, dns_ptr + e.to(tl.int64)
+                                       * (tl.cdiv(H, GROUP_N) * nki) + (offs_n // GROUP_N) * nki,
+                                       n_ok, hr_ptr + pair_d[None, :] * I, ok_d, I, dn_ptr,
+                                       BN_D, BLOCK_M, BLOCK_K, DOT_F32, True)    # [BN_D, M]
+                    else:
+                        acc_d = _dot1(d_rows, n_ok, hr_ptr + pair_d[None, :] * I, ok_d, I,
+                                      BN_D, BLOCK_M, BLOCK_K, DOT_F32, True)     # [BN_D, M]
+                    tl.store(pr_ptr + pair_d[None, :] * H + offs_n[:, None],
+                             acc_d.to(dt).to(tl.float32) * wt[None, :],
+                             mask=n_ok[:, None] & ok_d[None, :])
             tl.debug_barrier()
             if tl.atomic_add(sync_ptr + 7 + P + j, 1, sem="acq_rel") == P + ks - 1:
                 tile = offs_m[None, :] * H + offs_n[:, None]                     # [BN_D, M]
@@ -351,7 +363,7 @@ def persistent_block(x, router_weight, bias, mode, top_k, n_group, topk_group, n
         W_F32=router_weight.dtype == torch.float32, BLOCK_M=16, BLOCK_ER=block_er,
         BN_G=bn_g, BN_D=bn_d, BLOCK_K=block_k, BLOCK_E=lanes_e, BLOCK_G=lanes_g,
         BLOCK_TK=max(2, triton.next_power_of_2(top_k)),
-        BLOCK_SYNC=triton.next_power_of_2(nsync),
+        BLOCK_SYNC=triton.next_power_of_2(nsync), BLOCK_R=max(16, triton.next_power_of_2(P)),
         GROUPS_2D=grouped and E == lanes_e and n_group == lanes_g, LIBDEVICE=on_gpu,
         DOT_F32=not on_gpu, NAP=on_gpu, num_warps=warps, num_stages=stages)
     return out, idx, wgt, x, fres

@@ -30,6 +30,20 @@ def _wait(ptr, target, NAP: tl.constexpr):
 
 
 @triton.jit
+def _expert_run(idx_ptr, s, P, E, BLOCK_R: tl.constexpr):
+    """lowering/moe/expert_run.expert_run over the choice written in this launch (.cg
+    loads): (pair s's expert, the pairs that chose it where s is the first of them else 0,
+    match [BLOCK_R] 1 for those pairs)."""
+    offs = tl.arange(0, BLOCK_R)
+    ids = tl.load(idx_ptr + offs, mask=offs < P, other=-1, cache_modifier=".cg")
+    e = tl.load(idx_ptr + s, cache_modifier=".cg")
+    match = ((ids == e) & (offs < P)).to(tl.int32)
+    first = tl.min(tl.where(match != 0, offs, BLOCK_R), axis=0)
+    run = tl.sum(match, axis=0)
+    return e, tl.where((first == s) & (e >= 0) & (e < E), run, 0), match
+
+
+@triton.jit
 def _dot1(w_rows, n_ok, x_cols, m_ok, K,
           BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
           IEEE: tl.constexpr, CG: tl.constexpr):
