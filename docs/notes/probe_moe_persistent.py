@@ -272,6 +272,23 @@ def _rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
+def _timed(cfgs, run, ref, both, label=""):
+    """[(kernel-span µs, graph µs, config, rel diff)] sorted, of the configs whose run(cfg)
+    launches and matches ref (relative max error < 2e-2); the others are reported."""
+    res = []
+    for cfg in cfgs:
+        try:
+            d = _rel(run(cfg), ref)
+        except Exception as e:  # noqa: BLE001  (a config that does not launch)
+            print(f"    {label}{cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            continue
+        if not d < 2e-2:
+            print(f"    {label}{cfg}: differs {d:.1e}", flush=True)
+            continue
+        res.append((*both(lambda cfg=cfg: run(cfg)), cfg, d))
+    return sorted(res)
+
+
 def time_fp8(name, T, sweep, both):
     """The FP8 block: mla::moe_block_decode_fp8 + sum against the kernel's FP8 mode."""
     E, H, I, S, kind, _ = SHAPES[name]
@@ -288,20 +305,8 @@ def time_fp8(name, T, sweep, both):
                             for bn_g, bn_d, w, ps in ((64, 64, 4, 1), (32, 64, 4, 2),
                                                       (32, 32, 4, 2), (64, 64, 8, 1))
                             for ch_g in (1024, 2048, 8192)] if sweep else [])
-    res = []
-    for cfg in cfgs:
-        def run(cfg=cfg):
-            return persistent_block(*args, residual=residual, config=cfg, scales=scales)[0]
-        try:
-            d = _rel(run(), ref)
-        except Exception as e:  # noqa: BLE001  (a config that does not launch)
-            print(f"    fp8 {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-            continue
-        if not d < 2e-2:
-            print(f"    fp8 {cfg}: differs {d:.1e}", flush=True)
-            continue
-        res.append((*both(run), cfg, d))
-    res.sort()
+    res = _timed(cfgs, lambda cfg: persistent_block(*args, residual=residual, config=cfg,
+                                                      scales=scales)[0], ref, both, "fp8 ")
     for k_us, g_us, cfg, d in res[:4]:
         print(f"{name} T={T}: persistent fp8 block {k_us:.1f} µs ({sk / k_us:.3f}x), {g_us:.1f} "
               f"graph ({sg_ / g_us:.3f}x), {cfg}, rel diff {d:.1e}; "
@@ -345,19 +350,8 @@ def time_gpu(spec, sweep, fp8):
             cfgs += [(16, ch_r, 32, 64, 128, ch_s, 4, 3, 2) for ch_r in (256, 1024, 8192)
                      for ch_s in (1024, 4096)]
             cfgs += [(16, 512, 32, 64, 128, 2048, 4, 3, 2, ch_g) for ch_g in (512, 1024, 4096)]
-        res = []
-        for cfg in cfgs:
-            try:
-                d = _rel(persistent_block(*args, residual=residual, config=cfg)[0], ref)
-            except Exception as e:  # noqa: BLE001  (a config that does not launch)
-                print(f"    {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                continue
-            if not d < 2e-2:
-                print(f"    {cfg}: differs {d:.1e}", flush=True)
-                continue
-            res.append((*both(lambda cfg=cfg: persistent_block(*args, residual=residual,
-                                                                config=cfg)), cfg, d))
-        res.sort()
+        res = _timed(cfgs, lambda cfg: persistent_block(*args, residual=residual,
+                                                          config=cfg)[0], ref, both)
         for k_us, g_us, cfg, d in res[:5]:
             print(f"{name} T={T}: persistent block {k_us:.1f} µs ({sk / k_us:.3f}x), {g_us:.1f} "
                   f"graph ({sg_ / g_us:.3f}x), {cfg}, rel diff {d:.1e}; "

@@ -7,7 +7,7 @@ import triton.language as tl
 from lowering.moe.router_select_kernel import select_experts
 from lowering.moe.expert_run import run_rows
 from probe_moe_persistent_parts import (_dot1, _dot1q, _dot2, _dot2q, _expert_run,
-                                        _residual_norm, _silu_mul, _wait)
+                                        _gu_slices, _residual_norm, _silu_mul, _wait)
 
 
 @triton.jit
@@ -130,21 +130,10 @@ def moe_block_persistent_kernel(
                                        BLOCK_K, DOT_F32, FRONT)
             done_s = tk >= 0
             if ks_g > 1:                  # slices: the last one sums them in order
-                cols = offs_m[None, :] * (2 * S) + offs_s[:, None]               # into [T, 2S]
-                msk = s_ok[:, None] & m_ok[None, :]
-                tl.store(pgs_ptr + (u % ks_g) * (T * 2 * S) + cols, sg_acc, mask=msk)
-                tl.store(pgs_ptr + (u % ks_g) * (T * 2 * S) + cols + S, su_acc, mask=msk)
-                tl.debug_barrier()
-                done_s = tl.atomic_add(sync_ptr + c_sg + n_t, 1, sem="acq_rel") == ks_g - 1
-                if done_s:
-                    sg_acc = tl.zeros((BN_G, BLOCK_M), dtype=tl.float32)
-                    su_acc = tl.zeros((BN_G, BLOCK_M), dtype=tl.float32)
-                    for s3 in range(ks_g):
-                        sg_acc += tl.load(pgs_ptr + s3 * (T * 2 * S) + cols, mask=msk,
-                                          other=0.0, cache_modifier=".cg")
-                        su_acc += tl.load(pgs_ptr + s3 * (T * 2 * S) + cols + S, mask=msk,
-                                          other=0.0, cache_modifier=".cg")
-                    tl.store(sync_ptr + c_sg + n_t, 0)
+                done_s, sg_acc, su_acc = _gu_slices(
+                    sg_acc, su_acc, pgs_ptr, u % ks_g, ks_g, T * 2 * S,
+                    offs_m[None, :] * (2 * S) + offs_s[:, None], s_ok[:, None] & m_ok[None, :],
+                    S, sync_ptr + c_sg + n_t, BN_G, BLOCK_M)                    # into [T, 2S]
             if done_s:
                 tl.store(hs_ptr + offs_m[None, :] * S + offs_s[:, None],
                          _silu_mul(sg_acc, su_acc, dt), mask=s_ok[:, None] & m_ok[None, :])
@@ -183,21 +172,9 @@ def moe_block_persistent_kernel(
                 msk_r = i_ok[:, None] & ok_g[None, :]
                 done_r = tk >= 0
                 if ks_g > 1:              # slices: the last one sums them in order
-                    tl.store(pgr_ptr + (u % ks_g) * (P * 2 * I) + cols_r, rg_acc, mask=msk_r)
-                    tl.store(pgr_ptr + (u % ks_g) * (P * 2 * I) + cols_r + I, ru_acc,
-                             mask=msk_r)
-                    tl.debug_barrier()
-                    cnt_r = sync_ptr + c_rg + q * n_g + ni
-                    done_r = tl.atomic_add(cnt_r, 1, sem="acq_rel") == ks_g - 1
-                    if done_r:
-                        rg_acc = tl.zeros((BN_G, BLOCK_M), dtype=tl.float32)
-                        ru_acc = tl.zeros((BN_G, BLOCK_M), dtype=tl.float32)
-                        for s4 in range(ks_g):
-                            rg_acc += tl.load(pgr_ptr + s4 * (P * 2 * I) + cols_r, mask=msk_r,
-                                              other=0.0, cache_modifier=".cg")
-                            ru_acc += tl.load(pgr_ptr + s4 * (P * 2 * I) + cols_r + I,
-                                              mask=msk_r, other=0.0, cache_modifier=".cg")
-                        tl.store(cnt_r, 0)
+                    done_r, rg_acc, ru_acc = _gu_slices(
+                        rg_acc, ru_acc, pgr_ptr, u % ks_g, ks_g, P * 2 * I, cols_r, msk_r, I,
+                        sync_ptr + c_rg + q * n_g + ni, BN_G, BLOCK_M)
                 if done_r:
                     tl.store(hr_ptr + pair_g[None, :] * I + offs_i[:, None],
                              _silu_mul(rg_acc, ru_acc, dt), mask=msk_r)

@@ -44,6 +44,18 @@ def _expert_run(idx_ptr, s, P, E, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
+def _x_tile(x_cols, kk, k_ok, m_ok, CG: tl.constexpr):
+    """X[kk, cols] [BLOCK_K, BLOCK_M] (zeros outside k_ok, m_ok); CG: written in this
+    launch, so read from L2 (.cg), past any stale L1 line."""
+    mask = m_ok[None, :] & k_ok[:, None]
+    if CG:
+        x = tl.load(x_cols + kk[:, None], mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        x = tl.load(x_cols + kk[:, None], mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
 def _dot1(w_rows, n_ok, x_cols, m_ok, K,
           BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
           IEEE: tl.constexpr, CG: tl.constexpr):
@@ -57,11 +69,7 @@ def _dot1(w_rows, n_ok, x_cols, m_ok, K,
         kk = k0 + offs_k
         k_ok = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if CG:
-            x = tl.load(x_cols + kk[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0,
-                        cache_modifier=".cg")
-        else:
-            x = tl.load(x_cols + kk[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        x = _x_tile(x_cols, kk, k_ok, m_ok, CG)
         if IEEE:
             acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -83,11 +91,7 @@ def _dot2(g_rows, u_rows, n_ok, x_cols, m_ok, K,
         wmask = n_ok[:, None] & k_ok[None, :]
         wg = tl.load(g_rows + kk[None, :], mask=wmask, other=0.0)
         wu = tl.load(u_rows + kk[None, :], mask=wmask, other=0.0)
-        if CG:
-            x = tl.load(x_cols + kk[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0,
-                        cache_modifier=".cg")
-        else:
-            x = tl.load(x_cols + kk[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        x = _x_tile(x_cols, kk, k_ok, m_ok, CG)
         if IEEE:
             acc_g = tl.dot(wg.to(tl.float32), x.to(tl.float32), acc_g, input_precision="ieee")
             acc_u = tl.dot(wu.to(tl.float32), x.to(tl.float32), acc_u, input_precision="ieee")
@@ -111,11 +115,7 @@ def _dot1q(w_rows, s_rows, n_ok, x_cols, m_ok, K, q_ptr,
         kk = kb * BLOCK_K + offs_k
         k_ok = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if CG:
-            x = tl.load(x_cols + kk[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0,
-                        cache_modifier=".cg")
-        else:
-            x = tl.load(x_cols + kk[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        x = _x_tile(x_cols, kk, k_ok, m_ok, CG)
         xq, xs = quant_act_tile(x.to(tl.float32), q_ptr, not DOT_F32)          # [BK, BM], [BM]
         wsc = tl.load(s_rows + kb, mask=n_ok, other=0.0)                       # [BLOCK_N]
         if DOT_F32:      # the interpreter: fp8 x fp8 products are exact in fp32
@@ -140,11 +140,7 @@ def _dot2q(g_rows, u_rows, gs_rows, us_rows, n_ok, x_cols, m_ok, K, q_ptr,
         wmask = n_ok[:, None] & k_ok[None, :]
         wg = tl.load(g_rows + kk[None, :], mask=wmask, other=0.0)
         wu = tl.load(u_rows + kk[None, :], mask=wmask, other=0.0)
-        if CG:
-            x = tl.load(x_cols + kk[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0,
-                        cache_modifier=".cg")
-        else:
-            x = tl.load(x_cols + kk[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        x = _x_tile(x_cols, kk, k_ok, m_ok, CG)
         xq, xs = quant_act_tile(x.to(tl.float32), q_ptr, not DOT_F32)
         gsc = tl.load(gs_rows + kb, mask=n_ok, other=0.0)
         usc = tl.load(us_rows + kb, mask=n_ok, other=0.0)
@@ -157,6 +153,29 @@ def _dot2q(g_rows, u_rows, gs_rows, us_rows, n_ok, x_cols, m_ok, K, q_ptr,
         acc_g += pg * gsc[:, None] * xs[None, :]
         acc_u += pu * usc[:, None] * xs[None, :]
     return acc_g, acc_u
+
+
+@triton.jit
+def _gu_slices(acc_g, acc_u, part_ptr, sl, KS, stride, cols, mask, half, cnt_ptr,
+               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Gate + up over KS slices of H: store slice sl's fp32 sums (at part_ptr + sl * stride
+    + cols, up's `half` columns on), count it at cnt_ptr, and return (done, gate, up):
+    done for the slice that completes the tile, with the sums of every slice in order
+    (and the counter zeroed for the next launch)."""
+    tl.store(part_ptr + sl * stride + cols, acc_g, mask=mask)
+    tl.store(part_ptr + sl * stride + cols + half, acc_u, mask=mask)
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == KS - 1
+    if done:
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for s in range(KS):                                                   # in slice order
+            acc_g += tl.load(part_ptr + s * stride + cols, mask=mask, other=0.0,
+                             cache_modifier=".cg")
+            acc_u += tl.load(part_ptr + s * stride + cols + half, mask=mask, other=0.0,
+                             cache_modifier=".cg")
+        tl.store(cnt_ptr, 0)
+    return done, acc_g, acc_u
 
 
 @triton.jit
