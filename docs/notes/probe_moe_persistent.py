@@ -21,9 +21,9 @@ item only waits on items of lower tickets, so it cannot deadlock:
                [P, I] as lowering/moe/gate_up_kernel.py computes it; a pair works only if
                it is the first to choose its expert, and then for every pair of that
                expert (expert_run.py's runs: an expert's rows are read once however many
-               tokens chose it); a counter per run
-               (with H in slices of CH_G each tile's last slice sums the fp32 slices in
-               order before the SiLU, so an item stays small at V3's H = 7168)
+               tokens chose it); a counter per run. With H in slices of CH_G, each
+               tile's last slice sums the fp32 slices in order before the SiLU, so an
+               item stays small at V3's H = 7168
     shared dn  (S / CH_S slices) x (H / BN_D) items: wait for all of hs; fp32 slices
     routed dn  P x (H / BN_D) items: a run's first pair waits for the run's hr, then
                weight * round(hr @ Wd.T) for each pair of the run into pr [P, H] fp32, as
@@ -47,18 +47,19 @@ FP8Linear computes it, the activations quantized per 128 columns in registers.
 
 Waits spin on acquire atomics (with a nap between reads); every producer stores, syncs
 its threads and then releases its counter; data written inside the launch is read with
-.cg loads (from L2, past any stale L1 line). The last program to leave zeroes the counters, so the next launch (a CUDA graph
-replay) starts clean. Under TRITON_INTERPRET=1 the programs run one after another: the
+.cg loads (from L2, past any stale L1 line). The last program to leave zeroes the
+counters, so the next launch (a CUDA graph replay) starts clean. Under TRITON_INTERPRET=1 the programs run one after another: the
 first takes every ticket in order and finds each wait already met.
 
     python docs/notes/probe_moe_persistent.py --check     # CPU: TRITON_INTERPRET=1
-    python docs/notes/probe_moe_persistent.py [--shapes v2-lite:1,v2-lite:4,v3:1] [--sweep] [--fp8]
+    python docs/notes/probe_moe_persistent.py [--shapes v2-lite:1,v2-lite:4,v3:1] [--sweep]
+        [--fp8]
 
---check runs the kernel under the interpreter on small ragged shapes (1 to 5 tokens, the
+--check runs the kernel under the interpreter on small ragged shapes (1 to 16 tokens, the
 three router modes, experts shared by tokens, fp32 and bf16, one and two shared slices, H
-in one and in several slices, fp8 weights, with and without the front) against float64 and against the shipped
-ops. On a GPU: µs of the shipped op plus its sum
-(and residual) against the persistent kernel, then the shipped o_proj + residual norm +
+in one and in several slices, fp8 weights, with and without the front) against float64
+and against the shipped ops. On a GPU: µs of the shipped op plus its sum (and residual)
+against the persistent kernel, then the shipped o_proj + residual norm +
 block + sum against the kernel with its front, and with --fp8 the FP8 block against the
 kernel's FP8 mode (each captured in a CUDA graph: the profiler's kernel span and graph
 replays, L2 flushed), with their differences.
