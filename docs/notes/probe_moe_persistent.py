@@ -48,8 +48,9 @@ FP8Linear computes it, the activations quantized per 128 columns in registers.
 Waits spin on acquire atomics (with a nap between reads); every producer stores, syncs
 its threads and then releases its counter; data written inside the launch is read with
 .cg loads (from L2, past any stale L1 line). The last program to leave zeroes the
-counters, so the next launch (a CUDA graph replay) starts clean. Under TRITON_INTERPRET=1 the programs run one after another: the
-first takes every ticket in order and finds each wait already met.
+counters, so the next launch (a CUDA graph replay) starts clean. Under TRITON_INTERPRET=1
+the programs run one after another: the first takes every ticket in order and finds each
+wait already met.
 
     python docs/notes/probe_moe_persistent.py --check     # CPU: TRITON_INTERPRET=1
     python docs/notes/probe_moe_persistent.py [--shapes v2-lite:1,v2-lite:4,v3:1] [--sweep]
