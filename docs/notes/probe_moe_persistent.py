@@ -43,7 +43,8 @@ layer's step before the block, from the attention's output rows after W_UV:
 so one launch replaces o_proj, the residual norm, the block and its sum. With scales= the
 experts' and shared experts' weights are e4m3 with 128 x 128 block scales (an FP8
 checkpoint's block, against mla::moe_block_decode_fp8): every dot is W8A8 as HF's
-FP8Linear computes it, the activations quantized per 128 columns in registers.
+FP8Linear computes it, the activations quantized per 128 columns in registers; a sixth
+front entry (o_proj's scales) makes o_proj e4m3 too, the whole tail of an FP8 layer.
 
 Waits spin on acquire atomics (with a nap between reads); every producer stores, syncs
 its threads and then releases its counter; data written inside the launch is read with
@@ -58,11 +59,11 @@ wait already met.
 
 --check runs the kernel under the interpreter on small ragged shapes (1 to 16 tokens, the
 three router modes, experts shared by tokens, fp32 and bf16, one and two shared slices, H
-in one and in several slices, fp8 weights, with and without the front) against float64
-and against the shipped ops. On a GPU: µs of the shipped op plus its sum (and residual)
-against the persistent kernel, then the shipped o_proj + residual norm +
-block + sum against the kernel with its front, and with --fp8 the FP8 block against the
-kernel's FP8 mode (each captured in a CUDA graph: the profiler's kernel span and graph
+in one and in several slices, fp8 weights, with and without the front, fp8 o_proj)
+against float64 and against the shipped ops. On a GPU: µs of the shipped op plus its sum
+(and residual) against the persistent kernel, then the shipped o_proj + residual norm +
+block + sum against the kernel with its front, and with --fp8 the same two for an FP8
+checkpoint's layer (each captured in a CUDA graph: the profiler's kernel span and graph
 replays, L2 flushed), with their differences.
 """
 import argparse
@@ -76,6 +77,7 @@ import triton
 
 sys.path[:0] = ["benchmarks", "docs/notes", "."]       # run from the repository root
 import lowering.moe.block  # noqa: E402,F401  (registers mla::moe_block_decode)
+from lowering.gemm.fp8_act_quant import quantize_rows_torch  # noqa: E402
 from lowering.moe import router as moe_router  # noqa: E402
 from probe_moe_persistent_kernel import (CONFIG, FP8_CONFIG, FRONT_CONFIG,  # noqa: E402
                                          persistent_block)
@@ -131,6 +133,23 @@ def shipped_front(front, rest):
     parts = torch.ops.mla.decode_linear_partials(a, wo, max(1, gemm.linear_split_k(a, wo)))
     h1, x = torch.ops.mla.residual_rms_norm(parts, res0, nw, eps)
     return shipped_block((x, *rest), residual=h1), x, h1
+
+
+def shipped_front_fp8(front, rest, scales):
+    """An FP8 checkpoint's layer tail as the converted model runs it at decode rows:
+    o_proj's fp8 split-K partials, mla::residual_rms_norm_fp8 (h1, x and x quantized for
+    the block), mla::moe_block_decode_fp8 reading that, and the sum with h1."""
+    from lowering.fused import norm  # noqa: F401  (registers mla::residual_rms_norm_fp8)
+    from lowering.gemm import fp8_linear  # noqa: F401  (mla::decode_linear_fp8_partials)
+    import lowering.moe.fp8_block  # noqa: F401
+    a, wq, res0, nw, eps, wos = front
+    parts = torch.ops.mla.decode_linear_fp8_partials(a, wq, wos, 128, 128)
+    h1, x, xq, xs = torch.ops.mla.residual_rms_norm_fp8(parts, res0, nw, eps, 128)
+    gu, dn, sg, su, sd = rest[8:]
+    gus, dns, sgs, sus, sds = scales
+    pairs, shared = torch.ops.mla.moe_block_decode_fp8(
+        x, *rest[:8], gu, gus, dn, dns, sg, sgs, su, sus, sd, sds, 128, 128, xq, xs)
+    return h1 + (pairs.sum(1).to(x.dtype) + shared[0])
 
 
 def make_front(T, H, NV, dt, dev="cpu", seed=0):
@@ -229,6 +248,37 @@ def check():
             print(f"fp8 {kind} {dt} T={T} H={H} E={E} I={I} S={S} {programs} programs: vs the "
                   f"shipped op {d:.1e}", flush=True)
             assert d < (1e-5 if dt == torch.float32 else 2e-2), d
+    # an FP8 checkpoint's layer tail: e4m3 o_proj and experts, against float64 W8A8 for
+    # h1 and x (on the CPU the shipped o_proj dequantizes, so it is no reference here)
+    for n, (kind, T, H, E, I, S, NV, dt) in enumerate([
+            ("v3", 2, 256, 16, 128, 192, 384, torch.float32),
+            ("v2", 1, 256, 8, 128, 192, 256, torch.bfloat16)]):
+        args, scales = make_fp8(make_args(kind, T, H, E, I, S, dt, seed=30 + n), seed=n)
+        a, _, res0, nw, eps = make_front(T, H, NV, dt, seed=n)
+        g = torch.Generator().manual_seed(300 + n)
+        wq = (torch.randn(H, NV, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        wos = torch.rand(triton.cdiv(H, 128), triton.cdiv(NV, 128), generator=g) * 2e-4 + 1e-5
+        front = (a, wq, res0, nw, eps, wos)
+        cfg = (16, 128, 16, 32, 128, 128, 4, 1, 2, 128)
+        for programs in (1, 3):
+            out, idx, wgt, x, h1 = persistent_block(None, *args[1:], config=cfg,
+                                                    programs=programs, front=front,
+                                                    front_config=(16, 128), scales=scales)
+            aq, a_s = quantize_rows_torch(a, 128)                         # W8A8 in float64
+            a64 = aq.double() * a_s.double().repeat_interleave(128, -1)[..., :NV]
+            w64 = wq.double() * wos.double().repeat_interleave(128, 0)[:H].repeat_interleave(
+                128, 1)[:, :NV]
+            h1_ref = (res0.double() + (a64 @ w64.T).to(dt).double()).to(dt)
+            tol = 2.0 ** -6 if dt == torch.bfloat16 else 1e-5
+            dev = ((h1.double() - h1_ref.double()).abs().max() / h1_ref.double().abs().max())
+            assert dev <= tol, ("h1", dev.item())
+            shipped = shipped_block_fp8((x, *args[1:]), scales, h1)
+            d = ((out.double() - shipped.double()).abs().max()
+                 / shipped.double().abs().max()).item()
+            print(f"fp8 front + {kind} {dt} T={T} H={H} NV={NV} {programs} programs: h1 vs "
+                  f"float64 W8A8 {dev.item():.1e}, vs the shipped fp8 block on its x, h1 "
+                  f"{d:.1e}", flush=True)
+            assert d < (1e-5 if dt == torch.float32 else 2e-2), d
     for n, (kind, T, H, E, I, S, NV, dt, cfg, fcfg) in enumerate([
             ("v2", 1, 96, 8, 40, 72, 80, torch.float32, (16, 64, 16, 32, 32, 2048, 4, 1, 2),
              (32, 32)),
@@ -314,6 +364,33 @@ def time_fp8(name, T, sweep, both):
         print(f"{name} T={T}: persistent fp8 block {k_us:.1f} µs ({sk / k_us:.3f}x), {g_us:.1f} "
               f"graph ({sg_ / g_us:.3f}x), {cfg}, rel diff {d:.1e}; "
               f"{nbytes / k_us / 1e3:.0f} GB/s", flush=True)
+    if not res:
+        return
+    # the layer's tail with an e4m3 o_proj in front
+    NV = SHAPES[name][5]
+    g = torch.Generator(device="cuda").manual_seed(300 + T)
+    a, _, res0, nw, eps = make_front(T, H, NV, torch.bfloat16, dev="cuda", seed=T)
+    wq = (torch.randn(H, NV, generator=g, device="cuda") * 100).clamp(-448, 448).to(
+        torch.float8_e4m3fn)
+    wos = torch.rand(triton.cdiv(H, 128), triton.cdiv(NV, 128), generator=g,
+                     device="cuda") * 2e-4 + 1e-5
+    front = (a, wq, res0, nw, eps, wos)
+    ref_layer = shipped_front_fp8(front, args[1:], scales)
+    lk, lg = both(lambda: shipped_front_fp8(front, args[1:], scales))
+    print(f"{name} T={T} fp8: shipped o_proj + norm + block + sum {lk:.1f} µs kernel span / "
+          f"{lg:.1f} graph", flush=True)
+    for fcfg in [(32, 512)] + ([(32, 1024), (32, 2048), (64, 1024)] if sweep else []):
+        def run(fcfg=fcfg):
+            return persistent_block(None, *args[1:], config=res[0][2], front=front,
+                                    front_config=fcfg, scales=scales)[0]
+        d = _rel(run(), ref_layer)
+        if not d < 3e-2:
+            print(f"    fp8 front {fcfg}: differs {d:.1e}", flush=True)
+            continue
+        k_us, g_us = both(run)
+        print(f"{name} T={T}: persistent fp8 o_proj + norm + block {k_us:.1f} µs "
+              f"({lk / k_us:.3f}x), {g_us:.1f} graph ({lg / g_us:.3f}x), front {fcfg}, "
+              f"rel diff {d:.1e}", flush=True)
 
 
 def time_gpu(spec, sweep, fp8):

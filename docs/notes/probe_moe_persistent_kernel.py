@@ -14,6 +14,7 @@ from probe_moe_persistent_parts import (_dot1, _dot1q, _dot2, _dot2q, _expert_ru
 def moe_block_persistent_kernel(
     x_ptr, res_ptr, out_ptr,            # x, residual, out [T, H] (residual: RESIDUAL only)
     a_ptr, wo_ptr, nw_ptr,              # FRONT: attention rows [T, NV], o_proj [H, NV], norm [H]
+    wos_ptr,                            # FP8_O: o_proj's block scales [cdiv(H, 128), cdiv(NV, 128)]
     po_ptr, h1_ptr, fres_ptr,           # FRONT: o slices [KS_O, T, H] fp32, h1 [T, H]; the
                                         #   final residual (h1 with FRONT, else res_ptr)
     wr_ptr, bias_ptr,                   # router [E, H] (x's dtype or fp32), bias [E] (MODE 0)
@@ -30,6 +31,7 @@ def moe_block_persistent_kernel(
     NV, CH_O, eps, CH_G,
     FRONT: tl.constexpr, BN_O: tl.constexpr, BLOCK_NORM: tl.constexpr,
     FP8: tl.constexpr, GROUP_N: tl.constexpr,         # FP8: BLOCK_K is the scales' K block
+    FP8_O: tl.constexpr,                              # FRONT with an e4m3 o_proj
     MODE: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, W_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_ER: tl.constexpr, BN_G: tl.constexpr, BN_D: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -69,9 +71,17 @@ def moe_block_persistent_kernel(
             k0o = (tk % ks_o) * CH_O
             offs_o = jo * BN_O + tl.arange(0, BN_O)
             o_ok = offs_o < H
-            acc_o = _dot1(wo_ptr + offs_o.to(tl.int64)[:, None] * NV + k0o, o_ok,
-                          a_ptr + offs_m[None, :] * NV + k0o, m_ok, tl.minimum(CH_O, NV - k0o),
-                          BN_O, BLOCK_M, BLOCK_K, DOT_F32, False)             # [BN_O, M]
+            if FP8_O:                     # e4m3 o_proj, its 128 x 128 block scales at wos_ptr
+                acc_o = _dot1q(wo_ptr + offs_o.to(tl.int64)[:, None] * NV + k0o,
+                               wos_ptr + (offs_o // GROUP_N) * tl.cdiv(NV, BLOCK_K)
+                               + k0o // BLOCK_K, o_ok, a_ptr + offs_m[None, :] * NV + k0o,
+                               m_ok, tl.minimum(CH_O, NV - k0o), wo_ptr, BN_O, BLOCK_M,
+                               BLOCK_K, DOT_F32, False)                          # [BN_O, M]
+            else:
+                acc_o = _dot1(wo_ptr + offs_o.to(tl.int64)[:, None] * NV + k0o, o_ok,
+                              a_ptr + offs_m[None, :] * NV + k0o, m_ok,
+                              tl.minimum(CH_O, NV - k0o), BN_O, BLOCK_M, BLOCK_K, DOT_F32,
+                              False)                                             # [BN_O, M]
             tl.store(po_ptr + ((tk % ks_o) * T + offs_m[None, :]) * H + offs_o[:, None], acc_o,
                      mask=o_ok[:, None] & m_ok[None, :])
             tl.debug_barrier()
@@ -275,9 +285,9 @@ def persistent_block(x, router_weight, bias, mode, top_k, n_group, topk_group, n
     front = (a [T, NV], wo [H, NV], res0 [T, H], norm weight [H], eps): x and residual are
     made in the launch instead, h1 = round(res0 + round(a @ wo.T)) and x = RMSNorm(h1),
     and out = h1 + the block of x (a decoder layer after its attention's W_UV; x may be
-    None). scales = (gate_up, down, shared gate, up, down scales): the experts' weights
-    are e4m3 with 128 x 128 block scales (W8A8; BLOCK_K must be 128, no front).
-    Contiguous tensors; T <= 16."""
+    None); a sixth entry, o_proj's block scales, makes wo e4m3 (W8A8). scales = (gate_up,
+    down, shared gate, up, down scales): the experts' weights are e4m3 with 128 x 128
+    block scales (W8A8). Either FP8 form needs BLOCK_K 128. Contiguous tensors; T <= 16."""
     T, H = (front[0].shape[0], front[1].shape[0]) if front is not None else x.shape
     assert T <= 16, "one dot column per row: at most 16 rows"
     E, I, S = router_weight.shape[0], gate_up.shape[1] // 2, sg.shape[0]
@@ -290,11 +300,13 @@ def persistent_block(x, router_weight, bias, mode, top_k, n_group, topk_group, n
     ch_g = triton.cdiv(min(ch_g, H), block_k) * block_k
     ks_g = triton.cdiv(H, ch_g)
     dt, dev = (front[0] if front is not None else x).dtype, gate_up.device
-    assert scales is None or (block_k == 128 and front is None), "FP8: BLOCK_K 128, no front"
+    fp8_o = front is not None and len(front) > 5          # (..., eps, o_proj's scales)
+    assert (scales is None and not fp8_o) or block_k == 128, "FP8: BLOCK_K 128"
     gus, dns, sgs, sus, sds = scales if scales is not None else (gate_up,) * 5
     f32 = dict(dtype=torch.float32, device=dev)
     if front is not None:
-        a, wo, res0, nw, eps = front
+        a, wo, res0, nw, eps = front[:5]
+        wos = front[5] if fp8_o else wo
         NV = a.shape[1]
         ch_o = triton.cdiv(min(ch_o, NV), block_k) * block_k
         x = torch.empty((T, H), dtype=dt, device=dev)                           # [T, H]
@@ -303,7 +315,7 @@ def persistent_block(x, router_weight, bias, mode, top_k, n_group, topk_group, n
         residual = res0
         fres = h1
     else:
-        a = wo = nw = po = h1 = x
+        a = wo = wos = nw = po = h1 = x
         NV, ch_o, eps = 1, block_k, 0.0
         fres = residual if residual is not None else x
     lp = torch.empty((triton.cdiv(H, ch_r), T, E), **f32)                      # [SPLIT_R, T, E]
@@ -329,13 +341,13 @@ def persistent_block(x, router_weight, bias, mode, top_k, n_group, topk_group, n
     lanes_g = max(2, triton.next_power_of_2(n_group if grouped else 1))
     on_gpu = dev.type == "cuda"
     moe_block_persistent_kernel[(programs,)](
-        x, residual if residual is not None else x, out, a, wo, nw, po, h1, fres,
+        x, residual if residual is not None else x, out, a, wo, nw, wos, po, h1, fres,
         router_weight, bias if mode == 0 else router_weight, gate_up, down, sg, su, sd,
         gus, dns, sgs, sus, sds, pgs, pgr, lp, idx, wgt, hs, hr, pr, ps, _SYNC[key],
         T, H, E, I, S, top_k, E // n_group if grouped else E, n_group if grouped else 1,
         topk_group if grouped else 1, float(scale), ch_r, ch_s, NV, ch_o, float(eps), ch_g,
         FRONT=front is not None, BN_O=bn_o, BLOCK_NORM=1024, FP8=scales is not None,
-        GROUP_N=128,
+        GROUP_N=128, FP8_O=fp8_o,
         MODE=mode, NORM=bool(norm_topk_prob) and mode == 0, RESIDUAL=residual is not None,
         W_F32=router_weight.dtype == torch.float32, BLOCK_M=16, BLOCK_ER=block_er,
         BN_G=bn_g, BN_D=bn_d, BLOCK_K=block_k, BLOCK_E=lanes_e, BLOCK_G=lanes_g,
