@@ -325,9 +325,9 @@ def _rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-def _timed(cfgs, run, ref, both, label=""):
+def _timed(cfgs, run, ref, both, label="", tol=2e-2):
     """[(kernel-span µs, graph µs, config, rel diff)] sorted, of the configs whose run(cfg)
-    launches and matches ref (relative max error < 2e-2); the others are reported."""
+    launches and matches ref (relative max error < tol); the others are reported."""
     res = []
     for cfg in cfgs:
         try:
@@ -335,7 +335,7 @@ def _timed(cfgs, run, ref, both, label=""):
         except Exception as e:  # noqa: BLE001  (a config that does not launch)
             print(f"    {label}{cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             continue
-        if not d < 2e-2:
+        if not d < tol:
             print(f"    {label}{cfg}: differs {d:.1e}", flush=True)
             continue
         res.append((*both(lambda cfg=cfg: run(cfg)), cfg, d))
@@ -379,15 +379,11 @@ def time_fp8(name, T, sweep, both):
     lk, lg = both(lambda: shipped_front_fp8(front, args[1:], scales))
     print(f"{name} T={T} fp8: shipped o_proj + norm + block + sum {lk:.1f} µs kernel span / "
           f"{lg:.1f} graph", flush=True)
-    for fcfg in [(32, 512)] + ([(32, 1024), (32, 2048), (64, 1024)] if sweep else []):
-        def run(fcfg=fcfg):
-            return persistent_block(None, *args[1:], config=res[0][2], front=front,
-                                    front_config=fcfg, scales=scales)[0]
-        d = _rel(run(), ref_layer)
-        if not d < 3e-2:
-            print(f"    fp8 front {fcfg}: differs {d:.1e}", flush=True)
-            continue
-        k_us, g_us = both(run)
+    fcfgs = [(32, 512)] + ([(32, 1024), (32, 2048), (64, 1024)] if sweep else [])
+    for k_us, g_us, fcfg, d in _timed(
+            fcfgs, lambda fcfg: persistent_block(None, *args[1:], config=res[0][2], front=front,
+                                                 front_config=fcfg, scales=scales)[0],
+            ref_layer, both, "fp8 front ", tol=3e-2):
         print(f"{name} T={T}: persistent fp8 o_proj + norm + block {k_us:.1f} µs "
               f"({lk / k_us:.3f}x), {g_us:.1f} graph ({lg / g_us:.3f}x), front {fcfg}, "
               f"rel diff {d:.1e}", flush=True)
@@ -446,15 +442,10 @@ def time_gpu(spec, sweep, fp8):
         best = res[0][2]
         fcfgs = [FRONT_CONFIG] + ([(16, 512), (32, 1024), (32, 2048), (64, 1024), (64, 2048)]
                                   if sweep else [])
-        for fcfg in fcfgs:
-            def run(fcfg=fcfg):
-                return persistent_block(None, *args[1:], config=best, front=front,
-                                        front_config=fcfg)
-            d = _rel(run()[0], ref_layer)
-            if not d < 3e-2:
-                print(f"    front {fcfg}: differs {d:.1e}", flush=True)
-                continue
-            k_us, g_us = both(run)
+        for k_us, g_us, fcfg, d in _timed(
+                fcfgs, lambda fcfg: persistent_block(None, *args[1:], config=best, front=front,
+                                                     front_config=fcfg)[0],
+                ref_layer, both, "front ", tol=3e-2):
             print(f"{name} T={T}: persistent o_proj + norm + block {k_us:.1f} µs "
                   f"({lk / k_us:.3f}x), {g_us:.1f} graph ({lg / g_us:.3f}x), front {fcfg}, "
                   f"rel diff {d:.1e}; {(nbytes + obytes) / k_us / 1e3:.0f} GB/s", flush=True)
