@@ -91,6 +91,7 @@ def test_block_vs_fp64_and_the_shipped_op(case, programs, monkeypatch):
     x, rest = make_block(kind, T, H, E, I, S, seed=T)
     residual = torch.randn(T, H)
     out, idx, wgt = tail.launch(x, residual, *rest, programs=programs)[:3]
+    assert not tail._SYNC[x.device].any()          # the launch leaves its counters zeroed
     ref_idx, ref_w = moe_router.launch(x, *rest[:8])
     K = rest[3]
     assert torch.equal(idx.view(T, K).long(), ref_idx)

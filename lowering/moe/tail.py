@@ -57,6 +57,20 @@ BLOCK_NORM = 1024            # the front's RMSNorm walks a row in chunks of this
 _SYNC: dict = {}
 
 
+def _counters(dev: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 counters, zero: the device's buffer (made once, or larger when a
+    launch needs more; every launch leaves it zeroed). While a CUDA graph captures and the
+    buffer is missing or short, a buffer of the call's own, zeroed inside the graph (a
+    memset before each replay's launch), so nothing made during a capture is kept."""
+    buf = _SYNC.get(dev)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=dev)
+    _SYNC[dev] = torch.zeros(max(n, 1024), dtype=torch.int32, device=dev)
+    return _SYNC[dev]
+
+
 def config_of(E: int, H: int, I: int, S: int) -> tuple:
     return CONFIGS.get((E, H, I, S), DEFAULT_CONFIG)
 
@@ -164,9 +178,7 @@ def launch(x, residual, router_weight, bias, mode, top_k, n_group, topk_group,
     pgs = torch.empty((ks_g, T, 2 * S) if ks_g > 1 else (1,), **f32)            # [KS_G, T, 2S]
     pgr = torch.empty((ks_g, P, 2 * I) if ks_g > 1 else (1,), **f32)            # [KS_G, P, 2I]
     nsync = 7 + P + triton.cdiv(H, bn_d) + triton.cdiv(S, bn_g) + P * triton.cdiv(I, bn_g)
-    key = (dev, nsync)
-    if key not in _SYNC:                  # zeroed once; every launch leaves it zeroed
-        _SYNC[key] = torch.zeros(nsync, dtype=torch.int32, device=dev)
+    sync = _counters(dev, nsync)
     if programs is None:
         programs = (torch.cuda.get_device_properties(dev).multi_processor_count * per_sm
                     if dev.type == "cuda" else 3)
@@ -178,7 +190,7 @@ def launch(x, residual, router_weight, bias, mode, top_k, n_group, topk_group,
         x, residual, out, a, wo, nw, wos, po, h1, h1,
         router_weight, bias if mode == 0 else router_weight, gate_up, down, shared_gate,
         shared_up, shared_down, gus, dns, sgs, sus, sds, pgs, pgr, lp, idx, wgt, hs, hr, pr,
-        ps, _SYNC[key],
+        ps, sync,
         T, H, E, I, S, top_k, E // n_group if grouped else E, n_group if grouped else 1,
         topk_group if grouped else 1, float(scale), ch_r, ch_s, NV, ch_o, float(eps), ch_g,
         FRONT=front is not None, BN_O=bn_o, BLOCK_NORM=BLOCK_NORM, FP8=scales is not None,
@@ -187,7 +199,7 @@ def launch(x, residual, router_weight, bias, mode, top_k, n_group, topk_group,
         W_F32=router_weight.dtype == torch.float32, BLOCK_M=MAX_ROWS, BLOCK_ER=block_er,
         BN_G=bn_g, BN_D=bn_d, BLOCK_K=block_k, BLOCK_E=lanes_e, BLOCK_G=lanes_g,
         BLOCK_TK=max(2, triton.next_power_of_2(top_k)),
-        BLOCK_SYNC=triton.next_power_of_2(nsync), BLOCK_R=max(16, triton.next_power_of_2(P)),
+        BLOCK_SYNC=min(1024, triton.next_power_of_2(nsync)), BLOCK_R=max(16, triton.next_power_of_2(P)),
         GROUPS_2D=grouped and E == lanes_e and n_group == lanes_g, LIBDEVICE=on_gpu,
         DOT_F32=not on_gpu, NAP=on_gpu, num_warps=warps, num_stages=stages)
     return out, idx, wgt, x, h1

@@ -290,4 +290,6 @@ def moe_tail_kernel(
 
     if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         offs = tl.arange(0, BLOCK_SYNC)   # every other program has left: reset the counters
-        tl.store(sync_ptr + offs, tl.zeros([BLOCK_SYNC], tl.int32), mask=offs < c_rg + P * n_g)
+        for s0 in range(0, c_rg + P * n_g, BLOCK_SYNC):
+            tl.store(sync_ptr + s0 + offs, tl.zeros([BLOCK_SYNC], tl.int32),
+                     mask=s0 + offs < c_rg + P * n_g)
