@@ -16,7 +16,7 @@ import lowering.fused.norm  # noqa: E402,F401  (mla::residual_rms_norm)
 import lowering.moe.block  # noqa: E402,F401  (mla::moe_block_decode)
 from lowering.gemm import linear as gemm  # noqa: E402
 from lowering.moe import router as moe_router  # noqa: E402
-from lowering.moe import tail  # noqa: E402
+from lowering.moe import fp8_tail, tail  # noqa: E402
 
 INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1")
@@ -177,6 +177,87 @@ def test_layer_tail_vs_the_shipped_ops(case):
         assert rel(op, shipped) < 1e-5
 
 
+def make_fp8(rest, seed=0):
+    """rest with the experts' and shared experts' weights e4m3 and random 128 x 128 block
+    scales (gate_up's gate and up rows in blocks of their own): (rest, (gate_up, down,
+    shared gate, up, down scales))."""
+    g = torch.Generator(device=rest[0].device).manual_seed(seed + 200)
+
+    def q(w, split):
+        e4m3 = (torch.randn(w.shape, generator=g, device=w.device) * 100).clamp(-448, 448)
+        lead, (N, K) = w.shape[:-2], w.shape[-2:]
+        rows = 2 * -(-N // 256) if split else -(-N // 128)
+        sc = torch.rand(*lead, rows, -(-K // 128), generator=g, device=w.device)
+        return e4m3.to(torch.float8_e4m3fn), sc * 2e-4 + 1e-5
+    pairs = [q(w, n == 0) for n, w in enumerate(rest[8:])]
+    return (*rest[:8], *[w for w, _ in pairs]), tuple(sc for _, sc in pairs)
+
+
+def fp8_args(rest, scales):
+    """mla::moe_block_decode_fp8's arguments after x."""
+    gu, dn, sg, su, sd = rest[8:]
+    gus, dns, sgs, sus, sds = scales
+    return (*rest[:8], gu, gus, dn, dns, sg, sgs, su, sus, sd, sds, 128, 128)
+
+
+def shipped_fp8(x, rest, scales, residual):
+    pairs, shared = torch.ops.mla.moe_block_decode_fp8(x, *fp8_args(rest, scales))
+    return residual + (pairs.sum(1).to(x.dtype) + shared[0])
+
+
+@INTERPRETED
+@pytest.mark.parametrize("kind,T,programs", [("v2", 1, 1), ("v3", 3, 3)])
+def test_fp8_block_vs_the_shipped_op(kind, T, programs, monkeypatch):
+    """e4m3 experts (W8A8): the op against mla::moe_block_decode_fp8 and its sum, fp32 rows,
+    H in one and in two gate + up slices."""
+    H, E, I, S = 256, 8 if kind == "v2" else 16, 192, 256
+    x, rest = make_block(kind, T, H, E, I, S, seed=20 + T)
+    rest, scales = make_fp8(rest, seed=T)
+    residual = torch.randn(T, H)
+    monkeypatch.setitem(fp8_tail.CONFIGS, (E, H, I, S),
+                        (16, 128, 16, 32, 128, 128, 4, 1, 2, 2048 if T == 1 else 128))
+    want = shipped_fp8(x, rest, scales, residual)
+    got = torch.ops.mla.moe_block_decode_fp8_residual(x, residual, *fp8_args(rest, scales))
+    assert rel(got, want) < 1e-5
+    out = tail.launch(x, residual, *rest[:8], *rest[8:], scales=scales, programs=programs,
+                      config=fp8_tail.CONFIGS[(E, H, I, S)])[0]
+    assert rel(out, want) < 1e-5
+    with pytest.raises(ValueError, match="gate_up_scale"):
+        torch.ops.mla.moe_block_decode_fp8_residual(
+            x, residual, *fp8_args(rest, (scales[0][:, :1], *scales[1:])))
+
+
+@INTERPRETED
+@pytest.mark.parametrize("dt", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_fp8_layer_tail(dt, monkeypatch):
+    """An FP8 checkpoint's layer tail (e4m3 o_proj and experts): h1 against float64 W8A8,
+    the output against the shipped fp8 block on the launch's own x and h1."""
+    from lowering.gemm.fp8_act_quant import quantize_rows_torch
+    T, H, E, I, S, NV = 2, 256, 16, 128, 192, 384
+    _, rest = make_block("v3", T, H, E, I, S, dt, seed=30)
+    rest, scales = make_fp8(rest, seed=3)
+    g = torch.Generator().manual_seed(300)
+    o_rows = torch.randn(T, NV, generator=g).to(dt)
+    wq = (torch.randn(H, NV, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    wos = torch.rand(2, 3, generator=g) * 2e-4 + 1e-5                       # [H/128, NV/128]
+    residual = torch.randn(T, H, generator=g).to(dt)
+    nw = (1 + 0.1 * torch.randn(H, generator=g)).to(dt)
+    cfg = (16, 128, 16, 32, 128, 128, 4, 1, 2, 128)
+    monkeypatch.setitem(fp8_tail.CONFIGS, (E, H, I, S), cfg)
+    out, _, _, x, h1 = tail.launch(None, residual, *rest, front=(o_rows, wq, nw, 1e-6, wos),
+                                   config=cfg, front_config=(16, 128), programs=3,
+                                   scales=scales)
+    aq, a_s = quantize_rows_torch(o_rows, 128)                          # W8A8 in float64
+    a64 = aq.double() * a_s.double().repeat_interleave(128, -1)[..., :NV]
+    w64 = wq.double() * wos.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    h1_64 = (residual.double() + (a64 @ w64.T).to(dt).double()).to(dt)
+    assert rel(h1, h1_64) <= (2.0 ** -10 if dt == torch.float16 else 1e-5)
+    assert rel(out, shipped_fp8(x, rest, scales, h1)) < (1e-5 if dt == torch.float32 else 2e-3)
+    op = torch.ops.mla.moe_layer_tail_decode_fp8(o_rows, wq, wos, residual, nw, 1e-6,
+                                                 *fp8_args(rest, scales))
+    assert rel(op, out) < (1e-6 if dt == torch.float32 else 1e-3)
+
+
 @GPU
 @pytest.mark.parametrize("kind,T", [("v2", 1), ("v2", 4), ("v3", 1), ("v3", 16)])
 def test_on_gpu_against_the_shipped_ops(kind, T):
@@ -201,3 +282,17 @@ def test_on_gpu_against_the_shipped_ops(kind, T):
     shipped = shipped_front(o_rows, o_proj, residual, nw, 1e-6, rest)[0]
     got = torch.ops.mla.moe_layer_tail_decode(o_rows, o_proj, residual, nw, 1e-6, *rest)
     assert rel(got, shipped) < 3e-2
+
+
+@GPU
+@pytest.mark.parametrize("T", [1, 4])
+def test_fp8_on_gpu_against_the_shipped_op(T):
+    """DeepSeek-V3's FP8 block at its real shape: the op against mla::moe_block_decode_fp8
+    and its sum (bf16 rows)."""
+    H, E, I, S = 7168, 256, 2048, 2048
+    x, rest = make_block("v3", T, H, E, I, S, torch.bfloat16, dev="cuda", seed=T)
+    rest, scales = make_fp8(rest, seed=T)
+    residual = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    want = shipped_fp8(x, rest, scales, residual)
+    got = torch.ops.mla.moe_block_decode_fp8_residual(x, residual, *fp8_args(rest, scales))
+    assert rel(got, want) < 2e-2

@@ -103,15 +103,37 @@ def serves(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor,
             and (o_proj is None or (o_proj.dim() == 2 and o_proj.shape[0] == H)))
 
 
+def require_interpreter(op: str, x) -> None:
+    """Raise a ValueError where the kernel cannot run x: off CUDA without the interpreter."""
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"mla::{op} runs its kernel on CUDA (x is on {x.device}); on the "
+                         f"CPU only under TRITON_INTERPRET=1")
+
+
 def _require(op: str, x, serves_now: bool) -> None:
     if x.is_cuda and not serves_now:
         raise ValueError(f"mla::{op}: its kernel does not serve these tensors "
                          f"(lowering.moe.tail.serves says which it does); run the layer's "
                          f"separate ops instead (o_proj, mla::residual_rms_norm, "
                          f"mla::moe_block_decode)")
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"mla::{op} runs its kernel on CUDA (x is on {x.device}); on the "
-                         f"CPU only under TRITON_INTERPRET=1")
+    require_interpreter(op, x)
+
+
+def check_front(o_rows, residual, norm_weight) -> None:
+    """Raise a ValueError / TypeError naming the argument unless o_rows [T, NV], residual
+    [T, H] and norm_weight [H] agree (o_proj's own checks are its op's)."""
+    if residual.dim() != 2:
+        raise ValueError(f"residual must be [T, H], got {tuple(residual.shape)}")
+    T, H = residual.shape
+    if o_rows.dim() != 2 or o_rows.shape[0] != T:
+        raise ValueError(f"o_rows must be [{T}, NV] (the attention's rows after W_UV), got "
+                         f"{tuple(o_rows.shape)}")
+    if tuple(norm_weight.shape) != (H,):
+        raise ValueError(f"norm_weight must be [{H}], got {tuple(norm_weight.shape)}")
+    for name, t in (("o_rows", o_rows), ("norm_weight", norm_weight)):
+        if t.dtype != residual.dtype or t.device != residual.device:
+            raise TypeError(f"{name} must be {residual.dtype} on {residual.device}, got "
+                            f"{t.dtype} on {t.device}")
 
 
 def _check_block(x, router_weight, bias, mode, top_k, n_group, topk_group, gate_up, down,
@@ -234,20 +256,13 @@ def moe_layer_tail_decode(o_rows: torch.Tensor, o_proj: torch.Tensor, residual: 
                           gate_up: torch.Tensor, down: torch.Tensor,
                           shared_gate: torch.Tensor, shared_up: torch.Tensor,
                           shared_down: torch.Tensor) -> torch.Tensor:
-    if residual.dim() != 2:
-        raise ValueError(f"residual must be [T, H], got {tuple(residual.shape)}")
+    check_front(o_rows, residual, norm_weight)
     T, H = residual.shape
-    if o_rows.dim() != 2 or o_rows.shape[0] != T:
-        raise ValueError(f"o_rows must be [{T}, NV] (the attention's rows after W_UV), got "
-                         f"{tuple(o_rows.shape)}")
     if tuple(o_proj.shape) != (H, o_rows.shape[1]):
         raise ValueError(f"o_proj must be [{H}, {o_rows.shape[1]}], got {tuple(o_proj.shape)}")
-    if tuple(norm_weight.shape) != (H,):
-        raise ValueError(f"norm_weight must be [{H}], got {tuple(norm_weight.shape)}")
-    for name, t in (("o_rows", o_rows), ("o_proj", o_proj), ("norm_weight", norm_weight)):
-        if t.dtype != residual.dtype or t.device != residual.device:
-            raise TypeError(f"{name} must be {residual.dtype} on {residual.device}, got "
-                            f"{t.dtype} on {t.device}")
+    if o_proj.dtype != residual.dtype or o_proj.device != residual.device:
+        raise TypeError(f"o_proj must be {residual.dtype} on {residual.device}, got "
+                        f"{o_proj.dtype} on {o_proj.device}")
     block = (gate_up, down, shared_gate, shared_up, shared_down)
     _check_block(residual, router_weight, bias, mode, top_k, n_group, topk_group, *block,
                  residual)
