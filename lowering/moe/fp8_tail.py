@@ -20,7 +20,6 @@ from typing import Optional
 import torch
 
 from lowering.gemm import fp8_linear as fp8_gemm
-from lowering.moe import router as moe_router
 from lowering.moe import tail
 from lowering.moe.fp8_block import check_block_args
 
@@ -40,11 +39,8 @@ def serves(x: torch.Tensor, router_weight: torch.Tensor, weights: tuple, scales:
     down, shared gate, up, down[, o_proj]) and scales alike."""
     if (group_n, group_k) != (GROUP, GROUP):
         return False
-    if not (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= tail.MAX_ROWS):
-        return False
-    if moe_router.kernel_serves(x, router_weight) is not None:
-        return False
-    return (all(w.dtype == FP8 and w.device == x.device and w.is_contiguous() for w in weights)
+    return (tail.rows_serve(x, router_weight)
+            and all(w.dtype == FP8 and w.device == x.device and w.is_contiguous() for w in weights)
             and all(s.dtype == torch.float32 and s.device == x.device and s.is_contiguous()
                     for s in scales))
 
@@ -56,13 +52,10 @@ def _checked(op, x, residual, router_weight, bias, mode, top_k, n_group, topk_gr
     shared = ((sg, sgs), (su, sus), (sd, sds))
     check_block_args(x, router_weight, bias, mode, top_k, n_group, topk_group, gate_up,
                      gate_up_scale, down, down_scale, shared, group_n, group_k)
-    T, H = x.shape
-    if tuple(residual.shape) != (T, H) or residual.dtype != x.dtype:
-        raise ValueError(f"residual must be {x.dtype} [{T}, {H}], got {residual.dtype} "
-                         f"{tuple(residual.shape)}")
-    if not 1 <= T <= tail.MAX_ROWS:
-        raise ValueError(f"{T} rows: the tail kernel takes 1 to {tail.MAX_ROWS} (a decode "
-                         f"step's rows); run mla::moe_block_decode_fp8 for more")
+    if residual.dtype != x.dtype:
+        raise ValueError(f"residual must be {x.dtype} [{x.shape[0]}, {x.shape[1]}], got "
+                         f"{residual.dtype} {tuple(residual.shape)}")
+    tail.check_residual(x, residual, "moe_block_decode_fp8")
     weights, scales = (gate_up, down, sg, su, sd), (gate_up_scale, down_scale, sgs, sus, sds)
     if o_proj is not None:
         weights, scales = weights + (o_proj,), scales + (o_proj_scale,)

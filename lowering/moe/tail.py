@@ -79,6 +79,24 @@ def front_config_of(H: int, NV: int) -> tuple[int, int]:
     return FRONT_CONFIGS.get((H, NV), DEFAULT_FRONT)
 
 
+def rows_serve(x: torch.Tensor, router_weight: torch.Tensor) -> bool:
+    """x [T, H] of 1 to MAX_ROWS rows on CUDA that the router's kernels serve (bf16 / fp16):
+    what both tails' serves ask of the rows."""
+    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS
+            and moe_router.kernel_serves(x, router_weight) is None)
+
+
+def check_residual(x, residual, separate: str) -> None:
+    """Raise a ValueError unless residual is [T, H] like x and T lies in [1, MAX_ROWS]
+    (separate: the op that runs more rows)."""
+    T, H = x.shape
+    if tuple(residual.shape) != (T, H):
+        raise ValueError(f"residual must be [{T}, {H}], got {tuple(residual.shape)}")
+    if not 1 <= T <= MAX_ROWS:
+        raise ValueError(f"{T} rows: the tail kernel takes 1 to {MAX_ROWS} (a decode step's "
+                         f"rows); run mla::{separate} for more")
+
+
 def serves(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor,
            down: torch.Tensor, shared_gate: torch.Tensor, shared_up: torch.Tensor,
            shared_down: torch.Tensor, o_proj: Optional[torch.Tensor] = None) -> bool:
@@ -86,9 +104,7 @@ def serves(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor,
     traced code can branch on it): x [T, H] of at most MAX_ROWS rows on CUDA in bf16 /
     fp16, the router's kernels' weights, 16-bit experts and shared experts in x's dtype
     with contiguous rows; with o_proj, o_proj [H, NV] likewise."""
-    if not (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS):
-        return False
-    if moe_router.kernel_serves(x, router_weight) is not None:
+    if not rows_serve(x, router_weight):
         return False
     H = x.shape[1]
     ws = (gate_up, down, shared_gate, shared_up, shared_down) + (
@@ -139,18 +155,14 @@ def check_front(o_rows, residual, norm_weight) -> None:
 def _check_block(x, router_weight, bias, mode, top_k, n_group, topk_group, gate_up, down,
                  shared_gate, shared_up, shared_down, residual) -> None:
     moe_router.check_args(x, router_weight, bias, mode, top_k, n_group, topk_group)
-    T, H, _, _ = moe_experts.check_weights(x, gate_up, down)
+    H = moe_experts.check_weights(x, gate_up, down)[1]
     moe_block.check_shared_shapes(H, shared_gate, shared_up, shared_down)
     for name, w in (("shared_gate", shared_gate), ("shared_up", shared_up),
                     ("shared_down", shared_down), ("residual", residual)):
         if w.dtype != x.dtype or w.device != x.device:
             raise TypeError(f"{name} must be {x.dtype} on {x.device}, got {w.dtype} on "
                             f"{w.device}")
-    if tuple(residual.shape) != (T, H):
-        raise ValueError(f"residual must be [{T}, {H}], got {tuple(residual.shape)}")
-    if not 1 <= T <= MAX_ROWS:
-        raise ValueError(f"{T} rows: the tail kernel takes 1 to {MAX_ROWS} (a decode step's "
-                         f"rows); run mla::moe_block_decode for more")
+    check_residual(x, residual, "moe_block_decode")
 
 
 def launch(x, residual, router_weight, bias, mode, top_k, n_group, topk_group,
