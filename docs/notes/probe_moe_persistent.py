@@ -75,11 +75,10 @@ if "--check" in sys.argv:
 import torch
 import triton
 
-sys.path[:0] = ["benchmarks", "docs/notes", "tests", "."]   # run from the repository root
+sys.path[:0] = ["benchmarks", "docs/notes", "."]       # run from the repository root
 import lowering.moe.block  # noqa: E402,F401  (registers mla::moe_block_decode)
 from lowering.gemm.fp8_act_quant import quantize_rows_torch  # noqa: E402
 from lowering.moe import router as moe_router  # noqa: E402
-from test_moe_tail import block_fp64 as _block_fp64, make_block  # noqa: E402
 from probe_moe_persistent_kernel import (CONFIG, FP8_CONFIG, FRONT_CONFIG,  # noqa: E402
                                          persistent_block)
 
@@ -163,15 +162,40 @@ def make_front(T, H, NV, dt, dev="cpu", seed=0):
 
 
 def block_fp64(args, idx, wgt):
-    """float64 with HF's roundings for the choice (idx [T, K], wgt [T, K]): the test's."""
-    return _block_fp64(args[0], args[1:], idx, wgt)
+    """float64 with HF's roundings (gate, up, SiLU, h, each pair's product) for the choice
+    (idx [T, K], wgt [T, K])."""
+    x, *_, gate_up, down, sg, su, sd = args
+    dt, (T, H), I = x.dtype, x.shape, gate_up.shape[1] // 2
+
+    def mlp(xt, g_w, u_w, d_w):
+        g, u = (g_w.double() @ xt).to(dt).double(), (u_w.double() @ xt).to(dt).double()
+        h = ((g * torch.sigmoid(g)).to(dt).double() * u).to(dt).double()
+        return d_w.double() @ h
+    out = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        xt = x[t].double()
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            y = mlp(xt, gate_up[e, :I], gate_up[e, I:], down[e]).to(dt).double()
+            out[t] += y * float(wgt[t, k])
+        out[t] += mlp(xt, sg, su, sd)
+    return out
 
 
 def make_args(kind, T, H, E, I, S, dt, dev="cpu", seed=0):
     """Random block arguments for mla::moe_block_decode: kind v3 (sigmoid, bias, groups,
-    norm, scale), v2 (softmax greedy) or v2g (group-limited greedy); the test's."""
-    x, rest = make_block(kind, T, H, E, I, S, dt, dev=dev, seed=seed)
-    return (x, *rest)
+    norm, scale), v2 (softmax greedy) or v2g (group-limited greedy)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g, device=dev) * s).to(dt)
+    route = {"v3": lambda: (rnd(E, s=0.1).float(), 0, 8 if E >= 64 else 3, 8 if E >= 64 else 4,
+                            4 if E >= 64 else 2, True, 2.5),
+             "v2": lambda: (None, 1, 6 if E >= 64 else 3, 1, 1, False, 1.0),
+             "v2g": lambda: (None, 2, 3, 4, 2, False, 1.5)}[kind]()
+    return (rnd(T, H), rnd(E, H, s=H ** -0.5), *route, rnd(E, 2 * I, H, s=H ** -0.5),
+            rnd(E, H, I, s=I ** -0.5), rnd(S, H, s=H ** -0.5), rnd(S, H, s=H ** -0.5),
+            rnd(H, S, s=S ** -0.5))
 
 
 def check():

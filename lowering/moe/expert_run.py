@@ -14,19 +14,13 @@ import triton.language as tl
 
 
 @triton.jit
-def expert_run(topk_idx_ptr, s, P, E, BLOCK_R: tl.constexpr, CG: tl.constexpr = False):
+def expert_run(topk_idx_ptr, s, P, E, BLOCK_R: tl.constexpr):
     """(expert, run, match): pair s's expert; the number of pairs that chose it where s is
     the first of them (else 0, and 0 for an expert outside [0, E)); match [BLOCK_R] int32:
-    1 for the pairs that chose it (BLOCK_R >= P). CG: the choice was written in this
-    launch (tail_kernel.py), so read from L2 (.cg)."""
+    1 for the pairs that chose it (BLOCK_R >= P)."""
     offs = tl.arange(0, BLOCK_R)                                               # [BLOCK_R]
-    if CG:
-        ids = tl.load(topk_idx_ptr + offs, mask=offs < P, other=-1,
-                      cache_modifier=".cg").to(tl.int32)
-        e = tl.load(topk_idx_ptr + s, cache_modifier=".cg").to(tl.int32)
-    else:
-        ids = tl.load(topk_idx_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
-        e = tl.load(topk_idx_ptr + s).to(tl.int32)
+    ids = tl.load(topk_idx_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
+    e = tl.load(topk_idx_ptr + s).to(tl.int32)
     match = ((ids == e) & (offs < P)).to(tl.int32)
     first = tl.min(tl.where(match != 0, offs, BLOCK_R), axis=0)
     run = tl.sum(match, axis=0)

@@ -70,10 +70,8 @@ def block_serves(x: torch.Tensor, router_weight: torch.Tensor, gate_up, gate_up_
     return fp8_gemm.fp8_linear_unmet(x, pairs, group_n, group_k) is None
 
 
-def check_block_args(x, router_weight, bias, mode, top_k, n_group, topk_group, gate_up,
-                     gate_up_scale, down, down_scale, shared, group_n, group_k) -> None:
-    """Raise a ValueError / TypeError naming the argument unless the op's arguments agree
-    (host-only checks); shared = ((gate, scale), (up, scale), (down, scale))."""
+def _check(x, router_weight, bias, mode, top_k, n_group, topk_group, gate_up, gate_up_scale,
+           down, down_scale, shared, group_n, group_k) -> None:
     moe_router.check_args(x, router_weight, bias, mode, top_k, n_group, topk_group)
     fp8_experts.check_scales(gate_up, gate_up_scale, down, down_scale, group_n, group_k)
     H = x.shape[1]
@@ -137,8 +135,8 @@ def moe_block_decode_fp8(x: torch.Tensor, router_weight: torch.Tensor,
                                                                       torch.Tensor]:
     shared_w = ((shared_gate, shared_gate_scale), (shared_up, shared_up_scale),
                 (shared_down, shared_down_scale))
-    check_block_args(x, router_weight, bias, mode, top_k, n_group, topk_group, gate_up,
-                     gate_up_scale, down, down_scale, shared_w, group_n, group_k)
+    _check(x, router_weight, bias, mode, top_k, n_group, topk_group, gate_up, gate_up_scale,
+           down, down_scale, shared_w, group_n, group_k)
     x_quant = given_quant(x, x_q, x_s, group_k)                   # [T, H], [T, G] or None
     weights = (gate_up, gate_up_scale, down, down_scale, *shared_w[0], *shared_w[1],
                *shared_w[2], group_n, group_k)

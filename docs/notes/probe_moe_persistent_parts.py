@@ -1,10 +1,6 @@
-"""Device functions of the MoE tail kernel (tail_kernel.py): the waits on its work
-queue's counters, the weight-streaming dots (16-bit, and W8A8 over e4m3 weights with
-128 x 128 block scales), SiLU * up with HF's roundings, gate + up summed over slices of H,
-and the residual RMSNorm of the layer's front.
-
-Data that other programs of the same launch write is read with .cg loads (from L2, past
-any stale L1 line) after an acquire on the counter that says it is there."""
+"""The device functions of probe_moe_persistent_kernel.py (probe, not maintained): the
+waits, the weight-streaming dots (16-bit, and W8A8 over e4m3 weights with 128 x 128 block
+scales), SiLU * up with HF's roundings, and the front's residual norm."""
 import triton
 import triton.language as tl
 
@@ -31,6 +27,20 @@ def _wait(ptr, target, NAP: tl.constexpr):
             c = _nap(c)
         c = tl.atomic_add(ptr, 0, sem="acquire")
         n += 1
+
+
+@triton.jit
+def _expert_run(idx_ptr, s, P, E, BLOCK_R: tl.constexpr):
+    """lowering/moe/expert_run.expert_run over the choice written in this launch (.cg
+    loads): (pair s's expert, the pairs that chose it where s is the first of them else 0,
+    match [BLOCK_R] 1 for those pairs)."""
+    offs = tl.arange(0, BLOCK_R)
+    ids = tl.load(idx_ptr + offs, mask=offs < P, other=-1, cache_modifier=".cg")
+    e = tl.load(idx_ptr + s, cache_modifier=".cg")
+    match = ((ids == e) & (offs < P)).to(tl.int32)
+    first = tl.min(tl.where(match != 0, offs, BLOCK_R), axis=0)
+    run = tl.sum(match, axis=0)
+    return e, tl.where((first == s) & (e >= 0) & (e < E), run, 0), match
 
 
 @triton.jit
