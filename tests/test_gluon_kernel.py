@@ -206,7 +206,7 @@ def test_fp8_cache_kernel_conditions():
     on pages of whole 64-key tiles (the few-rows kernel), past them a head count that is
     a multiple of 64 on pages of whole 32-key tiles (the fp8 kernel's BF16Q mode)."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
-    from lowering.decode import gluon_decode as gd
+    from lowering.decode import gluon_serves as gd
     from lowering.decode.registry import DecodeCall
 
     def unmet(s_q=1, H=16, page=64, dtype=torch.bfloat16, width=576, head_dim_v=512):
@@ -230,7 +230,7 @@ def test_few_rows_bf16_conditions_and_auto_preference(monkeypatch):
     serves, backend="auto" passes over FlashMLA (checked as on an SM90 GPU: the GPU checks
     stubbed), which still serves it by name and keeps the calls of more rows."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
-    from lowering.decode import gluon_decode as gd
+    from lowering.decode import gluon_serves as gd
     from lowering.decode import registry
     from lowering.decode.registry import DecodeCall
 

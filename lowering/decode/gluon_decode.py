@@ -1,6 +1,6 @@
 """Backend "gluon": the Hopper decode kernels as custom ops: mla::gluon_decode (bf16 q
 and cache), mla::gluon_decode_fp8_cache (bf16 q, fp8 cache; both are the "gluon" route of
-lowering.mla_decode, conditions in gluon_unmet()) and
+lowering.mla_decode, conditions in gluon_serves.py's gluon_unmet()) and
 mla::gluon_decode_fp8q (fp8 q and cache with per-tensor scales, gluon_fp8_kernel.py; the
 "gluon-fp8q" route of lowering.mla_decode_fp8q, conditions in gluon_fp8q_unmet()).
 
@@ -22,9 +22,9 @@ they share: gluon_common.py.
 Serves: q on an SM90 GPU, triton with Gluon's Hopper API, q bf16, rows of 576 = 512 +
 64, head_dim_v 512; a bf16 cache (kind "auto") at up to 32 query rows with pages of whole
 64-key tiles, else H a multiple of 64 and pages a multiple of 32; an fp8 cache (kind
-"fp8", fp8_cache_unmet()) the same way (the few-rows kernel, else the pair kernel's FP8
+"fp8", gluon_serves.fp8_cache_unmet()) the same way (the few-rows kernel, else the pair kernel's FP8
 mode or the fp8 kernel's BF16Q mode). Anything else
-is named by gluon_unmet() (so backend="auto" moves on to the next backend). q and the
+is named by gluon_serves.gluon_unmet() (so backend="auto" moves on to the next backend). q and the
 cache must also start 16-byte aligned (TMA); the op checks that (a ValueError) where it
 sees the real tensors.
 
@@ -76,90 +76,6 @@ ROWS_CONFIGS = {16: dict(BN=64, STAGES=2), 32: dict(BN=64, STAGES=2)}
 ROWS_MAX = 32           # query rows (s_q x H) the few-rows kernel serves, either cache
 
 
-def _gluon_import_error():
-    """None if this triton has what the kernel uses, else a sentence saying what is missing."""
-    try:
-        import triton.experimental.gluon.nvidia.hopper  # noqa: F401  (TensorDescriptor)
-        from lowering.decode import gluon_common  # noqa: F401
-    except Exception as exc:  # ImportError, or an API this triton lacks
-        return f"triton's Gluon Hopper API is unavailable here ({type(exc).__name__}: {exc})"
-    return None
-
-
-# Probed once at import (this module is imported only for CUDA tensors), so the
-# capability check that compiled code traces reads a constant.
-IMPORT_ERROR = _gluon_import_error()
-
-
-def _kernel_unmet(q, kv_cache, block_n):
-    """What both Gluon kernels need beside an SM90 GPU: Gluon's API, rows of 576, H a
-    multiple of 64, pages of whole block_n-key tiles. None if all hold."""
-    if IMPORT_ERROR is not None:
-        return IMPORT_ERROR
-    if q.shape[-1] != 576:
-        return f"the gluon backend needs q/cache rows of 576 (512 + 64), got {q.shape[-1]}"
-    if q.shape[2] % 64:
-        return f"the gluon backend needs the head count to be a multiple of 64, got {q.shape[2]}"
-    if kv_cache.shape[1] % block_n:
-        return (f"the gluon backend needs block_size to be a multiple of {block_n}, "
-                f"kv_cache has block_size {kv_cache.shape[1]}")
-    return None
-
-
-def gluon_unmet(call):
-    """None if a Gluon kernel serves this mla_decode DecodeCall (the bf16 kernels, or the
-    few-rows kernel over an fp8 cache for kind "fp8"), else why not."""
-    if call.kind == "fp8":
-        return fp8_cache_unmet(call)
-    if call.kind != "auto":
-        return f"the gluon backend serves kv_cache_dtype 'auto' or 'fp8', got {call.kind!r}"
-    if call.q.dtype != torch.bfloat16:
-        return f"the gluon backend needs q in bfloat16, got {call.q.dtype}"
-    if call.head_dim_v != 512:
-        return f"the gluon backend needs head_dim_v 512, got {call.head_dim_v}"
-    if call.q.shape[1] * call.q.shape[2] <= ROWS_MAX:
-        if IMPORT_ERROR is not None:
-            return IMPORT_ERROR
-        if call.q.shape[-1] != 576:
-            return (f"the gluon backend needs q/cache rows of 576 (512 + 64), got "
-                    f"{call.q.shape[-1]}")
-        return _rows_page_unmet(call.q, call.kv_cache, False, "the gluon backend")
-    return _kernel_unmet(call.q, call.kv_cache, CONFIG["BN"])
-
-
-def _rows_page_unmet(q, kv_cache, fp8: bool, what: str):
-    """The few-rows kernel's page condition (whole tiles of its config's BN keys), named
-    for `what`; None if it holds."""
-    bn = rows_config(q.shape[1] * q.shape[2], fp8)[1]["BN"]
-    if kv_cache.shape[1] % bn:
-        return (f"{what} needs block_size to be a multiple of {bn}, "
-                f"kv_cache has block_size {kv_cache.shape[1]}")
-    return None
-
-
-def fp8_cache_unmet(call):
-    """None if a Gluon kernel serves this DecodeCall over an fp8 cache (kind "fp8", bf16 q):
-    the few-rows kernel up to ROWS_MAX query rows, past them (H a multiple of 64) the pair
-    kernel's FP8 mode (pages a multiple of 64) or the fp8 kernel's BF16Q mode (pages a
-    multiple of 32); else why not."""
-    q, kv_cache = call.q, call.kv_cache
-    if IMPORT_ERROR is not None:
-        return IMPORT_ERROR
-    if q.dtype != torch.bfloat16:
-        return f"the gluon fp8-cache kernel needs q in bfloat16, got {q.dtype}"
-    if q.shape[-1] != 576 or call.head_dim_v != 512:
-        return (f"the gluon fp8-cache kernel needs q/cache rows of 576 (512 + 64) and "
-                f"head_dim_v 512, got {q.shape[-1]} and {call.head_dim_v}")
-    rows = q.shape[1] * q.shape[2]
-    if rows > ROWS_MAX:
-        if q.shape[2] % 64:
-            return (f"the gluon fp8-cache kernels serve up to {ROWS_MAX} query rows (s_q x "
-                    f"heads), or a head count that is a multiple of 64; got {rows} rows of "
-                    f"{q.shape[2]} heads")
-        return _kernel_unmet(q, kv_cache, BF16Q_CONFIG["BN"])
-    return _rows_page_unmet(q, kv_cache, True, "the gluon fp8-cache kernel")
-
-
 def rows_config(rows: int, fp8: bool) -> tuple[int, dict]:
     """(NR, config) of the few-rows kernel for rows = s_q x H <= ROWS_MAX over an fp8 cache
     (FP8_CACHE_CONFIGS) or a bf16 one (ROWS_CONFIGS)."""
@@ -171,15 +87,6 @@ def _check_tma_aligned(name: str, t: torch.Tensor) -> None:
     if t.data_ptr() % 16:
         raise ValueError(f"{name} must start at a 16-byte aligned address for the gluon "
                          f"backend's TMA loads (it is offset by {t.data_ptr() % 16} bytes)")
-
-
-def gluon_fp8q_unmet(call):
-    """None if the fp8 Gluon kernel serves this mla_decode_fp8q DecodeCall, else why not."""
-    if call.head_dim_v != 512:
-        return f"the gluon fp8 kernel needs head_dim_v 512, got {call.head_dim_v}"
-    if call.out_dtype != torch.bfloat16:
-        return f"the gluon fp8 kernel writes bfloat16 only, out_dtype is {call.out_dtype}"
-    return _kernel_unmet(call.q, call.kv_cache, FP8_CONFIGS[-1]["BN"])
 
 
 def gluon_decode(

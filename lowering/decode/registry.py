@@ -152,12 +152,12 @@ def _flashmla_fp8q_check():
 
 
 def _gluon_check():
-    from lowering.decode.gluon_decode import gluon_unmet
+    from lowering.decode.gluon_serves import gluon_unmet
     return gluon_unmet
 
 
 def _gluon_fp8q_check():
-    from lowering.decode.gluon_decode import gluon_fp8q_unmet
+    from lowering.decode.gluon_serves import gluon_fp8q_unmet
     return gluon_fp8q_unmet
 
 
